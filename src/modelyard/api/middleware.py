@@ -1,0 +1,79 @@
+"""ASGI middleware shared by the HTTP apps: request body size limit (413 in OpenAI's shape)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from modelyard.api.errors import error_body
+
+
+class BodySizeLimit:
+    """Reject bodies larger than `max_bytes`, by Content-Length or while they stream in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _reject(self, send: Send) -> None:
+        body = orjson.dumps(
+            error_body(
+                f"Request body is larger than the limit of {self.max_bytes} bytes.",
+                "invalid_request_error",
+                None,
+                "request_too_large",
+            )
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._reject(send)
+                return
+        received = 0
+        too_large = False
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    too_large = True
+                    raise _TooLarge
+            return message
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._reject(send)
+        except Exception:
+            if too_large and not started:
+                await self._reject(send)
+            else:
+                raise
+
+
+class _TooLarge(Exception):
+    pass

@@ -1,0 +1,105 @@
+"""Configuration in one place: `MODELYARD_*` environment variables over an optional TOML file.
+
+Precedence (highest first): explicit keyword arguments, environment variables, the TOML file named
+by `MODELYARD_CONFIG_FILE` (default `./modelyard.toml` when it exists), then the defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(value: str | int) -> int:
+    """Parse a byte size such as `512MiB`, `2GB` or `1048576` into bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a byte size: {value!r} (use e.g. 512MiB, 2GiB, 1000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _default_config_file() -> Path:
+    return Path(os.environ.get("MODELYARD_CONFIG_FILE", "modelyard.toml"))
+
+
+class EngineSettings(BaseSettings):
+    """Knobs of the LLM engine and of the worker process that serves it."""
+
+    model_config = SettingsConfigDict(env_prefix="MODELYARD_", extra="ignore")
+
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA."
+    )
+    device: str = Field("auto", description="torch device for the engine: auto, cpu, cuda, cuda:N.")
+    kv_cache_memory: int = Field(
+        parse_size("1GiB"), description="Memory budget for the paged KV cache (e.g. 1GiB)."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences running in one engine step.")
+    max_num_batched_tokens: int = Field(
+        512, ge=16, description="Token budget of one engine step (prefill chunks + decodes)."
+    )
+    max_model_len: int | None = Field(
+        None, description="Longest context (prompt + output); default: the model's own limit."
+    )
+    enable_prefix_caching: bool = True
+    max_tokens_cap: int = Field(4096, ge=1, description="Server hard cap on generated tokens.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of one request.")
+    no_progress_timeout_s: float = Field(
+        30.0, gt=0, description="Abort a request that produced no output for this long."
+    )
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "modelyard",
+        description="Where converted weights (GGUF to safetensors) and tokenizers are cached.",
+    )
+    num_threads: int | None = Field(None, description="torch intra-op threads (default: torch's).")
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _parse_size(cls, value: Any) -> int:
+        return parse_size(value)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = TomlConfigSettingsSource(settings_cls, toml_file=_default_config_file())
+        return (init_settings, env_settings, toml)
+
+
+@lru_cache(maxsize=1)
+def get_engine_settings() -> EngineSettings:
+    return EngineSettings()

@@ -1,0 +1,196 @@
+"""`AsyncEngine`: one background thread owns the `LLMEngine`; each request gets an async stream.
+
+Requests and aborts enter through a thread-safe inbox that the loop drains before every step;
+outputs go back to each request's asyncio queue on the caller's event loop. Leaving the stream
+early (client disconnect, timeout) aborts the request and frees its blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from modelyard.engine.llm_engine import LLMEngine, RequestOutput
+from modelyard.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RequestTimeout(TimeoutError):
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; requests in flight were failed with it."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        request_timeout_s: float = 120.0,
+        no_progress_timeout_s: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self.request_timeout_s = request_timeout_s
+        self.no_progress_timeout_s = no_progress_timeout_s
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    # ----- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    # ----- the loop (engine thread) ----------------------------------------------------------
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, _Add):
+                try:
+                    self.engine.add_request(
+                        item.request_id,
+                        item.prompt_token_ids,
+                        item.params,
+                        item.priority,
+                        item.arrival,
+                    )
+                except Exception as exc:  # checked before queuing; only a race ends here
+                    self._deliver(item.request_id, exc)
+            elif isinstance(item, _Abort):
+                self.engine.abort_request(item.request_id)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing the requests in flight")
+                self.error = exc
+                self._fail_all(EngineDeadError(f"engine step failed: {exc}"))
+                return
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, exc)
+
+    # ----- the API (event loop) --------------------------------------------------------------
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; raises `RequestRejected` before anything is queued."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error}")
+        params.validate()
+        self.engine.check_request(prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = stream
+        start = time.monotonic()
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, priority, start))
+        finished = False
+        try:
+            while True:
+                remaining = start + self.request_timeout_s - time.monotonic()
+                wait = min(self.no_progress_timeout_s, remaining)
+                try:
+                    item = await asyncio.wait_for(stream.queue.get(), timeout=max(wait, 0.0))
+                except TimeoutError:
+                    if remaining <= self.no_progress_timeout_s:
+                        raise RequestTimeout(
+                            f"request exceeded the server timeout of {self.request_timeout_s:g}s",
+                            "request_timeout",
+                        ) from None
+                    raise RequestTimeout(
+                        f"no progress for {self.no_progress_timeout_s:g}s", "no_progress_timeout"
+                    ) from None
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)

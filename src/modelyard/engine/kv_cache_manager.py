@@ -1,0 +1,104 @@
+"""`KVCacheManager`: gives sequences the blocks they need, finds their cached prefixes, frees.
+
+A full block is identified by a hash chained over its parent's hash and its own token ids
+(plus the sequence's cache salt, e.g. its LoRA adapter), so equal hashes mean equal prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence as Seq
+
+from modelyard.engine.block_pool import BlockPool, KVBlock
+from modelyard.engine.sequence import Sequence
+
+
+def hash_block(parent: bytes, token_ids: Seq[int], salt: bytes = b"") -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(salt)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def _update_hashes(self, seq: Sequence) -> list[bytes]:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), seq.num_tokens // bs):
+            parent = hashes[i - 1] if i else b""
+            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt))
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """The longest run of cached blocks that starts the sequence.
+
+        At least one token is always left to compute, since its logits are needed to sample.
+        """
+        if not self.pool.enable_caching:
+            return []
+        hashes = self._update_hashes(seq)
+        hit: list[KVBlock] = []
+        for block_hash in hashes[: (seq.num_tokens - 1) // self.block_size]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += len(hit) * self.block_size
+        return hit
+
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] | None = None
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens; False (and no change) if it cannot."""
+        cached = cached or []
+        have = len(seq.block_ids) + len(cached)
+        total = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        need = blocks_for(total, self.block_size) - have
+        # Cached blocks nobody holds sit in the free queue: taking them uses free capacity too.
+        reclaimed = sum(1 for b in cached if b.ref_count == 0)
+        if need + reclaimed > self.pool.num_free:
+            return False
+        for block in cached:
+            self.pool.touch(block)
+            seq.block_ids.append(block.block_id)
+        for _ in range(max(need, 0)):
+            seq.block_ids.append(self.pool.allocate().block_id)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish the sequence's newly full, computed blocks to the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = self._update_hashes(seq)
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register(self.pool.blocks[seq.block_ids[i]], hashes[i])
+        seq.num_registered_blocks = full
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, tail first, so its prefix is evicted last."""
+        for block_id in reversed(seq.block_ids):
+            self.pool.release(self.pool.blocks[block_id])
+        seq.block_ids.clear()
+        seq.num_registered_blocks = 0

@@ -1,0 +1,117 @@
+"""`ModelRunner`: owns the model and its KV cache tensors; turns a scheduled step into logits.
+
+It flattens the step's sequences into one token batch (decodes first, then prefill chunks),
+computes each new token's cache slot from the block tables, runs the model and returns the
+logits of the positions that sample a next token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modelyard.engine.attention import AttentionMetadata, PrefillChunk
+from modelyard.engine.models.config import ModelConfig
+from modelyard.engine.models.llama import LlamaForCausalLM
+from modelyard.engine.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_seqs: list[Sequence]  # in the order of logits_indices
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        num_slots = num_blocks * block_size
+        shape = (2, num_slots, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        ]
+        self._block_offsets = torch.arange(block_size, device=device)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        table = seq.block_ids
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _context_slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """`[len(tables), length]` cache slots of positions 0..length-1 of each block table."""
+        nb = -(-length // self.block_size)
+        padded = torch.tensor(
+            [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables], dtype=torch.long
+        ).to(self.device)
+        slots = padded.unsqueeze(-1) * self.block_size + self._block_offsets
+        return slots.reshape(len(tables), -1)[:, :length]
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
+        decodes = [(s, n) for s, n in scheduled if n == 1]
+        prefills = [(s, n) for s, n in scheduled if n != 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_indices: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        chunks: list[PrefillChunk] = []
+
+        for seq, n in decodes + prefills:
+            start = seq.num_computed_tokens
+            end = start + n
+            offset = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(self._slots(seq, start, end))
+            if n != 1:
+                slots = self._context_slots([seq.block_ids], end)[0] if start else None
+                chunks.append(PrefillChunk(offset, offset + n, start, slots))
+            if end == seq.num_tokens:  # the chunk reaches the last known token: sample after it
+                logits_indices.append(offset + n - 1)
+                sampling_seqs.append(seq)
+
+        decode_slots = decode_mask = None
+        if decodes:
+            lengths = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])
+            max_len = int(lengths.max())
+            decode_slots = self._context_slots([s.block_ids for s, _ in decodes], max_len)
+            mask = torch.arange(max_len) < lengths.unsqueeze(1)
+            decode_mask = mask.view(len(decodes), 1, 1, max_len).to(self.device)
+
+        as_long = {"dtype": torch.long, "device": self.device}
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, **as_long),
+            num_decodes=len(decodes),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=chunks,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, **as_long),
+            positions=torch.tensor(positions, **as_long),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, **as_long),
+            sampling_seqs=sampling_seqs,
+        )
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Float32 logits `[len(sampling_seqs), vocab]`."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        return self.model.compute_logits(hidden[inputs.logits_indices])

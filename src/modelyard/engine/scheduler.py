@@ -1,0 +1,121 @@
+"""`Scheduler`: decides, step by step, which sequences run and how many tokens each computes.
+
+Every step spends one token budget: running sequences first (one token per decode, or the next
+chunk of an unfinished prefill), then waiting sequences in priority order, whose prompts are
+split into chunks when the budget runs short. When the KV cache is full, the lowest-priority,
+latest running sequence is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from modelyard.engine.kv_cache_manager import KVCacheManager
+from modelyard.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.sort_key)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+
+        # A step that had to preempt admits nobody new: it would only thrash.
+        if out.preempted:
+            return out
+        admitted: list[Sequence] = []
+        for seq in self.waiting:
+            if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
+                break
+            leader = seq.leader
+            if leader is not None and not leader.finished and leader.prefilling:
+                continue  # its leader is computing the shared prompt; reuse it next step
+            cached = self.kv.find_cached_prefix(seq)
+            num_computed = len(cached) * self.kv.block_size
+            num_new = seq.num_tokens - num_computed
+            if num_new > budget:
+                if not self.enable_chunked_prefill and admitted:
+                    break
+                num_new = budget
+            if not self.kv.allocate(seq, num_new, cached):
+                break  # strict priority order: nobody overtakes a sequence that does not fit
+            seq.num_computed_tokens = num_computed
+            if not seq.admitted:
+                seq.num_cached_tokens = num_computed
+                seq.admitted = True
+            seq.status = SequenceStatus.RUNNING
+            admitted.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        if admitted:
+            taken = set(map(id, admitted))
+            self.waiting = [s for s in self.waiting if id(s) not in taken]
+            self.running.extend(admitted)
+        return out

@@ -1,0 +1,72 @@
+"""The worker's FastAPI app: OpenAI routes, /health and /metrics around one `AsyncEngine`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import ORJSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from modelyard.api.errors import install_error_handlers
+from modelyard.api.middleware import BodySizeLimit
+from modelyard.api.protocol import ChatCompletionRequest, CompletionRequest
+from modelyard.engine.async_engine import AsyncEngine
+from modelyard.worker.metrics import WorkerMetrics
+from modelyard.worker.openai_serving import OpenAIServing
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+
+
+def create_app(
+    engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="modelyard worker", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    metrics = WorkerMetrics(engine.engine, model_name)
+    serving = OpenAIServing(engine, model_name, metrics)
+    app.state.serving = serving
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await serving.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await serving.completion(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> ORJSONResponse:
+        return ORJSONResponse(serving.models())
+
+    @app.get("/health")
+    async def health() -> ORJSONResponse:
+        e = engine.engine
+        body = {
+            "status": "ok" if engine.healthy else "error",
+            "model": model_name,
+            "running": e.num_running,
+            "waiting": e.num_waiting,
+            "kv_cache_usage": round(e.kv.usage(), 4),
+            "kv_cache_capacity_tokens": e.token_capacity,
+            "max_model_len": e.max_model_len,
+            "busy_seconds": round(e.stats.busy_seconds, 3),
+        }
+        if engine.error is not None:
+            body["error"] = str(engine.error)
+        return ORJSONResponse(body, status_code=200 if engine.healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random models, the bundled SmolLM2 converted once per run, and a real
+worker process serving it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.tiny_models import build_model
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One conversion cache for the whole run, shared with worker subprocesses."""
+    path = tmp_path_factory.mktemp("modelyard-cache")
+    os.environ["MODELYARD_CACHE_DIR"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(cache_dir: Path) -> Path:
+    from modelyard.engine.models.loader import to_hf_folder
+
+    return to_hf_folder("smollm2", cache_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerProcess:
+    def __init__(self, model: str, env: dict[str, str] | None = None, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "modelyard.cli", "worker", "--model", model]
+        cmd += ["--port", str(self.port), "--log-level", "warning", *extra]
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"worker-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(
+            cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("worker did not become healthy")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_worker(smollm2_folder: Path) -> Iterator[WorkerProcess]:
+    """A real worker process serving SmolLM2 (converted weights come from the shared cache)."""
+    worker = WorkerProcess(
+        "smollm2", {"MODELYARD_MAX_TOKENS_CAP": "512", "MODELYARD_KV_CACHE_MEMORY": "512MiB"}
+    )
+    try:
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.stop()
