@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,7 +50,7 @@ class WorkerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "modelyard.cli", "worker", "--model", model]
         cmd += ["--port", str(self.port), "--log-level", "warning", *extra]
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"worker-{self.port}.log", "w+")
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the worker
         self.proc = subprocess.Popen(
             cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT
         )

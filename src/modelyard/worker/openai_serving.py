@@ -263,18 +263,18 @@ class OpenAIServing:
                 if any(d.token_ids for d in out.deltas):
                     timer.tokens()
                 for d in out.deltas:
-                    reason = d.finish_reason.value if d.finish_reason is not None else None
-                    if not d.text and not d.logprobs and reason is None:
+                    index = pi * n + d.index
+                    if d.text or d.logprobs:
+                        chunk = choice_chunk(index, d.text, d.logprobs, None)
+                        yield _sse({**base, "choices": [chunk]})
+                    if d.finish_reason is None:
                         continue
-                    chunk: dict[str, Any] = {
-                        **base,
-                        "choices": [choice_chunk(pi * n + d.index, d.text, d.logprobs, reason)],
-                    }
-                    if reason is not None:
-                        finished += 1
-                        if finished == total:
-                            chunk["usage"] = usage.as_dict()
-                    yield _sse(chunk)
+                    # The finish gets a chunk of its own with an empty delta, as OpenAI sends it.
+                    finish = {**base, "choices": [choice_chunk(index, "", [], d.finish_reason)]}
+                    finished += 1
+                    if finished == total:
+                        finish["usage"] = usage.as_dict()
+                    yield _sse(finish)
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": usage.as_dict()})
             timer.done()

@@ -1,0 +1,88 @@
+"""AsyncEngine: streams, abort on early exit, request and no-progress timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from modelyard.engine.async_engine import AsyncEngine, RequestTimeout
+from modelyard.engine.sampling_params import SamplingParams
+from tests.parity import make_engine
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    async with asyncio.timeout(5.0):
+        while not predicate():  # noqa: ASYNC110 - polls state owned by another thread
+            await asyncio.sleep(0.01)
+
+
+async def test_concurrent_streams_complete(tiny_llama: Path) -> None:
+    engine = AsyncEngine(make_engine(tiny_llama))
+    engine.start()
+    try:
+
+        async def one(i: int) -> int:
+            n = 0
+            async for out in engine.generate([5 + i, 6, 7, 8], params(20 + i)):
+                n += sum(len(d.token_ids) for d in out.deltas)
+            return n
+
+        counts = await asyncio.gather(*(one(i) for i in range(6)))
+        assert counts == [20 + i for i in range(6)]
+    finally:
+        engine.shutdown()
+
+
+async def test_leaving_the_stream_aborts_and_frees_blocks(tiny_llama: Path) -> None:
+    core = make_engine(tiny_llama)
+    engine = AsyncEngine(core)
+    engine.start()
+    try:
+        stream = engine.generate(list(range(10, 40)), params(400))
+        async for _ in stream:
+            break
+        await stream.aclose()  # what a disconnecting HTTP client does to the response generator
+        await wait_until(lambda: not core.has_unfinished())
+        assert core.kv.pool.num_free == core.kv.num_blocks
+        assert core.stats.requests_finished.get("abort") == 1
+    finally:
+        engine.shutdown()
+
+
+async def test_request_timeout(tiny_llama: Path) -> None:
+    core = make_engine(tiny_llama, max_tokens_cap=4096)
+    engine = AsyncEngine(core, request_timeout_s=0.3, no_progress_timeout_s=10)
+    engine.start()
+    try:
+        with pytest.raises(RequestTimeout) as info:
+            async for _ in engine.generate(list(range(10, 20)), params(480)):
+                await asyncio.sleep(0.01)  # a slow consumer: the budget runs out first
+        assert info.value.code == "request_timeout"
+        await wait_until(lambda: not core.has_unfinished())
+        assert core.kv.pool.num_free == core.kv.num_blocks
+    finally:
+        engine.shutdown()
+
+
+async def test_no_progress_timeout_when_stuck_waiting(tiny_llama: Path) -> None:
+    # Room for one long request only: the second waits without output and times out.
+    core = make_engine(tiny_llama, kv_cache_memory=512 * 16 * 32, max_num_seqs=1)
+    engine = AsyncEngine(core, request_timeout_s=60, no_progress_timeout_s=0.05)
+    engine.start()
+    try:
+        first = engine.generate(list(range(10, 20)), params(480))
+        await first.__anext__()
+        with pytest.raises(RequestTimeout) as info:
+            async for _ in engine.generate(list(range(30, 40)), params(10)):
+                pass
+        assert info.value.code == "no_progress_timeout"
+        await first.aclose()
+    finally:
+        engine.shutdown()
