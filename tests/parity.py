@@ -15,7 +15,7 @@ from modelyard.engine.sampling_params import SamplingParams
 
 
 def make_engine(folder: Path | str, **settings: Any) -> LLMEngine:
-    defaults: dict[str, Any] = {"kv_cache_memory": 64 * 2**20, "block_size": 16}
+    defaults: dict[str, Any] = {"kv_cache_memory": 64 * 2**20, "block_size": 16, "dtype": "float32"}
     defaults.update(settings)
     return LLMEngine.from_settings(folder, EngineSettings(**defaults))
 

@@ -56,7 +56,9 @@ class EngineSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MODELYARD_", extra="ignore")
 
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA."
+        "auto",
+        description="Weights and activations; auto = bfloat16 on CUDA and on CPUs with native "
+        "bfloat16 (AVX512-BF16, AMX), else float32.",
     )
     device: str = Field("auto", description="torch device for the engine: auto, cpu, cuda, cuda:N.")
     kv_cache_memory: int = Field(

@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, in plain PyTorch (`scaled_dot_product_attention`).
 
 The flat batch of one step holds the single-token decodes first, then the prefill chunks.
-Decodes run as one padded batched call that gathers each sequence's keys through its slot table;
-each prefill chunk runs alone, straight from its fresh keys when it has no cached prefix.
+Decodes run as one padded batched call over their gathered blocks, with each KV head's group
+of query heads folded into the query axis (no K/V expansion for grouped-query attention); each
+prefill chunk runs alone, straight from its fresh keys when it has no cached prefix.
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ class PrefillChunk:
     start: int  # first index of the chunk in the flat batch
     end: int  # one past its last index
     num_computed: int  # tokens of this sequence already in the cache before the chunk
-    context_slots: torch.Tensor | None  # [num_computed + chunk] cache slots; None without prefix
+    context_blocks: torch.Tensor | None  # block ids covering the context; None without prefix
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K and V are written
+    block_size: int
     num_decodes: int  # the first `num_decodes` tokens are single-token decodes
-    decode_slots: torch.Tensor | None  # [B, L] cache slots of each decode's context, padded
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] True where the key is part of the context
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] block ids, padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True inside context
     prefills: list[PrefillChunk]
 
 
@@ -36,6 +38,16 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v
     """Store the new tokens' K and V (`[T, kv_heads, head_dim]`) in their cache slots."""
     cache[0].index_copy_(0, slot_mapping, k)
     cache[1].index_copy_(0, slot_mapping, v)
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`[*blocks.shape[:-1], n_blocks * block_size, kv_heads, head_dim]` copied out of the cache.
+
+    Whole blocks are copied as contiguous rows, far cheaper than gathering token by token.
+    """
+    per_block = cache.view(-1, block_size * cache.shape[1] * cache.shape[2])
+    rows = per_block.index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape[:-1], blocks.shape[-1] * block_size, *cache.shape[1:])
 
 
 def paged_attention(
@@ -47,34 +59,33 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    gqa = heads != kv_heads
     nd = meta.num_decodes
     if nd:
-        assert meta.decode_slots is not None
-        kc = cache[0][meta.decode_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-        vc = cache[1][meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2),  # [B, heads, 1, D]
-            kc,
-            vc,
-            attn_mask=meta.decode_mask,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        out[:nd] = o.squeeze(2)
+        assert meta.decode_block_tables is not None
+        kc = gather_blocks(cache[0], meta.decode_block_tables, meta.block_size).transpose(1, 2)
+        vc = gather_blocks(cache[1], meta.decode_block_tables, meta.block_size).transpose(1, 2)
+        # [B, kv_heads, group, D]: one KV head's query heads act as its "query positions".
+        qd = q[:nd].view(nd, kv_heads, heads // kv_heads, dim)
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, heads, dim)
     for chunk in meta.prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
-        if chunk.context_slots is None:
+        if chunk.context_blocks is None:
             kc = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             vc = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qc, kc, vc, is_causal=True, scale=scale, enable_gqa=gqa
             )
         else:
-            kc = cache[0][chunk.context_slots].transpose(0, 1).unsqueeze(0)
-            vc = cache[1][chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            kc = gather_blocks(cache[0], chunk.context_blocks, meta.block_size)
+            vc = gather_blocks(cache[1], chunk.context_blocks, meta.block_size)
+            kc = kc.transpose(0, 1).unsqueeze(0)
+            vc = vc.transpose(0, 1).unsqueeze(0)
             n = chunk.end - chunk.start
-            # Query i sits at position num_computed + i and sees every key up to there.
+            # Query i sits at position num_computed + i and sees every key up to there; the
+            # padding after the context lies beyond every query's position.
             mask = torch.ones(n, kc.shape[2], dtype=torch.bool, device=q.device).tril(
                 diagonal=chunk.num_computed
             )

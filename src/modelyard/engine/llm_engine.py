@@ -16,6 +16,7 @@ import torch
 from modelyard.config import EngineSettings
 from modelyard.engine.detokenizer import IncrementalDetokenizer
 from modelyard.engine.kv_cache_manager import KVCacheManager, blocks_for
+from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.loader import load_model, read_model_config, to_hf_folder
@@ -82,9 +83,20 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_native_bfloat16() -> bool:
+    """AVX512-BF16 or AMX: bfloat16 matmuls run about twice as fast as float32 on such CPUs."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or cpu_has_native_bfloat16():
+            return torch.bfloat16
+        return torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
@@ -117,6 +129,8 @@ class LLMEngine:
             torch.set_num_threads(settings.num_threads)
         device = _resolve_device(settings.device)
         dtype = _resolve_dtype(settings.dtype, device)
+        if device.type == "cpu":
+            keep_freed_memory_for_reuse()
         folder = to_hf_folder(model, settings.cache_dir)
         cfg = read_model_config(folder)
         limits = [cfg.max_position_embeddings]

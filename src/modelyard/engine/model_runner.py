@@ -46,21 +46,17 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
         ]
-        self._block_offsets = torch.arange(block_size, device=device)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
         table = seq.block_ids
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _context_slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
-        """`[len(tables), length]` cache slots of positions 0..length-1 of each block table."""
-        nb = -(-length // self.block_size)
-        padded = torch.tensor(
-            [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables], dtype=torch.long
-        ).to(self.device)
-        slots = padded.unsqueeze(-1) * self.block_size + self._block_offsets
-        return slots.reshape(len(tables), -1)[:, :length]
+    def _block_tables(self, tables: list[list[int]], num_tokens: int) -> torch.Tensor:
+        """`[len(tables), blocks]` ids of the blocks holding positions 0..num_tokens-1."""
+        nb = -(-num_tokens // self.block_size)
+        rows = [t[:nb] + [0] * (nb - len(t[:nb])) for t in tables]
+        return torch.tensor(rows, dtype=torch.long).to(self.device)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> StepInputs:
         decodes = [(s, n) for s, n in scheduled if n == 1]
@@ -80,25 +76,28 @@ class ModelRunner:
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq, start, end))
             if n != 1:
-                slots = self._context_slots([seq.block_ids], end)[0] if start else None
-                chunks.append(PrefillChunk(offset, offset + n, start, slots))
+                blocks = self._block_tables([seq.block_ids], end)[0] if start else None
+                chunks.append(PrefillChunk(offset, offset + n, start, blocks))
             if end == seq.num_tokens:  # the chunk reaches the last known token: sample after it
                 logits_indices.append(offset + n - 1)
                 sampling_seqs.append(seq)
 
-        decode_slots = decode_mask = None
+        decode_tables = decode_mask = None
         if decodes:
             lengths = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])
-            max_len = int(lengths.max())
-            decode_slots = self._context_slots([s.block_ids for s, _ in decodes], max_len)
-            mask = torch.arange(max_len) < lengths.unsqueeze(1)
-            decode_mask = mask.view(len(decodes), 1, 1, max_len).to(self.device)
+            decode_tables = self._block_tables(
+                [s.block_ids for s, _ in decodes], int(lengths.max())
+            )
+            padded_len = decode_tables.shape[1] * self.block_size
+            mask = torch.arange(padded_len) < lengths.unsqueeze(1)
+            decode_mask = mask.view(len(decodes), 1, 1, padded_len).to(self.device)
 
         as_long = {"dtype": torch.long, "device": self.device}
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, **as_long),
+            block_size=self.block_size,
             num_decodes=len(decodes),
-            decode_slots=decode_slots,
+            decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=chunks,
         )

@@ -14,6 +14,7 @@ from torch import nn
 
 from modelyard.engine.attention import AttentionMetadata, paged_attention, write_kv
 from modelyard.engine.models.config import ModelConfig
+from modelyard.engine.models.packed_linear import pack_linears, pack_matrix
 
 
 class RMSNorm(nn.Module):
@@ -188,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = (
+        self.lm_head: nn.Module | None = (
             None
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -213,6 +214,15 @@ class LlamaForCausalLM(nn.Module):
             x = layer(positions, x, rope, meta, cache)
         return self.model.norm(x)
 
+    def pack_for_cpu(self) -> None:
+        """Swap every matmul, the LM head included, for its prepacked oneDNN form."""
+        pack_linears(self.model)
+        if self.lm_head is None:
+            self.lm_head = pack_matrix(self.model.embed_tokens.weight)
+        else:
+            pack_linears(self)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

@@ -13,6 +13,7 @@ import torch
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.gguf_convert import convert_gguf
 from modelyard.engine.models.llama import LlamaForCausalLM
+from modelyard.engine.models.packed_linear import packing_available
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,11 @@ class LoadedModel:
 
 
 def load_model(
-    folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    pack_cpu_linears: bool = True,
 ) -> LoadedModel:
     cfg = read_model_config(folder)
     with torch.device("meta"):
@@ -114,4 +119,6 @@ def load_model(
     model.model.rotary = type(model.model.rotary)(cfg, max_positions)
     model.fuse_projections()
     model = model.to(device).eval()
+    if pack_cpu_linears and packing_available(device):
+        model.pack_for_cpu()
     return LoadedModel(model=model, config=cfg, folder=folder)

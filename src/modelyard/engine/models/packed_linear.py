@@ -1,0 +1,56 @@
+"""CPU fast path for linear layers: oneDNN weights reordered once at load time.
+
+`torch.nn.functional.linear` re-reads the weight in its stored layout on every call; oneDNN's
+prepacked layout (the one PyTorch's own compiler uses when it freezes a model) makes the small
+matmuls of decoding 1.5-2.5x faster on x86 CPUs. Used only where the ops exist; elsewhere the
+model keeps plain `nn.Linear`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+def packing_available(device: torch.device) -> bool:
+    return (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Module):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 1
+    ) -> None:
+        super().__init__()
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replace every `nn.Linear` under `module` by a `PackedLinear`; returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear(child.weight, child.bias))
+            count += 1
+        else:
+            count += pack_linears(child)
+    return count
+
+
+def pack_matrix(weight: torch.Tensor) -> PackedLinear:
+    """A packed linear over a bare weight matrix (the tied embedding used as LM head)."""
+    return PackedLinear(weight, None)
