@@ -1,20 +1,91 @@
-"""`modelyard …`: the command line (typer). Errors are one clear line, not a traceback."""
+"""`modelyard …`: the command line (typer + rich). Errors are one clear line, not a traceback."""
 
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+import os
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
-from modelyard.config import EngineSettings
-
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="modelyard inference platform")
+models_app = typer.Typer(no_args_is_help=True, help="The model registry.")
+app.add_typer(models_app, name="models")
 
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # One line per health probe and proxied request is noise at INFO.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(code)
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="State: SQLite, artifacts, logs, admin key.")
+    ] = None,
+    database_url: Annotated[
+        str | None, typer.Option(help="postgresql://… (default: SQLite in the data dir).")
+    ] = None,
+    default_models: Annotated[
+        bool | None, typer.Option(help="Register and deploy the bundled models.")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Run the platform: gateway, control plane and local worker replicas."""
+    import uvicorn
+
+    from modelyard.api.app import create_platform_app
+    from modelyard.config import PlatformSettings
+    from modelyard.platform import Platform
+
+    _setup_logging(log_level)
+    overrides: dict[str, Any] = {
+        k: v
+        for k, v in {
+            "host": host,
+            "port": port,
+            "data_dir": data_dir,
+            "database_url": database_url,
+            "default_models": default_models,
+        }.items()
+        if v is not None
+    }
+    settings = PlatformSettings(**overrides)
+    platform = Platform(settings)
+    app_ = create_platform_app(platform)
+
+    def announce() -> None:
+        base = f"http://{settings.host}:{settings.port}"
+        boot = platform.bootstrap
+        typer.secho(f"\nmodelyard is serving on {base}/v1", fg=typer.colors.GREEN, bold=True)
+        if boot is not None and boot.admin_key:
+            typer.secho("Admin API key (shown once; also saved, mode 0600, in ", nl=False)
+            typer.secho(f"{boot.admin_key_file}):\n  {boot.admin_key}", bold=True)
+        elif boot is not None:
+            typer.echo(f"Admin API key: in {boot.admin_key_file}")
+        models = [r.model_name for r in platform.routing.visible("")]
+        if models:
+            typer.echo(f"Public models: {', '.join(models)}")
+        typer.echo("")
+
+    platform.on_ready = announce
+    uvicorn.run(
+        app_,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=10,
     )
 
 
@@ -33,6 +104,7 @@ def worker(
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Serve one model over the OpenAI API (chat, completions, models, health, metrics)."""
+    from modelyard.config import EngineSettings
     from modelyard.engine.models.config import UnsupportedModelError
     from modelyard.engine.models.loader import ModelNotFoundError
     from modelyard.worker.server import serve_worker
@@ -47,8 +119,46 @@ def worker(
         settings = EngineSettings(**overrides)  # type: ignore[arg-type]
         serve_worker(model, host, port, settings, served_model_name, log_level)
     except (ModelNotFoundError, UnsupportedModelError, ValueError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from exc
+        raise _fail(str(exc)) from exc
+
+
+def _api_key(explicit: str | None, data_dir: Path) -> str:
+    if explicit:
+        return explicit
+    if os.environ.get("MODELYARD_API_KEY"):
+        return os.environ["MODELYARD_API_KEY"]
+    key_file = data_dir / "admin_key"
+    if key_file.exists():
+        return key_file.read_text().strip()
+    raise _fail("no API key: pass --api-key, set MODELYARD_API_KEY, or run next to the data dir")
+
+
+@models_app.command("push")
+def push(
+    path: Annotated[Path, typer.Argument(help="A HF model folder or a .gguf file.")],
+    name: Annotated[str, typer.Option(help="Registry name of the model.")],
+    url: Annotated[str, typer.Option(envvar="MODELYARD_URL", help="Platform URL.")] = (
+        "http://127.0.0.1:8000"
+    ),
+    api_key: Annotated[str | None, typer.Option(help="Admin API key.")] = None,
+    data_dir: Annotated[Path, typer.Option(help="Where to find the admin key file.")] = Path(
+        ".modelyard"
+    ),
+) -> None:
+    """Upload a model as a new immutable version (only files the registry lacks are sent)."""
+    from modelyard.registry_client import RegistryClient, RegistryClientError
+
+    if not path.exists():
+        raise _fail(f"{path} does not exist")
+    client = RegistryClient(url, _api_key(api_key, data_dir))
+    try:
+        version = client.push(path, name)
+    except RegistryClientError as exc:
+        raise _fail(str(exc)) from exc
+    typer.secho(
+        f"pushed {version['ref']} ({version['format']}, {version['total_size']:,} bytes)",
+        fg=typer.colors.GREEN,
+    )
 
 
 @app.command()
@@ -57,10 +167,6 @@ def version() -> None:
     from modelyard import __version__
 
     typer.echo(__version__)
-
-
-def main() -> None:  # pragma: no cover - console entry
-    app()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -88,6 +88,80 @@ class EngineSettings(BaseSettings):
     @classmethod
     def _parse_size(cls, value: Any) -> int:
         return parse_size(value)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = TomlConfigSettingsSource(settings_cls, toml_file=_default_config_file())
+        return (init_settings, env_settings, toml)
+
+
+class ModelPrice(BaseModel):
+    """USD per 1M tokens."""
+
+    input: float = 0.0
+    output: float = 0.0
+    cached_input: float | None = None  # default: the input price
+
+
+class PlatformSettings(BaseSettings):
+    """Knobs of `modelyard serve`: the gateway, the control plane and their state."""
+
+    model_config = SettingsConfigDict(env_prefix="MODELYARD_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Field(Path(".modelyard"), description="SQLite file, artifacts, admin key.")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL, e.g. postgresql://user@host/db; default SQLite."
+    )
+    redis_url: str | None = Field(
+        None, description="Shared rate limits and quotas across gateways, e.g. redis://host:6379."
+    )
+    default_models: bool = Field(True, description="Register and deploy the bundled models.")
+    max_body_bytes: int = Field(parse_size("8MiB"), description="Largest JSON request body.")
+    max_artifact_bytes: int = Field(parse_size("64GiB"), description="Largest uploaded file.")
+    gateway_connect_timeout_s: float = 2.0
+    gateway_request_timeout_s: float = Field(
+        130.0, description="Gateway-side limit of one proxied request (worker's own is 120 s)."
+    )
+    gateway_stream_idle_timeout_s: float = Field(
+        35.0, description="A stream that sends nothing for this long is cut with an error event."
+    )
+    gateway_retries: int = Field(2, description="Other replicas tried before the first byte.")
+    default_reserved_completion_tokens: int = Field(
+        1024, description="TPM reserved for a request without max_tokens, reconciled after."
+    )
+    replica_start_timeout_s: float = 300.0
+    replica_drain_timeout_s: float = 30.0
+    health_check_interval_s: float = 2.0
+    auth_cache_ttl_s: float = Field(5.0, description="How long a key lookup is cached.")
+    local_artifact_roots: list[Path] = Field(
+        default_factory=list,
+        description="Folders whose models any tenant admin may deploy by path (the platform "
+        "admin may deploy any path).",
+    )
+    prices: dict[str, ModelPrice] = Field(
+        default_factory=dict, description="Per model name: USD per 1M input/output tokens."
+    )
+    worker_engine: dict[str, Any] = Field(
+        default_factory=dict, description="Default engine settings for every worker."
+    )
+
+    @field_validator("max_body_bytes", "max_artifact_bytes", mode="before")
+    @classmethod
+    def _parse_size(cls, value: Any) -> int:
+        return parse_size(value)
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'modelyard.db').resolve()}"
 
     @classmethod
     def settings_customise_sources(

@@ -7,6 +7,7 @@ framework's own failures (validation, malformed JSON, unknown routes) onto the s
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -69,8 +70,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The 400 for pydantic's (or FastAPI's) list of validation errors: the first one, by name."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
         return bad_request(
@@ -96,7 +97,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> ORJSONResponse:
-        return _validation_error(exc).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> ORJSONResponse:

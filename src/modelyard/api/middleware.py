@@ -11,16 +11,28 @@ from modelyard.api.errors import error_body
 
 
 class BodySizeLimit:
-    """Reject bodies larger than `max_bytes`, by Content-Length or while they stream in."""
+    """Reject bodies larger than `max_bytes`, by Content-Length or while they stream in.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    `path_limits` gives other limits to path prefixes (artifact uploads take gigabytes).
+    """
+
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = path_limits or {}
 
-    async def _reject(self, send: Send) -> None:
+    def _limit(self, path: str) -> int:
+        for prefix, limit in self.path_limits.items():
+            if path.startswith(prefix):
+                return limit
+        return self.max_bytes
+
+    async def _reject(self, send: Send, limit: int) -> None:
         body = orjson.dumps(
             error_body(
-                f"Request body is larger than the limit of {self.max_bytes} bytes.",
+                f"Request body is larger than the limit of {limit} bytes.",
                 "invalid_request_error",
                 None,
                 "request_too_large",
@@ -39,9 +51,10 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self._limit(scope.get("path", ""))
         for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._reject(send)
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await self._reject(send, limit)
                 return
         received = 0
         too_large = False
@@ -52,7 +65,7 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > limit:
                     too_large = True
                     raise _TooLarge
             return message
@@ -67,10 +80,10 @@ class BodySizeLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await self._reject(send)
+                await self._reject(send, limit)
         except Exception:
             if too_large and not started:
-                await self._reject(send)
+                await self._reject(send, limit)
             else:
                 raise
 

@@ -12,6 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# A worker's stream says how many prompt tokens it holds, so a metering proxy can bill the
+# prompt of a stream whose client goes away before the final usage chunk.
+PROMPT_TOKENS_HEADER = "x-modelyard-prompt-tokens"
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")

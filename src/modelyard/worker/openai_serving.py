@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +17,14 @@ import orjson
 from fastapi import Request
 from fastapi.responses import ORJSONResponse, StreamingResponse
 
+from modelyard.api.disconnect import run_until_disconnect
 from modelyard.api.errors import APIError, bad_request, error_body
-from modelyard.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from modelyard.api.protocol import (
+    PROMPT_TOKENS_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
 from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
 from modelyard.engine.llm_engine import RequestOutput, RequestRejected
 from modelyard.engine.sampling_params import InvalidSamplingParams, SamplingParams
@@ -186,21 +192,6 @@ class OpenAIServing:
         if isinstance(exc, RequestRejected):
             raise bad_request(str(exc), exc.param) from exc
 
-    async def _until_disconnect(self, request: Request, work: Awaitable[Any]) -> Any:
-        """Run `work`, cancelling it (and so aborting generation) if the client goes away."""
-        task = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    task.cancel()
-                    raise APIError(499, "client disconnected", code="client_disconnected")
-        finally:
-            if not task.done():
-                task.cancel()
-
     async def _collect(
         self,
         request_id: str,
@@ -228,7 +219,9 @@ class OpenAIServing:
         timer.done()
         return choices, usage
 
-    def _streaming_response(self, body: AsyncIterator[bytes], request_id: str) -> StreamingResponse:
+    def _streaming_response(
+        self, body: AsyncIterator[bytes], request_id: str, prompt_tokens: int
+    ) -> StreamingResponse:
         return StreamingResponse(
             body,
             media_type="text/event-stream",
@@ -236,6 +229,8 @@ class OpenAIServing:
                 "cache-control": "no-cache",
                 "x-accel-buffering": "no",
                 "x-request-id": request_id,
+                # Lets a metering proxy bill the prompt of a stream its client abandons.
+                PROMPT_TOKENS_HEADER: str(prompt_tokens),
             },
         )
 
@@ -343,9 +338,9 @@ class OpenAIServing:
             body = self._stream(
                 request_id, jobs, req.priority, req.n, include_usage, base, role_chunk, choice_chunk
             )
-            return self._streaming_response(body, request_id)
+            return self._streaming_response(body, request_id, len(prompt))
 
-        choices, usage = await self._until_disconnect(
+        choices, usage = await run_until_disconnect(
             request, self._collect(request_id, jobs, req.priority, req.n)
         )
         return ORJSONResponse(
@@ -433,9 +428,9 @@ class OpenAIServing:
             body = self._stream(
                 request_id, jobs, req.priority, req.n, include_usage, base, None, choice_chunk
             )
-            return self._streaming_response(body, request_id)
+            return self._streaming_response(body, request_id, sum(len(p) for p in prompts))
 
-        choices, usage = await self._until_disconnect(
+        choices, usage = await run_until_disconnect(
             request, self._collect(request_id, jobs, req.priority, req.n)
         )
         return ORJSONResponse(

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import signal
+import sys
 from pathlib import Path
 
 import uvicorn
@@ -13,6 +17,24 @@ from modelyard.engine.llm_engine import LLMEngine
 from modelyard.worker.app import create_app
 
 log = logging.getLogger(__name__)
+
+# Set by a platform that spawns this worker: the worker exits when that process dies.
+PARENT_PID_ENV = "MODELYARD_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """If spawned by a platform process, get SIGTERM when it dies (Linux), or exit if it
+    already has: no replica outlives a crashed or killed `modelyard serve`."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # it died before the signal was armed
+        sys.exit(0)
 
 
 def build_engine(model: str | Path, settings: EngineSettings) -> AsyncEngine:
@@ -28,6 +50,7 @@ def serve_worker(
     served_model_name: str | None = None,
     log_level: str = "info",
 ) -> None:
+    die_with_parent()
     engine = build_engine(model, settings)
     name = served_model_name or engine.engine.model_name
     app = create_app(engine, name)

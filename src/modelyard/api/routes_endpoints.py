@@ -1,0 +1,55 @@
+"""Deployments: `POST /v1/models/deploy` and the `/v1/endpoints` resource."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import ORJSONResponse
+
+from modelyard.api.deps import base_url, get_admin, get_platform, get_principal
+from modelyard.api.schemas import DeployRequest
+from modelyard.gateway.auth import Principal
+from modelyard.platform import Platform
+
+router = APIRouter()
+
+
+@router.post("/v1/models/deploy", status_code=202)
+async def deploy(
+    body: DeployRequest,
+    request: Request,
+    principal: Principal = Depends(get_admin),
+    platform: Platform = Depends(get_platform),
+) -> ORJSONResponse:
+    result = await platform.endpoints.deploy(principal, body)
+    result["endpoint_url"] = f"{base_url(request)}/v1/models/{result['endpoint_id']}"
+    return ORJSONResponse(result, status_code=202)
+
+
+@router.get("/v1/endpoints")
+async def list_endpoints(
+    request: Request,
+    principal: Principal = Depends(get_principal),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    return {"object": "list", "data": platform.endpoints.list(principal, base_url(request))}
+
+
+@router.get("/v1/endpoints/{endpoint_id}")
+async def get_endpoint(
+    endpoint_id: str,
+    request: Request,
+    principal: Principal = Depends(get_principal),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    return platform.endpoints.get(principal, endpoint_id, base_url(request))
+
+
+@router.delete("/v1/endpoints/{endpoint_id}", status_code=202)
+async def delete_endpoint(
+    endpoint_id: str,
+    principal: Principal = Depends(get_admin),
+    platform: Platform = Depends(get_platform),
+) -> ORJSONResponse:
+    return ORJSONResponse(await platform.endpoints.delete(principal, endpoint_id), status_code=202)

@@ -1,0 +1,116 @@
+"""The model registry's HTTP API: content-addressed blob uploads and model versions.
+
+Upload flow (what `modelyard models push` does): `HEAD /v1/blobs/{sha256}` for each file, `PUT`
+the ones the tenant has not uploaded yet (the body must hash to the name), then
+`POST /v1/registry/models/{name}/versions` with the manifest of paths → sha256.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import ORJSONResponse
+
+from modelyard.api.deps import get_admin, get_platform
+from modelyard.api.errors import APIError
+from modelyard.api.schemas import VersionCreate
+from modelyard.control.registry import check_model_name
+from modelyard.gateway.auth import Principal
+from modelyard.platform import Platform
+from modelyard.store.artifacts import ArtifactError, IntegrityError, check_sha256
+
+router = APIRouter()
+
+
+def _sha(value: str) -> str:
+    try:
+        return check_sha256(value)
+    except ArtifactError as exc:
+        raise APIError(400, str(exc), param="sha256", code="invalid_digest") from exc
+
+
+@router.head("/v1/blobs/{sha256}")
+async def blob_exists(
+    sha256: str,
+    principal: Principal = Depends(get_admin),
+    platform: Platform = Depends(get_platform),
+) -> Response:
+    owned = await asyncio.to_thread(platform.registry.has_blob, principal.tenant_id, _sha(sha256))
+    return Response(status_code=200 if owned else 404)
+
+
+@router.put("/v1/blobs/{sha256}", status_code=201)
+async def upload_blob(
+    sha256: str,
+    request: Request,
+    principal: Principal = Depends(get_admin),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    expected = _sha(sha256)
+    limit = platform.settings.max_artifact_bytes
+    try:
+        blob = await platform.store.put_stream(request.stream(), expected, limit)
+    except IntegrityError as exc:
+        raise APIError(400, f"upload rejected: {exc}", code="digest_mismatch") from exc
+    except ArtifactError as exc:
+        raise APIError(413, str(exc), code="artifact_too_large") from exc
+    await asyncio.to_thread(platform.registry.add_blob, principal.tenant_id, blob.sha256, blob.size)
+    return {"sha256": blob.sha256, "size": blob.size}
+
+
+@router.post("/v1/registry/models/{name}/versions", status_code=201)
+async def create_version(
+    name: str,
+    body: VersionCreate,
+    principal: Principal = Depends(get_admin),
+    platform: Platform = Depends(get_platform),
+) -> ORJSONResponse:
+    files = {path: entry.model_dump(exclude_none=True) for path, entry in body.files.items()}
+    version = await asyncio.to_thread(
+        platform.registry.create_version,
+        principal.tenant_id,
+        check_model_name(name),
+        files,
+        body.format,
+    )
+    return ORJSONResponse(
+        {
+            "id": version.version_id,
+            "model": version.model_name,
+            "version": version.version,
+            "ref": f"{version.model_name}:{version.version}",
+            "format": version.format,
+            "total_size": version.total_size,
+        },
+        status_code=201,
+    )
+
+
+@router.get("/v1/registry/models")
+async def list_registry_models(
+    principal: Principal = Depends(get_admin), platform: Platform = Depends(get_platform)
+) -> dict[str, Any]:
+    models = await asyncio.to_thread(platform.registry.list_models, principal.tenant_id)
+    return {"object": "list", "data": models}
+
+
+@router.get("/v1/registry/models/{name}")
+async def get_registry_model(
+    name: str, principal: Principal = Depends(get_admin), platform: Platform = Depends(get_platform)
+) -> dict[str, Any]:
+    check_model_name(name)
+    models = await asyncio.to_thread(platform.registry.list_models, principal.tenant_id)
+    for m in models:
+        if m["name"] == name:
+            return m
+    raise APIError(404, f"model {name!r} is not in the registry", code="not_found")
+
+
+@router.delete("/v1/registry/models/{name}")
+async def delete_registry_model(
+    name: str, principal: Principal = Depends(get_admin), platform: Platform = Depends(get_platform)
+) -> dict[str, Any]:
+    await asyncio.to_thread(platform.registry.delete_model, principal.tenant_id, name)
+    return {"name": name, "deleted": True}

@@ -1,0 +1,99 @@
+"""Request bodies of the platform's own APIs (deploy, tenants, keys, registry), validated by
+pydantic at the edge."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Hardware(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gpu_type: str = Field("cpu", description="Accelerator kind; informational on CPU nodes.")
+    gpu_count: int = Field(1, ge=1, le=64)
+    min_replicas: int = Field(1, ge=0, le=1000)
+    max_replicas: int = Field(1, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Hardware:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("max_replicas must be >= min_replicas")
+        return self
+
+
+class Scaling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    metric: Literal["gpu_utilization", "concurrency", "queue_depth", "requests_per_second"] = (
+        "concurrency"
+    )
+    target_value: float = Field(70.0, gt=0)
+    scale_to_zero: bool = False
+    scale_to_zero_after_idle_seconds: int = Field(300, ge=1)
+
+
+class DeployRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = Field(min_length=1, max_length=128)
+    model_artifact: str = Field(
+        min_length=1,
+        description="A registry reference (NAME or NAME:VERSION) or a folder/file path on the "
+        "server.",
+    )
+    framework: str = "native"
+    hardware: Hardware = Field(default_factory=Hardware)
+    scaling: Scaling = Field(default_factory=Scaling)
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Engine settings for the replicas (dtype, kv_cache_memory, max_num_seqs, "
+        "max_model_len, max_tokens_cap, ...).",
+    )
+    public: bool = Field(False, description="Visible to every tenant (platform admin only).")
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    monthly_token_quota: int | None = Field(None, ge=0)
+
+
+class TenantUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    monthly_token_quota: int | None = Field(None, ge=0)
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("default", min_length=1, max_length=200)
+    tenant_id: str | None = Field(None, description="Platform admin only: whose key this is.")
+    scopes: list[Literal["inference", "admin"]] = Field(
+        default_factory=lambda: ["inference"], min_length=1
+    )
+    rpm_limit: int | None = Field(None, ge=1)
+    tpm_limit: int | None = Field(None, ge=1)
+
+
+class KeyUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = Field(None, min_length=1, max_length=200)
+    rpm_limit: int | None = Field(None, ge=1)
+    tpm_limit: int | None = Field(None, ge=1)
+
+
+class FileEntry(BaseModel):
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int | None = Field(None, ge=0)
+
+
+class VersionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    files: dict[str, FileEntry] = Field(min_length=1)
+    format: Literal["hf", "gguf"] | None = None

@@ -1,0 +1,1 @@
+"""Backends start and stop replica processes; the endpoint manager decides how many and where."""

@@ -1,0 +1,529 @@
+"""Endpoints: deploy a model version as replicas, keep them healthy, drain and delete them.
+
+The database holds what should exist (the endpoint rows); this manager holds what does exist
+(replica processes via a backend) and reconciles the two in a loop: dead replicas are replaced,
+unhealthy ones leave the routing table until they answer again. On start it re-provisions every
+live endpoint found in the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from modelyard.api.errors import APIError
+from modelyard.api.schemas import DeployRequest
+from modelyard.config import EngineSettings, PlatformSettings
+from modelyard.control.backends.base import Backend, ReplicaHandle, ReplicaSpec
+from modelyard.control.registry import Registry, ResolvedVersion
+from modelyard.gateway.auth import Principal
+from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.store import repository as repo
+from modelyard.store.db import Database
+from modelyard.store.tables import Endpoint
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_FRAMEWORKS = ("native",)
+_HEALTH_FAILURES_BEFORE_UNHEALTHY = 3
+_MAX_RESTART_BACKOFF_S = 60.0
+
+
+@dataclass(eq=False)
+class Replica:
+    replica_id: str
+    route: ReplicaRoute | None = None
+    handle: ReplicaHandle | None = None
+    state: str = "starting"  # starting | ready | unhealthy | failed | stopped
+    started_at: float = field(default_factory=time.time)
+    ready_after_s: float | None = None
+    health_failures: int = 0
+    error: str | None = None
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "id": self.replica_id,
+            "state": self.state,
+            "address": self.handle.url if self.handle else None,
+            "pid": self.handle.pid if self.handle else None,
+            "started_at": int(self.started_at),
+            "ready_after_s": None if self.ready_after_s is None else round(self.ready_after_s, 2),
+            "outstanding": self.route.outstanding if self.route else 0,
+            "error": self.error,
+        }
+
+
+@dataclass(eq=False)
+class EndpointState:
+    row: Endpoint
+    route: EndpointRoute
+    model_path: Path | None = None
+    engine_env: dict[str, str] = field(default_factory=dict)
+    replicas: list[Replica] = field(default_factory=list)
+    desired: int = 1
+    restarts: int = 0
+    next_restart_at: float = 0.0
+    status: str = "provisioning"
+    message: str | None = None
+    last_error: str | None = None
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state in ("starting", "ready", "unhealthy")]
+
+
+def _engine_env(options: dict[str, Any]) -> tuple[dict[str, str], EngineSettings]:
+    """Validate engine options against `EngineSettings` and turn them into worker env vars."""
+    unknown = sorted(set(options) - set(EngineSettings.model_fields))
+    if unknown:
+        raise APIError(400, f"unknown engine option(s): {', '.join(unknown)}", param="engine")
+    try:
+        settings = EngineSettings(**options)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"engine.{where}: {first['msg']}", param=f"engine.{where}") from exc
+    env = {f"MODELYARD_{k.upper()}": str(v) for k, v in options.items()}
+    return env, settings
+
+
+class EndpointManager:
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        db: Database,
+        registry: Registry,
+        backend: Backend,
+        routing: RoutingTable,
+    ) -> None:
+        self.settings = settings
+        self.db = db
+        self.registry = registry
+        self.backend = backend
+        self.routing = routing
+        self.endpoints: dict[str, EndpointState] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        self._http = httpx.AsyncClient(timeout=2.0)
+        self._stopping = False
+
+    # ----- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        def load() -> list[Endpoint]:
+            with self.db.session() as s:
+                return list(repo.live_endpoints(s))
+
+        for row in await asyncio.to_thread(load):
+            if row.status == "draining":  # interrupted delete: finish it
+                await asyncio.to_thread(self._mark_deleted, row.id)
+                continue
+            self._adopt(row)
+        self._loop_task = asyncio.create_task(self._reconcile_loop(), name="endpoint-reconciler")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for state in self.endpoints.values():
+            for task in state.tasks:
+                task.cancel()
+        await self.backend.stop_all()
+        await self._http.aclose()
+
+    # ----- deploy ----------------------------------------------------------------------------
+
+    def _resolve_artifact(
+        self, principal: Principal, artifact: str
+    ) -> tuple[Path | None, ResolvedVersion | None]:
+        if artifact.startswith(("s3://", "gs://", "http://", "https://")):
+            raise APIError(
+                400,
+                f"remote artifacts ({artifact.split(':', 1)[0]}://) need an object store, and "
+                "none is configured; upload the model with `modelyard models push` and deploy "
+                "it by its registry name",
+                param="model_artifact",
+                code="unsupported_artifact",
+            )
+        looks_like_path = artifact.startswith(("/", "./", "../", "~"))
+        if not looks_like_path:
+            return None, self.registry.resolve(principal.tenant_id, artifact)
+        path = Path(artifact).expanduser().resolve()
+        roots = [r.resolve() for r in self.settings.local_artifact_roots]
+        if not principal.platform_admin and not any(path.is_relative_to(r) for r in roots):
+            raise APIError(
+                403,
+                "deploying from a server path needs the platform admin (or a path under "
+                "MODELYARD_LOCAL_ARTIFACT_ROOTS); push the model to the registry instead",
+                param="model_artifact",
+                code="path_not_allowed",
+            )
+        if not path.exists():
+            raise APIError(
+                400,
+                f"{path} does not exist on the server",
+                param="model_artifact",
+                code="artifact_not_found",
+            )
+        return path, None
+
+    async def deploy(self, principal: Principal, req: DeployRequest) -> dict[str, Any]:
+        principal.require("admin")
+        if req.framework not in SUPPORTED_FRAMEWORKS:
+            raise APIError(
+                400,
+                f"framework {req.framework!r} is not supported; use 'native' (modelyard's own "
+                "engine: continuous batching, paged KV cache, OpenAI-compatible)",
+                param="framework",
+                code="unsupported_framework",
+            )
+        if req.public and not principal.platform_admin:
+            raise APIError(403, "only the platform admin can deploy public endpoints", "public")
+        if req.hardware.gpu_count != 1:
+            raise APIError(
+                400,
+                "replicas spanning several devices (gpu_count > 1) are not available yet",
+                param="hardware.gpu_count",
+                code="unsupported_hardware",
+            )
+        env, engine = _engine_env(req.engine)
+        path, version = await asyncio.to_thread(
+            self._resolve_artifact, principal, req.model_artifact
+        )
+        row = Endpoint(
+            id=repo.new_id("ep"),
+            tenant_id=principal.tenant_id,
+            model_name=req.model_name,
+            public=req.public,
+            artifact=req.model_artifact
+            if version is None
+            else f"{version.model_name}:{version.version}",
+            version_id=version.version_id if version else None,
+            framework=req.framework,
+            hardware=req.hardware.model_dump(),
+            scaling=req.scaling.model_dump(),
+            engine_options=req.engine,
+            status="provisioning",
+            status_message=None,
+            created_at=repo.now(),
+            deleted_at=None,
+        )
+
+        def insert() -> None:
+            with self.db.session() as s:
+                if repo.live_endpoint_by_name(s, principal.tenant_id, req.model_name):
+                    raise APIError(
+                        409,
+                        f"an endpoint named {req.model_name!r} already exists; delete it first",
+                        param="model_name",
+                        code="endpoint_exists",
+                    )
+                s.add(row)
+
+        await asyncio.to_thread(insert)
+        state = self._adopt(row, path, env, engine.max_tokens_cap)
+        size = version.total_size if version else _size_of(path)
+        return {
+            "endpoint_id": row.id,
+            "status": state.status,
+            "estimated_ready_seconds": int(5 + size / 100e6),
+        }
+
+    def _adopt(
+        self,
+        row: Endpoint,
+        path: Path | None = None,
+        env: dict[str, str] | None = None,
+        max_tokens_cap: int | None = None,
+    ) -> EndpointState:
+        if env is None or max_tokens_cap is None:
+            env, engine = _engine_env(row.engine_options)
+            max_tokens_cap = engine.max_tokens_cap
+        route = EndpointRoute(
+            endpoint_id=row.id,
+            tenant_id=row.tenant_id,
+            model_name=row.model_name,
+            public=row.public,
+            version_id=row.version_id,
+            max_tokens_cap=max_tokens_cap,
+        )
+        desired = max(1, int(row.hardware.get("min_replicas", 1)))
+        state = EndpointState(
+            row=row, route=route, model_path=path, engine_env=env, desired=desired
+        )
+        self.endpoints[row.id] = state
+        self.routing.put(route)
+        self._spawn(state, self._provision(state))
+        return state
+
+    def _spawn(self, state: EndpointState, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        state.tasks.add(task)
+        task.add_done_callback(state.tasks.discard)
+
+    async def _provision(self, state: EndpointState) -> None:
+        try:
+            if state.model_path is None:
+                if state.row.version_id is None:
+                    state.model_path = Path(state.row.artifact)
+                else:
+                    version = await asyncio.to_thread(self.registry.by_id, state.row.version_id)
+                    # Verifies every blob's sha256 before any worker loads it.
+                    state.model_path = await asyncio.to_thread(self.registry.materialize, version)
+        except Exception as exc:
+            await self._set_status(state, "failed", f"cannot prepare the model files: {exc}")
+            return
+        replicas = [self._new_replica(state) for _ in range(state.desired)]
+        await asyncio.gather(*(self._run_replica(state, r) for r in replicas))
+
+    @staticmethod
+    def _new_replica(state: EndpointState) -> Replica:
+        # Listed before it starts, so the reconciler counts it and does not start another.
+        replica = Replica(repo.new_id("rep"))
+        state.replicas.append(replica)
+        return replica
+
+    async def _run_replica(self, state: EndpointState, replica: Replica) -> None:
+        assert state.model_path is not None
+        spec = ReplicaSpec(
+            replica_id=replica.replica_id,
+            endpoint_id=state.row.id,
+            model_path=state.model_path,
+            served_model_name=state.row.model_name,
+            engine_env={**self._default_engine_env(), **state.engine_env},
+        )
+        try:
+            replica.handle = await self.backend.start(spec)
+            await self._wait_healthy(replica)
+        except Exception as exc:
+            replica.state = "failed"
+            replica.error = state.last_error = str(exc)
+            log.warning(
+                "replica %s of %s failed to start: %s", replica.replica_id, state.row.id, exc
+            )
+            if replica.handle is not None:
+                await self.backend.stop(replica.handle)
+            if not any(r.state == "ready" for r in state.replicas):
+                await self._set_status(state, "failed", f"replica failed to start: {exc}")
+            return
+        replica.state = "ready"
+        replica.ready_after_s = time.time() - replica.started_at
+        replica.route = ReplicaRoute(replica.replica_id, replica.handle.url)
+        state.route.replicas.append(replica.route)
+        self.routing.generation += 1
+        await self._set_status(state, "ready", None)
+
+    def _default_engine_env(self) -> dict[str, str]:
+        return {f"MODELYARD_{k.upper()}": str(v) for k, v in self.settings.worker_engine.items()}
+
+    async def _wait_healthy(self, replica: Replica) -> None:
+        assert replica.handle is not None
+        deadline = time.monotonic() + self.settings.replica_start_timeout_s
+        while time.monotonic() < deadline:
+            if not self.backend.alive(replica.handle):
+                code = self.backend.exit_status(replica.handle)
+                raise RuntimeError(f"worker exited with code {code}{_log_tail(replica.handle)}")
+            try:
+                r = await self._http.get(replica.handle.url + "/health")
+                if r.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.25)
+        raise TimeoutError(
+            f"worker not healthy after {self.settings.replica_start_timeout_s:g}s"
+            f"{_log_tail(replica.handle)}"
+        )
+
+    async def _set_status(self, state: EndpointState, status: str, message: str | None) -> None:
+        if state.status == status and state.message == message:
+            return
+        if state.status in ("draining", "deleted"):
+            return
+        state.status, state.message = status, message
+
+        def write() -> None:
+            with self.db.session() as s:
+                row = s.get(Endpoint, state.row.id)
+                if row is not None and row.deleted_at is None:
+                    row.status, row.status_message = status, message
+
+        await asyncio.to_thread(write)
+
+    # ----- health and repair -----------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.settings.health_check_interval_s)
+            for state in list(self.endpoints.values()):
+                try:
+                    await self._reconcile(state)
+                except Exception:
+                    log.exception("reconciling endpoint %s failed", state.row.id)
+
+    async def _probe(self, replica: Replica) -> bool:
+        assert replica.handle is not None
+        try:
+            r = await self._http.get(replica.handle.url + "/health")
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _drop_route(self, state: EndpointState, replica: Replica) -> None:
+        if replica.route is not None and replica.route in state.route.replicas:
+            state.route.replicas.remove(replica.route)
+            self.routing.generation += 1
+
+    async def _reconcile(self, state: EndpointState) -> None:
+        if state.status in ("draining", "deleted") or state.model_path is None:
+            return
+        for replica in list(state.replicas):
+            if replica.state not in ("ready", "unhealthy") or replica.handle is None:
+                continue
+            if not self.backend.alive(replica.handle):
+                code = self.backend.exit_status(replica.handle)
+                replica.state = "failed"
+                replica.error = state.last_error = f"replica {replica.replica_id} exited ({code})"
+                self._drop_route(state, replica)
+                log.warning("replica %s of %s died (%s)", replica.replica_id, state.row.id, code)
+                continue
+            healthy = await self._probe(replica)
+            if healthy:
+                replica.health_failures = 0
+                if replica.state == "unhealthy" and replica.route is not None:
+                    replica.route.ready = True
+                    replica.state = "ready"
+            else:
+                replica.health_failures += 1
+                if replica.health_failures >= _HEALTH_FAILURES_BEFORE_UNHEALTHY:
+                    replica.state = "unhealthy"
+                    if replica.route is not None:
+                        replica.route.ready = False
+        state.replicas = [r for r in state.replicas if r.state != "failed"]
+        missing = state.desired - len(state.live)
+        if missing > 0 and time.monotonic() >= state.next_restart_at:
+            state.restarts += missing
+            backoff = min(_MAX_RESTART_BACKOFF_S, 2.0 ** min(state.restarts, 6))
+            state.next_restart_at = time.monotonic() + backoff
+            for _ in range(missing):
+                self._spawn(state, self._run_replica(state, self._new_replica(state)))
+        ready = sum(r.state == "ready" for r in state.replicas)
+        if ready and ready < state.desired:
+            await self._set_status(state, "degraded", f"{ready} of {state.desired} replicas ready")
+        elif ready >= state.desired:
+            await self._set_status(state, "ready", None)
+
+    # ----- read and delete -------------------------------------------------------------------
+
+    def _get(self, principal: Principal, endpoint_id: str) -> EndpointState:
+        state = self.endpoints.get(endpoint_id)
+        visible = state is not None and (
+            principal.platform_admin or state.row.tenant_id == principal.tenant_id
+        )
+        if not visible or state is None:
+            raise APIError(404, f"endpoint {endpoint_id!r} not found", code="endpoint_not_found")
+        return state
+
+    def view(self, state: EndpointState, base_url: str) -> dict[str, Any]:
+        row = state.row
+        return {
+            "endpoint_id": row.id,
+            "object": "endpoint",
+            "model_name": row.model_name,
+            "status": state.status,
+            "status_message": state.message,
+            "public": row.public,
+            "model_artifact": row.artifact,
+            "version_id": row.version_id,
+            "framework": row.framework,
+            "hardware": row.hardware,
+            "scaling": row.scaling,
+            "engine": row.engine_options,
+            "created_at": int(repo.as_utc(row.created_at).timestamp()),
+            "endpoint_url": f"{base_url}/v1/models/{row.id}",
+            "replicas": {
+                "desired": state.desired,
+                "ready": sum(r.state == "ready" for r in state.replicas),
+                "restarts": state.restarts,
+                "last_error": state.last_error,
+                "items": [r.view() for r in state.replicas if r.state != "stopped"],
+            },
+        }
+
+    def list(self, principal: Principal, base_url: str) -> list[dict[str, Any]]:
+        return [
+            self.view(s, base_url)
+            for s in self.endpoints.values()
+            if principal.platform_admin or s.row.tenant_id == principal.tenant_id
+        ]
+
+    def get(self, principal: Principal, endpoint_id: str, base_url: str) -> dict[str, Any]:
+        return self.view(self._get(principal, endpoint_id), base_url)
+
+    async def delete(self, principal: Principal, endpoint_id: str) -> dict[str, Any]:
+        principal.require("admin")
+        state = self._get(principal, endpoint_id)
+        if state.status == "draining":
+            return {"endpoint_id": endpoint_id, "status": "draining"}
+        await self._set_status(state, "draining", None)
+        state.status = "draining"
+        self.routing.remove(endpoint_id)  # no new requests from here on
+        self._spawn(state, self._drain_and_stop(state))
+        return {"endpoint_id": endpoint_id, "status": "draining"}
+
+    async def _drain_and_stop(self, state: EndpointState) -> None:
+        deadline = time.monotonic() + self.settings.replica_drain_timeout_s
+        # Polls counters the gateway moves; an event per counter would cost the hot path.
+        while state.route.outstanding > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        for task in list(state.tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+        for replica in state.replicas:
+            if replica.handle is not None:
+                await self.backend.stop(replica.handle)
+            replica.state = "stopped"
+        await asyncio.to_thread(self._mark_deleted, state.row.id)
+        state.status = "deleted"
+        self.endpoints.pop(state.row.id, None)
+
+    def _mark_deleted(self, endpoint_id: str) -> None:
+        with self.db.session() as s:
+            row = s.get(Endpoint, endpoint_id)
+            if row is not None:
+                row.deleted_at = repo.now()
+                row.status = "deleted"
+
+    async def wait_ready(self, endpoint_id: str, timeout_s: float) -> str:
+        """For tests and bootstrap: wait until the endpoint is ready or failed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = self.endpoints.get(endpoint_id)
+            if state is None:
+                return "deleted"
+            if state.status in ("ready", "failed"):
+                return state.status
+            await asyncio.sleep(0.1)
+        return "timeout"
+
+
+def _size_of(path: Path | None) -> int:
+    if path is None or not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _log_tail(handle: ReplicaHandle, lines: int = 5) -> str:
+    if handle.log_path is None or not handle.log_path.exists():
+        return ""
+    tail = handle.log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+    return (": " + " | ".join(tail)) if tail else ""

@@ -1,0 +1,219 @@
+"""The model registry: models, their immutable versions, and the blobs the versions are made of.
+
+A version is created from a manifest of files that are already in the artifact store (uploaded
+one by one, each verified against its sha256), in one transaction: either the whole version
+exists or nothing does. Versions are referenced as `name` (newest) or `name:N`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modelyard.api.errors import APIError
+from modelyard.store import repository as repo
+from modelyard.store.artifacts import ArtifactError, ArtifactStore, check_relative_path, scan_folder
+from modelyard.store.db import Database
+from modelyard.store.tables import Model, ModelVersion
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+FORMATS = ("hf", "gguf")
+
+
+def check_model_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise APIError(
+            400,
+            f"invalid model name {name!r}: use letters, digits, '.', '_' and '-' "
+            "(at most 128, starting with a letter or digit)",
+            param="name",
+            code="invalid_value",
+        )
+    return name
+
+
+def detect_format(paths: list[str]) -> str:
+    if "config.json" in paths:
+        return "hf"
+    ggufs = [p for p in paths if p.endswith(".gguf")]
+    if len(ggufs) == 1:
+        return "gguf"
+    raise APIError(
+        400,
+        "cannot tell the model format: expected a Hugging Face folder (config.json + weights) "
+        "or exactly one .gguf file",
+        param="files",
+        code="invalid_manifest",
+    )
+
+
+def parse_ref(ref: str) -> tuple[str, int | None]:
+    """`name` → (name, None = newest); `name:3` → (name, 3)."""
+    name, sep, version = ref.partition(":")
+    if sep and not version.isdigit():
+        raise APIError(400, f"invalid model reference {ref!r} (use NAME or NAME:VERSION)")
+    return check_model_name(name), int(version) if sep else None
+
+
+@dataclass(frozen=True)
+class ResolvedVersion:
+    version_id: str
+    model_name: str
+    version: int
+    format: str
+    files: dict[str, str]  # relative path → sha256
+    total_size: int
+
+
+def _resolved(model_name: str, v: ModelVersion) -> ResolvedVersion:
+    files = {path: meta["sha256"] for path, meta in v.manifest["files"].items()}
+    return ResolvedVersion(v.id, model_name, v.version, v.format, files, v.total_size)
+
+
+class Registry:
+    def __init__(self, db: Database, store: ArtifactStore) -> None:
+        self.db = db
+        self.store = store
+
+    def add_blob(self, tenant_id: str, sha256: str, size: int) -> None:
+        with self.db.session() as s:
+            repo.add_blob(s, tenant_id, sha256, size)
+
+    def has_blob(self, tenant_id: str, sha256: str) -> bool:
+        """True if this tenant uploaded the blob (and it is still on disk)."""
+        with self.db.session() as s:
+            owned = repo.owns_blob(s, tenant_id, sha256)
+        return owned and self.store.has(sha256)
+
+    def create_version(
+        self, tenant_id: str, model_name: str, files: dict[str, dict[str, Any]], fmt: str | None
+    ) -> ResolvedVersion:
+        check_model_name(model_name)
+        if not files:
+            raise APIError(400, "a version needs at least one file", param="files")
+        manifest: dict[str, dict[str, Any]] = {}
+        total = 0
+        for path, meta in files.items():
+            try:
+                check_relative_path(path)
+            except ArtifactError as exc:
+                raise APIError(400, str(exc), param="files", code="invalid_manifest") from exc
+            sha = str(meta.get("sha256", ""))
+            if not _SHA256.match(sha) or not self.has_blob(tenant_id, sha):
+                raise APIError(
+                    400,
+                    f"file {path!r}: blob {sha!r} has not been uploaded (PUT /v1/blobs/{{sha256}})",
+                    param="files",
+                    code="missing_blob",
+                )
+            size = self.store.size(sha)
+            if "size" in meta and int(meta["size"]) != size:
+                raise APIError(
+                    400,
+                    f"file {path!r}: size {meta['size']} does not match the blob's {size}",
+                    param="files",
+                    code="invalid_manifest",
+                )
+            manifest[path] = {"sha256": sha, "size": size}
+            total += size
+        fmt = fmt or detect_format(list(manifest))
+        if fmt not in FORMATS:
+            raise APIError(400, f"format must be one of {', '.join(FORMATS)}", param="format")
+        with self.db.session() as s:
+            model = repo.get_model(s, tenant_id, model_name) or repo.create_model(
+                s, tenant_id, model_name
+            )
+            version = repo.add_version(s, model.id, fmt, {"files": manifest}, total)
+            return _resolved(model_name, version)
+
+    def register_folder(self, tenant_id: str, model_name: str, source: Path) -> ResolvedVersion:
+        """Copy a local folder (or single file) into the store and register it as a version,
+        unless the newest version already has exactly these files."""
+        files: dict[str, dict[str, Any]] = {}
+        for rel, path in scan_folder(source):
+            blob = self.store.put_file(path)
+            self.add_blob(tenant_id, blob.sha256, blob.size)
+            files[rel] = {"sha256": blob.sha256, "size": blob.size}
+        newest = self.resolve(tenant_id, model_name, missing_ok=True)
+        if newest is not None and newest.files == {k: v["sha256"] for k, v in files.items()}:
+            return newest
+        return self.create_version(tenant_id, model_name, files, None)
+
+    def resolve(self, tenant_id: str, ref: str, missing_ok: bool = False) -> ResolvedVersion | None:
+        name, number = parse_ref(ref)
+        with self.db.session() as s:
+            model = repo.get_model(s, tenant_id, name)
+            version = repo.get_version(s, model.id, number) if model else None
+        if version is None:
+            if missing_ok:
+                return None
+            raise APIError(
+                404,
+                f"model {ref!r} is not in the registry",
+                param="model_artifact",
+                code="model_not_found",
+            )
+        return _resolved(name, version)
+
+    def by_id(self, version_id: str) -> ResolvedVersion:
+        with self.db.session() as s:
+            version = repo.version_by_id(s, version_id)
+            assert version is not None, version_id
+            model = s.get(Model, version.model_id)
+            assert model is not None
+            return _resolved(model.name, version)
+
+    def materialize(self, version: ResolvedVersion) -> Path:
+        """The version's files as a folder (or the single GGUF file) a worker can load."""
+        folder = self.store.materialize(version.version_id, version.files)
+        if version.format == "gguf":
+            return folder / next(p for p in version.files if p.endswith(".gguf"))
+        return folder
+
+    # ----- listing, for the API ---------------------------------------------------------------
+
+    def list_models(self, tenant_id: str) -> list[dict[str, Any]]:
+        with self.db.session() as s:
+            out = []
+            for m in repo.list_models(s, tenant_id):
+                versions = repo.list_versions(s, m.id)
+                out.append(
+                    {
+                        "name": m.name,
+                        "id": m.id,
+                        "created_at": int(repo.as_utc(m.created_at).timestamp()),
+                        "versions": [version_dict(m.name, v) for v in versions],
+                    }
+                )
+            return out
+
+    def delete_model(self, tenant_id: str, name: str) -> None:
+        with self.db.session() as s:
+            model = repo.get_model(s, tenant_id, check_model_name(name))
+            if model is None:
+                raise APIError(404, f"model {name!r} is not in the registry", code="not_found")
+            if repo.endpoints_using_model(s, tenant_id, model.id):
+                raise APIError(
+                    409,
+                    f"model {name!r} is deployed; delete its endpoints first",
+                    code="model_in_use",
+                )
+            for v in repo.list_versions(s, model.id):
+                s.delete(v)
+            s.delete(model)
+
+
+def version_dict(model_name: str, v: ModelVersion) -> dict[str, Any]:
+    return {
+        "id": v.id,
+        "model": model_name,
+        "version": v.version,
+        "ref": f"{model_name}:{v.version}",
+        "format": v.format,
+        "total_size": v.total_size,
+        "files": v.manifest["files"],
+        "created_at": int(repo.as_utc(v.created_at).timestamp()),
+    }

@@ -1,0 +1,105 @@
+"""Usage reports: metered rows grouped by model, key or day, priced per model, and CSV export."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from modelyard.api.errors import APIError
+from modelyard.config import ModelPrice
+from modelyard.store.repository import as_utc
+from modelyard.store.tables import UsageRecord
+
+GROUPS = ("model", "key", "day")
+CSV_COLUMNS = (
+    "request_id", "created_at", "tenant_id", "key_id", "endpoint_id", "model", "version_id",
+    "kind", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms", "ttft_ms",
+    "status_code", "status", "batch", "cost_usd",
+)  # fmt: skip
+
+
+def parse_time(value: str | int | None, param: str) -> datetime | None:
+    """Unix seconds or ISO 8601; naive times are UTC."""
+    if value is None or value == "":
+        return None
+    try:
+        if isinstance(value, int) or str(value).lstrip("-").isdigit():
+            return datetime.fromtimestamp(int(value), UTC)
+        ts = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except (ValueError, OverflowError) as exc:
+        raise APIError(
+            400, f"{param} must be unix seconds or ISO 8601, got {value!r}", param=param
+        ) from exc
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+def cost(row: UsageRecord, prices: dict[str, ModelPrice]) -> float:
+    price = prices.get(row.model)
+    if price is None:
+        return 0.0
+    cached_price = price.input if price.cached_input is None else price.cached_input
+    uncached = row.prompt_tokens - row.cached_tokens
+    return (
+        uncached * price.input
+        + row.cached_tokens * cached_price
+        + row.completion_tokens * price.output
+    ) / 1e6
+
+
+def _group_key(row: UsageRecord, group_by: str) -> str:
+    if group_by == "model":
+        return row.model
+    if group_by == "key":
+        return row.key_id
+    return as_utc(row.created_at).strftime("%Y-%m-%d")
+
+
+def summarize(
+    rows: Sequence[UsageRecord], group_by: str, prices: dict[str, ModelPrice]
+) -> list[dict[str, Any]]:
+    if group_by not in GROUPS:
+        raise APIError(400, f"group_by must be one of {', '.join(GROUPS)}", param="group_by")
+    groups: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        key = _group_key(row, group_by)
+        g = groups.setdefault(
+            key,
+            {
+                group_by: key,
+                "requests": 0,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "cached_tokens": 0,
+                "total_tokens": 0,
+                "cost_usd": 0.0,
+            },
+        )
+        g["requests"] += 1
+        g["prompt_tokens"] += row.prompt_tokens
+        g["completion_tokens"] += row.completion_tokens
+        g["cached_tokens"] += row.cached_tokens
+        g["total_tokens"] += row.prompt_tokens + row.completion_tokens
+        g["cost_usd"] += cost(row, prices)
+    for g in groups.values():
+        g["cost_usd"] = round(g["cost_usd"], 8)
+    return [groups[k] for k in sorted(groups)]
+
+
+def to_csv(rows: Iterable[UsageRecord], prices: dict[str, ModelPrice]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(CSV_COLUMNS)
+    for r in rows:
+        writer.writerow(
+            [
+                r.request_id, as_utc(r.created_at).isoformat(), r.tenant_id, r.key_id,
+                r.endpoint_id or "", r.model, r.version_id or "", r.kind, r.prompt_tokens,
+                r.completion_tokens, r.cached_tokens, round(r.latency_ms, 3),
+                "" if r.ttft_ms is None else round(r.ttft_ms, 3), r.status_code, r.status,
+                int(r.batch), round(cost(r, prices), 8),
+            ]
+        )  # fmt: skip
+    return out.getvalue()

@@ -1,0 +1,1 @@
+"""The data plane: auth, rate limits and quotas, routing, proxying, metering."""

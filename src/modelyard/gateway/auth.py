@@ -1,0 +1,125 @@
+"""API keys: generation, hashing, and authenticating a request's bearer key to a `Principal`.
+
+Keys are random (256 bits), shown once, stored only as their sha256; the lookup goes by hash
+and the final comparison is constant-time. Lookups are cached for a few seconds; revocation in
+this process invalidates the cache at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+
+from modelyard.api.errors import APIError
+from modelyard.gateway.ratelimit import Limits
+from modelyard.store import repository as repo
+from modelyard.store.db import Database
+
+KEY_PREFIX = "sk-my-"
+SCOPES = ("inference", "admin")
+
+
+def generate_key() -> tuple[str, str, str]:
+    """A new key: (the key itself, its stored hash, a displayable prefix)."""
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    return key, hash_key(key), key[: len(KEY_PREFIX) + 4]
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    key_id: str
+    key_name: str
+    tenant_id: str
+    tenant_name: str
+    scopes: frozenset[str]
+    limits: Limits
+    monthly_token_quota: int | None
+    platform_admin: bool  # an admin key of the system tenant: operates the whole platform
+
+    def require(self, scope: str) -> None:
+        if scope not in self.scopes:
+            raise APIError(
+                403,
+                f"This API key lacks the '{scope}' scope required for this operation.",
+                code="insufficient_scope",
+            )
+
+    def require_platform_admin(self) -> None:
+        if not self.platform_admin:
+            raise APIError(
+                403, "Only the platform administrator can do this.", code="insufficient_scope"
+            )
+
+    def tenant_filter(self, requested: str | None = None) -> str | None:
+        """The tenant whose data a call may see: its own, or any one the platform admin names."""
+        if self.platform_admin:
+            return requested
+        if requested is not None and requested != self.tenant_id:
+            raise APIError(404, "No such tenant.", code="not_found")
+        return self.tenant_id
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, type="invalid_request_error", code="invalid_api_key")
+
+
+class Authenticator:
+    def __init__(self, db: Database, cache_ttl_s: float = 5.0) -> None:
+        self.db = db
+        self.cache_ttl_s = cache_ttl_s
+        self._cache: dict[str, tuple[Principal | None, float]] = {}
+
+    def _lookup(self, key_hash: str) -> Principal | None:
+        with self.db.session() as s:
+            key = repo.key_by_hash(s, key_hash)
+            if key is None or key.revoked_at is not None:
+                return None
+            if not hmac.compare_digest(key.key_hash, key_hash):
+                return None
+            tenant = repo.get_tenant(s, key.tenant_id)
+            assert tenant is not None
+            scopes = frozenset(filter(None, key.scopes.split(",")))
+            return Principal(
+                key_id=key.id,
+                key_name=key.name,
+                tenant_id=tenant.id,
+                tenant_name=tenant.name,
+                scopes=scopes,
+                limits=Limits(rpm=key.rpm_limit, tpm=key.tpm_limit),
+                monthly_token_quota=tenant.monthly_token_quota,
+                platform_admin=tenant.is_system and "admin" in scopes,
+            )
+
+    async def authenticate(self, authorization: str | None) -> Principal:
+        if not authorization:
+            raise _unauthorized(
+                "You didn't provide an API key. Provide it in the Authorization header "
+                "(Authorization: Bearer YOUR_KEY)."
+            )
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise _unauthorized("The Authorization header must be 'Bearer YOUR_KEY'.")
+        key_hash = hash_key(key.strip())
+        cached = self._cache.get(key_hash)
+        now = time.monotonic()
+        if cached is not None and cached[1] > now:
+            principal = cached[0]
+        else:
+            principal = await asyncio.to_thread(self._lookup, key_hash)
+            self._cache[key_hash] = (principal, now + self.cache_ttl_s)
+        if principal is None:
+            shown = key.strip()[:10] + "…" if len(key.strip()) > 10 else "…"
+            raise _unauthorized(f"Incorrect API key provided: {shown}. It may have been revoked.")
+        return principal
+
+    def invalidate(self) -> None:
+        """Forget every cached lookup (after a key is revoked or its limits change)."""
+        self._cache.clear()

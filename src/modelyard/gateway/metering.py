@@ -1,0 +1,116 @@
+"""Usage metering: one record per request id, written in the background, never twice.
+
+The gateway hands each finished request to `UsageRecorder.record`; the tenant's monthly token
+counter moves at once (quota checks see it), and a writer task inserts the rows in batches with
+`ON CONFLICT (request_id) DO NOTHING`, so a retried or duplicated record cannot bill twice. A
+failed write is retried with backoff and the rows are kept; `stop()` flushes what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+
+from modelyard.gateway.ratelimit import QuotaCounter, month_of
+from modelyard.store import repository as repo
+from modelyard.store.db import Database
+
+log = logging.getLogger(__name__)
+
+_SEEN_CAPACITY = 100_000
+
+
+@dataclass
+class UsageEvent:
+    request_id: str
+    tenant_id: str
+    key_id: str
+    endpoint_id: str | None
+    model: str
+    version_id: str | None
+    kind: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    latency_ms: float
+    ttft_ms: float | None
+    status_code: int
+    status: str
+    batch: bool = False
+    created_at: datetime = field(default_factory=repo.now)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class UsageRecorder:
+    def __init__(self, db: Database, quota: QuotaCounter, flush_interval_s: float = 0.05) -> None:
+        self.db = db
+        self.quota = quota
+        self.flush_interval_s = flush_interval_s
+        self._pending: list[UsageEvent] = []
+        # Recent request ids, so a duplicate report does not count twice against the quota
+        # either; the table's unique key is what guarantees one row.
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.written = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="usage-writer")
+
+    async def record(self, event: UsageEvent) -> None:
+        if event.request_id in self._seen:
+            return  # the same request reported twice (e.g. retries): bill once
+        self._seen[event.request_id] = None
+        if len(self._seen) > _SEEN_CAPACITY:
+            self._seen.popitem(last=False)
+        if event.total_tokens:
+            await self.quota.add(event.tenant_id, month_of(event.created_at), event.total_tokens)
+        self._pending.append(event)
+        if len(self._pending) >= 256:
+            self._wake.set()
+
+    async def _write(self, batch: list[UsageEvent]) -> None:
+        rows = [asdict(e) for e in batch]
+
+        def write() -> int:
+            with self.db.session() as s:
+                return repo.insert_usage(s, rows)
+
+        self.written += await asyncio.to_thread(write)
+
+    async def flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:1000], self._pending[1000:]
+            try:
+                await self._write(batch)
+            except Exception:
+                self._pending = batch + self._pending
+                raise
+
+    async def _run(self) -> None:
+        backoff = self.flush_interval_s
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=backoff)
+            self._wake.clear()
+            try:
+                await self.flush()
+                backoff = self.flush_interval_s
+            except Exception:
+                log.exception("writing usage records failed; keeping them and retrying")
+                backoff = min(backoff * 2, 5.0)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+        await self.flush()

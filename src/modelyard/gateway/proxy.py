@@ -1,0 +1,405 @@
+"""The gateway's request path for inference: authenticate → validate → resolve the model →
+rate limit and quota → pick a replica → proxy (streams chunk by chunk) → meter exactly once.
+
+A connection failure before the first byte is retried on another replica with the same request
+id; once bytes have flowed the request is never re-sent. Nothing is metered for requests that
+fail before a worker served them (bad input, limits, no capacity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from modelyard.api.disconnect import run_until_disconnect
+from modelyard.api.errors import APIError, bad_request, error_body, validation_error
+from modelyard.api.protocol import PROMPT_TOKENS_HEADER, ChatCompletionRequest, CompletionRequest
+from modelyard.config import PlatformSettings
+from modelyard.gateway.auth import Authenticator, Principal
+from modelyard.gateway.metering import UsageEvent, UsageRecorder
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.ratelimit import Decision, QuotaCounter, RateLimiter, month_of
+from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.store.repository import now
+
+log = logging.getLogger(__name__)
+
+_SCHEMAS: dict[str, type[BaseModel]] = {
+    "chat.completions": ChatCompletionRequest,
+    "completions": CompletionRequest,
+}
+_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+
+
+def estimate_prompt_tokens(payload: dict[str, Any]) -> int:
+    """A cheap upper-ish estimate (4 characters a token) used to reserve TPM before the worker
+    counts for real; the reservation is reconciled with the true count afterwards."""
+    if "messages" in payload:
+        chars = 0
+        for m in payload.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, dict))
+            chars += 16
+        return chars // 4 + 1
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt) // 4 + 1
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) if isinstance(p, list) else len(str(p)) // 4 + 1 for p in prompt)
+    return 1
+
+
+@dataclass
+class _Call:
+    """Everything one proxied request accumulates on its way."""
+
+    principal: Principal
+    route: EndpointRoute
+    kind: str
+    request_id: str
+    reserved: int
+    decision: Decision
+    started: float = field(default_factory=time.perf_counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float | None = None
+    status: str = "ok"
+    status_code: int = 200
+
+
+class Gateway:
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        auth: Authenticator,
+        limiter: RateLimiter,
+        quota: QuotaCounter,
+        routing: RoutingTable,
+        recorder: UsageRecorder,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.settings = settings
+        self.auth = auth
+        self.limiter = limiter
+        self.quota = quota
+        self.routing = routing
+        self.recorder = recorder
+        self.metrics = metrics
+        self.client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.gateway_request_timeout_s, connect=s.gateway_connect_timeout_s),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200),
+        )
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    # ----- admission -------------------------------------------------------------------------
+
+    def _parse(self, kind: str, body: bytes) -> tuple[dict[str, Any], Any]:
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise bad_request(
+                f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+            ) from exc
+        if not isinstance(payload, dict):
+            raise bad_request("The request body must be a JSON object.", code="invalid_json")
+        try:
+            return payload, _SCHEMAS[kind].model_validate(payload)
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from exc
+
+    async def _admit(
+        self, principal: Principal, payload: dict[str, Any], req: Any
+    ) -> tuple[EndpointRoute, int, Decision]:
+        route = self.routing.resolve(principal.tenant_id, req.model)
+        if route is None:
+            raise APIError(
+                404,
+                f"The model `{req.model}` does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if max_tokens is not None and max_tokens > route.max_tokens_cap:
+            raise bad_request(
+                f"max_tokens is {max_tokens}, above this model's cap of {route.max_tokens_cap}",
+                "max_tokens",
+                "invalid_value",
+            )
+        completion = max_tokens or self.settings.default_reserved_completion_tokens
+        prompt = getattr(req, "prompt", None)
+        batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        n_prompts = len(prompt) if batched else 1
+        reserved = estimate_prompt_tokens(payload) + completion * req.n * n_prompts
+        decision = await self.limiter.acquire(principal.key_id, principal.limits, reserved)
+        if not decision.allowed:
+            self.metrics.limited.labels(decision.reason or "limit").inc()
+            what = "requests" if decision.reason == "requests" else "tokens"
+            limit = decision.limit_requests if what == "requests" else decision.limit_tokens
+            raise APIError(
+                429,
+                f"Rate limit reached for {req.model} on {what} per minute: limit {limit}. "
+                f"Please try again in {decision.retry_after_s:.2f}s.",
+                code="rate_limit_exceeded",
+                headers=decision.headers(),
+            )
+        quota = principal.monthly_token_quota
+        if quota is not None:
+            used = await self.quota.used(principal.tenant_id, month_of(now()))
+            if used >= quota:
+                await self.limiter.reconcile(principal.key_id, principal.limits, reserved, 0)
+                self.metrics.limited.labels("quota").inc()
+                raise APIError(
+                    429,
+                    f"You exceeded your monthly token quota ({used} of {quota} tokens used). "
+                    "Ask your administrator to raise it.",
+                    type="insufficient_quota",
+                    code="insufficient_quota",
+                    headers=decision.headers(),
+                )
+        return route, reserved, decision
+
+    # ----- forwarding ------------------------------------------------------------------------
+
+    async def _send(
+        self, call: _Call, payload_bytes: bytes, stream: bool
+    ) -> tuple[httpx.Response, ReplicaRoute]:
+        """Open the upstream response, trying other replicas on connection failures."""
+        assert self.client is not None
+        tried: set[str] = set()
+        last_error: Exception | None = None
+        for attempt in range(self.settings.gateway_retries + 1):
+            replica = self.routing.pick(call.route, tried)
+            if replica is None:
+                break
+            tried.add(replica.replica_id)
+            replica.outstanding += 1
+            request = self.client.build_request(
+                "POST",
+                replica.url + _PATHS[call.kind],
+                content=payload_bytes,
+                headers={"content-type": "application/json", "x-request-id": call.request_id},
+            )
+            try:
+                response = await self.client.send(request, stream=stream)
+                return response, replica
+            except _RETRYABLE as exc:
+                replica.outstanding -= 1
+                last_error = exc
+                if attempt < self.settings.gateway_retries:
+                    self.metrics.retries.inc()
+                log.warning("replica %s unreachable (%s); trying another", replica.url, exc)
+            except BaseException:
+                replica.outstanding -= 1
+                raise
+        detail = f" (last error: {last_error})" if last_error else ""
+        raise APIError(
+            503,
+            f"No replica of `{call.route.model_name}` is available right now{detail}.",
+            code="no_capacity",
+            headers={"retry-after": "5"},
+        )
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        principal = await self.auth.authenticate(request.headers.get("authorization"))
+        principal.require("inference")
+        payload, req = self._parse(kind, await request.body())
+        route, reserved, decision = await self._admit(principal, payload, req)
+        call = _Call(
+            principal=principal,
+            route=route,
+            kind=kind,
+            request_id=uuid.uuid4().hex,
+            reserved=reserved,
+            decision=decision,
+        )
+        headers = {"x-request-id": call.request_id, **decision.headers()}
+        try:
+            if req.stream:
+                wants_usage = bool(req.stream_options and req.stream_options.include_usage)
+                payload["stream_options"] = {"include_usage": True}
+                return await self._stream(call, orjson.dumps(payload), wants_usage, headers)
+            return await run_until_disconnect(
+                request, self._unary(call, orjson.dumps(payload), headers)
+            )
+        except BaseException:
+            # Nothing was served: give the reserved tokens back.
+            if call.status_code != 200 or call.completion_tokens == 0:
+                await self.limiter.reconcile(principal.key_id, principal.limits, reserved, 0)
+            raise
+
+    async def _unary(self, call: _Call, payload: bytes, headers: dict[str, str]) -> Response:
+        response, replica = await self._send(call, payload, stream=False)
+        try:
+            content = response.content
+        finally:
+            replica.outstanding -= 1
+        call.status_code = response.status_code
+        if response.status_code == 200:
+            usage = orjson.loads(content).get("usage") or {}
+            self._take_usage(call, usage)
+            await self._finish(call)
+        else:
+            self.metrics.requests.labels(call.route.model_name, response.status_code).inc()
+            await self.limiter.reconcile(
+                call.principal.key_id, call.principal.limits, call.reserved, 0
+            )
+        return Response(
+            content,
+            status_code=response.status_code,
+            media_type="application/json",
+            headers=headers,
+        )
+
+    async def _stream(
+        self, call: _Call, payload: bytes, wants_usage: bool, headers: dict[str, str]
+    ) -> Response:
+        response, replica = await self._send(call, payload, stream=True)
+        if response.status_code != 200:
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+                replica.outstanding -= 1
+            call.status_code = response.status_code
+            self.metrics.requests.labels(call.route.model_name, response.status_code).inc()
+            await self.limiter.reconcile(
+                call.principal.key_id, call.principal.limits, call.reserved, 0
+            )
+            return Response(
+                content,
+                status_code=response.status_code,
+                media_type="application/json",
+                headers=headers,
+            )
+        call.prompt_tokens = int(response.headers.get(PROMPT_TOKENS_HEADER, 0))
+        return StreamingResponse(
+            self._relay(call, response, replica, wants_usage),
+            media_type="text/event-stream",
+            headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+
+    async def _relay(
+        self, call: _Call, response: httpx.Response, replica: ReplicaRoute, wants_usage: bool
+    ) -> AsyncIterator[bytes]:
+        buffer = b""
+        chunks = response.aiter_raw()
+        idle = self.settings.gateway_stream_idle_timeout_s
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(chunks), timeout=idle)
+                except StopAsyncIteration:
+                    break
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if self._inspect(call, event, wants_usage):
+                        yield event + b"\n\n"
+        except (TimeoutError, httpx.HTTPError) as exc:
+            call.status = "error"
+            message = (
+                f"no data from the model for {idle:g}s"
+                if isinstance(exc, TimeoutError)
+                else f"the model server failed mid-stream: {exc}"
+            )
+            yield (
+                b"data: "
+                + orjson.dumps(error_body(message, "server_error", None, "upstream"))
+                + b"\n\n"
+            )
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            call.status = "client_disconnected"
+            raise
+        finally:
+            await response.aclose()
+            replica.outstanding -= 1
+            await self._finish(call)
+
+    def _inspect(self, call: _Call, event: bytes, wants_usage: bool) -> bool:
+        """Meter one SSE event; False if it must not reach the client."""
+        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+            return True
+        try:
+            obj = orjson.loads(event[6:])
+        except orjson.JSONDecodeError:
+            return True
+        if "error" in obj:
+            call.status = "error"
+            return True
+        choices = obj.get("choices") or []
+        for choice in choices:
+            delta = choice.get("delta") or {}
+            if delta.get("content") or choice.get("text"):
+                call.completion_tokens += 1
+                if call.ttft is None:
+                    call.ttft = time.perf_counter() - call.started
+        usage = obj.get("usage")
+        if usage:
+            self._take_usage(call, usage)
+            # The usage-only chunk was asked for by the gateway, not necessarily the client.
+            return bool(choices) or wants_usage
+        return True
+
+    @staticmethod
+    def _take_usage(call: _Call, usage: dict[str, Any]) -> None:
+        call.prompt_tokens = int(usage.get("prompt_tokens", call.prompt_tokens))
+        call.completion_tokens = int(usage.get("completion_tokens", call.completion_tokens))
+        details = usage.get("prompt_tokens_details") or {}
+        call.cached_tokens = int(details.get("cached_tokens") or 0)
+
+    async def _finish(self, call: _Call) -> None:
+        latency = time.perf_counter() - call.started
+        model = call.route.model_name
+        self.metrics.requests.labels(model, call.status_code).inc()
+        self.metrics.latency.labels(model).observe(latency)
+        if call.ttft is not None:
+            self.metrics.ttft.labels(model).observe(call.ttft)
+        self.metrics.tokens.labels(model, "prompt").inc(call.prompt_tokens)
+        self.metrics.tokens.labels(model, "completion").inc(call.completion_tokens)
+        actual = call.prompt_tokens + call.completion_tokens
+        p = call.principal
+        await self.limiter.reconcile(p.key_id, p.limits, call.reserved, actual)
+        await self.recorder.record(
+            UsageEvent(
+                request_id=call.request_id,
+                tenant_id=p.tenant_id,
+                key_id=p.key_id,
+                endpoint_id=call.route.endpoint_id,
+                model=model,
+                version_id=call.route.version_id,
+                kind=call.kind,
+                prompt_tokens=call.prompt_tokens,
+                completion_tokens=call.completion_tokens,
+                cached_tokens=call.cached_tokens,
+                latency_ms=latency * 1000,
+                ttft_ms=None if call.ttft is None else call.ttft * 1000,
+                status_code=call.status_code,
+                status=call.status,
+            )
+        )

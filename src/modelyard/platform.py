@@ -1,0 +1,184 @@
+"""The composition root of `modelyard serve`: builds every part, starts and stops them in order.
+
+Start: migrate the schema, seed quota counters from the month's usage, bootstrap the platform
+admin key and the default models on first start, then the usage writer, the gateway client
+and the endpoint manager (which re-provisions every live endpoint). Stop: the reverse, with
+replicas terminated and pending usage flushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from modelyard.api.schemas import DeployRequest
+from modelyard.config import PlatformSettings
+from modelyard.control.backends.local import LocalBackend
+from modelyard.control.endpoints import EndpointManager
+from modelyard.control.registry import Registry
+from modelyard.engine.models.loader import BUNDLED_MODELS, ModelNotFoundError, resolve_model_path
+from modelyard.gateway.auth import Authenticator, Principal, generate_key
+from modelyard.gateway.metering import UsageRecorder
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.proxy import Gateway
+from modelyard.gateway.ratelimit import (
+    Limits,
+    MemoryQuotaCounter,
+    MemoryRateLimiter,
+    QuotaCounter,
+    RateLimiter,
+    RedisQuotaCounter,
+    RedisRateLimiter,
+    month_of,
+)
+from modelyard.gateway.router import RoutingTable
+from modelyard.store import repository as repo
+from modelyard.store.artifacts import ArtifactStore
+from modelyard.store.db import Database
+
+log = logging.getLogger(__name__)
+
+ADMIN_KEY_FILE = "admin_key"
+SYSTEM_TENANT = "system"
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    admin_key: str | None  # only on the very first start
+    admin_key_file: Path
+
+
+class Platform:
+    def __init__(self, settings: PlatformSettings) -> None:
+        self.settings = settings
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.db = Database(settings.resolved_database_url)
+        self.store = ArtifactStore(settings.data_dir / "artifacts")
+        self.registry = Registry(self.db, self.store)
+        self.routing = RoutingTable()
+        self.limiter: RateLimiter
+        self.quota: QuotaCounter
+        self._redis = None
+        if settings.redis_url:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.from_url(settings.redis_url)
+            self.limiter = RedisRateLimiter(self._redis)
+            self.quota = RedisQuotaCounter(self._redis)
+        else:
+            self.limiter = MemoryRateLimiter()
+            self.quota = MemoryQuotaCounter()
+        self.auth = Authenticator(self.db, settings.auth_cache_ttl_s)
+        self.metrics = GatewayMetrics()
+        self.recorder = UsageRecorder(self.db, self.quota)
+        self.backend = LocalBackend(settings.data_dir / "logs")
+        self.endpoints = EndpointManager(
+            settings, self.db, self.registry, self.backend, self.routing
+        )
+        self.gateway = Gateway(
+            settings, self.auth, self.limiter, self.quota, self.routing, self.recorder, self.metrics
+        )
+        self.bootstrap: Bootstrap | None = None
+        self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's banner
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.db.migrate)
+        await self._seed_quotas()
+        self.bootstrap = await asyncio.to_thread(self._bootstrap_admin)
+        self.recorder.start()
+        await self.gateway.start()
+        await self.endpoints.start()
+        if self.settings.default_models:
+            await self._deploy_default_models()
+        if self.on_ready is not None:
+            self.on_ready()
+
+    async def stop(self) -> None:
+        await self.endpoints.stop()
+        await self.recorder.stop()
+        await self.gateway.stop()
+        await self.limiter.close()
+        if self._redis is not None:
+            await self._redis.aclose()
+        self.db.dispose()
+
+    async def _seed_quotas(self) -> None:
+        now = datetime.now(UTC)
+        month_start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+
+        def load() -> dict[str, int]:
+            with self.db.session() as s:
+                return repo.tokens_used_since(s, month_start)
+
+        for tenant_id, tokens in (await asyncio.to_thread(load)).items():
+            await self.quota.seed(tenant_id, month_of(now), tokens)
+
+    def _bootstrap_admin(self) -> Bootstrap:
+        key_file = self.settings.data_dir / ADMIN_KEY_FILE
+        with self.db.session() as s:
+            if repo.system_tenant(s) is not None:
+                return Bootstrap(None, key_file)
+            tenant = repo.create_tenant(s, SYSTEM_TENANT, None, is_system=True)
+            key, key_hash, prefix = generate_key()
+            repo.add_key(
+                s,
+                tenant.id,
+                "bootstrap admin",
+                key_hash,
+                prefix,
+                ["admin", "inference"],
+                None,
+                None,
+            )
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        return Bootstrap(key, key_file)
+
+    def system_principal(self) -> Principal:
+        with self.db.session() as s:
+            tenant = repo.system_tenant(s)
+            assert tenant is not None
+            return Principal(
+                key_id="bootstrap",
+                key_name="bootstrap",
+                tenant_id=tenant.id,
+                tenant_name=tenant.name,
+                scopes=frozenset({"admin", "inference"}),
+                limits=Limits(None, None),
+                monthly_token_quota=None,
+                platform_admin=True,
+            )
+
+    async def _deploy_default_models(self) -> None:
+        """Register the bundled models (once) and deploy them as public endpoints."""
+        admin = await asyncio.to_thread(self.system_principal)
+        for name in BUNDLED_MODELS:
+            package = BUNDLED_MODELS[name][0]
+            if importlib.util.find_spec(package) is None:
+                log.warning("bundled model %s skipped: package %s is not installed", name, package)
+                continue
+            if self.routing.resolve(admin.tenant_id, name) is not None:
+                continue  # deployed on an earlier start and re-provisioned already
+            try:
+                source = resolve_model_path(name)
+            except ModelNotFoundError as exc:
+                log.warning("bundled model %s skipped: %s", name, exc)
+                continue
+            await asyncio.to_thread(self.registry.register_folder, admin.tenant_id, name, source)
+            request = DeployRequest(
+                model_name=name,
+                model_artifact=name,
+                public=True,
+            )
+            result = await self.endpoints.deploy(admin, request)
+            status = await self.endpoints.wait_ready(
+                result["endpoint_id"], self.settings.replica_start_timeout_s
+            )
+            log.info("default model %s: %s", name, status)

@@ -1,0 +1,1 @@
+"""Persistent state: SQLAlchemy tables, Alembic migrations, repositories, the artifact store."""

@@ -1,0 +1,175 @@
+"""Content-addressed artifact store on local disk: blobs named by their sha256.
+
+Writes go to a temporary file that is hashed while it is written and renamed into place only
+when the hash matches, so a broken or lying upload leaves nothing behind. A model version is a
+manifest (relative path → sha256); `materialize` lays it out as a folder a worker can load,
+verifying every blob's hash first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 1 << 22
+
+
+class ArtifactError(ValueError):
+    """An upload or manifest that cannot be accepted; the message says why."""
+
+
+class IntegrityError(ArtifactError):
+    """A blob's content does not match its name."""
+
+
+def check_sha256(value: str) -> str:
+    if not _SHA256.match(value):
+        raise ArtifactError(f"not a sha256 hex digest: {value!r}")
+    return value
+
+
+def check_relative_path(value: str) -> str:
+    """Manifest paths are plain relative POSIX paths: no absolute paths, no `..`, no empties."""
+    p = PurePosixPath(value)
+    if not value or p.is_absolute() or any(part in ("", ".", "..") for part in p.parts):
+        raise ArtifactError(f"invalid file path in manifest: {value!r}")
+    if value != str(p):
+        raise ArtifactError(f"file path is not normalized: {value!r}")
+    return value
+
+
+def hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class StoredBlob:
+    sha256: str
+    size: int
+
+
+class ArtifactStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.blobs = root / "blobs" / "sha256"
+        self.tmp = root / "tmp"
+        self.materialized = root / "materialized"
+        for d in (self.blobs, self.tmp, self.materialized):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha256: str) -> Path:
+        check_sha256(sha256)
+        return self.blobs / sha256[:2] / sha256
+
+    def has(self, sha256: str) -> bool:
+        return self.path(sha256).is_file()
+
+    def size(self, sha256: str) -> int:
+        return self.path(sha256).stat().st_size
+
+    def _commit(self, tmp_path: Path, actual: str, expected: str | None) -> None:
+        if expected is not None and actual != expected:
+            tmp_path.unlink(missing_ok=True)
+            raise IntegrityError(f"content hashes to {actual}, not {expected}")
+        dest = self.path(actual)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(tmp_path, 0o444)
+        os.replace(tmp_path, dest)
+
+    async def put_stream(
+        self, chunks: AsyncIterator[bytes], expected_sha256: str | None, max_bytes: int
+    ) -> StoredBlob:
+        """Store a streamed upload; raises (and keeps nothing) on size or hash mismatch."""
+        if expected_sha256 is not None:
+            check_sha256(expected_sha256)
+        digest = hashlib.sha256()
+        size = 0
+        fd, name = tempfile.mkstemp(dir=self.tmp, prefix="upload-")
+        tmp_path = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise ArtifactError(f"upload is larger than the limit of {max_bytes} bytes")
+                    digest.update(chunk)
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            self._commit(tmp_path, digest.hexdigest(), expected_sha256)
+        finally:
+            tmp_path.unlink(missing_ok=True)  # noqa: ASYNC240 - a no-op after the rename
+        return StoredBlob(digest.hexdigest(), size)
+
+    def put_file(self, source: Path, max_bytes: int | None = None) -> StoredBlob:
+        """Copy a local file into the store (hashing while copying)."""
+        size = source.stat().st_size
+        if max_bytes is not None and size > max_bytes:
+            raise ArtifactError(f"{source} is larger than the limit of {max_bytes} bytes")
+        digest = hashlib.sha256()
+        fd, name = tempfile.mkstemp(dir=self.tmp, prefix="copy-")
+        tmp_path = Path(name)
+        try:
+            with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
+                while block := src.read(_CHUNK):
+                    digest.update(block)
+                    out.write(block)
+            self._commit(tmp_path, digest.hexdigest(), None)
+        finally:
+            tmp_path.unlink(missing_ok=True)
+        return StoredBlob(digest.hexdigest(), size)
+
+    def verify(self, sha256: str) -> None:
+        actual = hash_file(self.path(sha256))
+        if actual != sha256:
+            raise IntegrityError(f"blob {sha256} is corrupted on disk (it hashes to {actual})")
+
+    def materialize(self, key: str, files: dict[str, str]) -> Path:
+        """A folder holding `files` (relative path → sha256), each blob verified first.
+
+        The folder is built beside its final place and renamed, so a worker never sees half of
+        it; blobs are hard-linked (read-only) where the filesystem allows, else copied.
+        """
+        target = self.materialized / key
+        for sha in files.values():
+            self.verify(sha)
+        if target.is_dir():
+            return target
+        build = Path(tempfile.mkdtemp(dir=self.tmp, prefix="mat-"))
+        try:
+            for rel, sha in files.items():
+                dest = build / check_relative_path(rel)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(self.path(sha), dest)
+                except OSError:
+                    shutil.copyfile(self.path(sha), dest)
+            try:
+                os.rename(build, target)
+            except OSError:
+                if not target.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
+        return target
+
+
+def scan_folder(root: Path) -> Iterable[tuple[str, Path]]:
+    """(relative POSIX path, file) for every regular file under `root`, or `root` itself."""
+    if root.is_file():
+        yield root.name, root
+        return
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not any(p.startswith(".") for p in path.relative_to(root).parts):
+            yield path.relative_to(root).as_posix(), path

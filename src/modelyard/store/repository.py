@@ -1,0 +1,268 @@
+"""Queries and writes on the tables, one function per question the platform asks.
+
+Everything takes an open `Session`; callers own the transaction (`Database.session()`).
+Tenant scoping is explicit in every signature that reads tenant data.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from modelyard.store.tables import (
+    ApiKey,
+    Blob,
+    Endpoint,
+    Model,
+    ModelVersion,
+    Tenant,
+    TenantBlob,
+    UsageRecord,
+)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(8)}"
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def as_utc(ts: datetime) -> datetime:
+    """SQLite hands datetimes back without their zone; they were written as UTC."""
+    return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
+
+
+# ----- tenants --------------------------------------------------------------------------------
+
+
+def create_tenant(
+    s: Session, name: str, monthly_token_quota: int | None, is_system: bool = False
+) -> Tenant:
+    tenant = Tenant(
+        id=new_id("tn"),
+        name=name,
+        monthly_token_quota=monthly_token_quota,
+        is_system=is_system,
+        created_at=now(),
+    )
+    s.add(tenant)
+    s.flush()
+    return tenant
+
+
+def get_tenant(s: Session, tenant_id: str) -> Tenant | None:
+    return s.get(Tenant, tenant_id)
+
+
+def tenant_by_name(s: Session, name: str) -> Tenant | None:
+    return s.scalar(select(Tenant).where(Tenant.name == name))
+
+
+def list_tenants(s: Session) -> Sequence[Tenant]:
+    return s.scalars(select(Tenant).order_by(Tenant.created_at)).all()
+
+
+def system_tenant(s: Session) -> Tenant | None:
+    return s.scalar(select(Tenant).where(Tenant.is_system.is_(True)))
+
+
+# ----- keys -----------------------------------------------------------------------------------
+
+
+def add_key(
+    s: Session,
+    tenant_id: str,
+    name: str,
+    key_hash: str,
+    prefix: str,
+    scopes: list[str],
+    rpm_limit: int | None,
+    tpm_limit: int | None,
+) -> ApiKey:
+    key = ApiKey(
+        id=new_id("key"),
+        tenant_id=tenant_id,
+        name=name,
+        key_hash=key_hash,
+        prefix=prefix,
+        scopes=",".join(sorted(set(scopes))),
+        rpm_limit=rpm_limit,
+        tpm_limit=tpm_limit,
+        created_at=now(),
+        revoked_at=None,
+    )
+    s.add(key)
+    s.flush()
+    return key
+
+
+def key_by_hash(s: Session, key_hash: str) -> ApiKey | None:
+    return s.scalar(select(ApiKey).where(ApiKey.key_hash == key_hash))
+
+
+def get_key(s: Session, tenant_id: str | None, key_id: str) -> ApiKey | None:
+    key = s.get(ApiKey, key_id)
+    if key is None or (tenant_id is not None and key.tenant_id != tenant_id):
+        return None
+    return key
+
+
+def list_keys(s: Session, tenant_id: str | None) -> Sequence[ApiKey]:
+    q = select(ApiKey).order_by(ApiKey.created_at)
+    if tenant_id is not None:
+        q = q.where(ApiKey.tenant_id == tenant_id)
+    return s.scalars(q).all()
+
+
+# ----- registry -------------------------------------------------------------------------------
+
+
+def add_blob(s: Session, tenant_id: str, sha256: str, size: int) -> None:
+    """Record a blob and that `tenant_id` uploaded it."""
+    if s.get(Blob, sha256) is None:
+        s.add(Blob(sha256=sha256, size=size, created_at=now()))
+        s.flush()
+    if s.get(TenantBlob, (tenant_id, sha256)) is None:
+        s.add(TenantBlob(tenant_id=tenant_id, sha256=sha256))
+        s.flush()
+
+
+def owns_blob(s: Session, tenant_id: str, sha256: str) -> bool:
+    return s.get(TenantBlob, (tenant_id, sha256)) is not None
+
+
+def get_model(s: Session, tenant_id: str, name: str) -> Model | None:
+    return s.scalar(select(Model).where(Model.tenant_id == tenant_id, Model.name == name))
+
+
+def create_model(s: Session, tenant_id: str, name: str) -> Model:
+    model = Model(id=new_id("mdl"), tenant_id=tenant_id, name=name, created_at=now())
+    s.add(model)
+    s.flush()
+    return model
+
+
+def list_models(s: Session, tenant_id: str) -> Sequence[Model]:
+    return s.scalars(
+        select(Model).where(Model.tenant_id == tenant_id).order_by(Model.created_at)
+    ).all()
+
+
+def list_versions(s: Session, model_id: str) -> Sequence[ModelVersion]:
+    return s.scalars(
+        select(ModelVersion).where(ModelVersion.model_id == model_id).order_by(ModelVersion.version)
+    ).all()
+
+
+def get_version(s: Session, model_id: str, version: int | None) -> ModelVersion | None:
+    q = select(ModelVersion).where(ModelVersion.model_id == model_id)
+    if version is None:
+        q = q.order_by(ModelVersion.version.desc()).limit(1)
+    else:
+        q = q.where(ModelVersion.version == version)
+    return s.scalar(q)
+
+
+def version_by_id(s: Session, version_id: str) -> ModelVersion | None:
+    return s.get(ModelVersion, version_id)
+
+
+def add_version(
+    s: Session, model_id: str, fmt: str, manifest: dict[str, Any], total_size: int
+) -> ModelVersion:
+    last = s.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.model_id == model_id))
+    version = ModelVersion(
+        id=new_id("mv"),
+        model_id=model_id,
+        version=(last or 0) + 1,
+        format=fmt,
+        manifest=manifest,
+        total_size=total_size,
+        created_at=now(),
+    )
+    s.add(version)
+    s.flush()
+    return version
+
+
+# ----- endpoints ------------------------------------------------------------------------------
+
+
+def live_endpoints(s: Session, tenant_id: str | None = None) -> Sequence[Endpoint]:
+    q = select(Endpoint).where(Endpoint.deleted_at.is_(None)).order_by(Endpoint.created_at)
+    if tenant_id is not None:
+        q = q.where(Endpoint.tenant_id == tenant_id)
+    return s.scalars(q).all()
+
+
+def get_endpoint(s: Session, tenant_id: str | None, endpoint_id: str) -> Endpoint | None:
+    ep = s.get(Endpoint, endpoint_id)
+    if ep is None or ep.deleted_at is not None:
+        return None
+    if tenant_id is not None and ep.tenant_id != tenant_id:
+        return None
+    return ep
+
+
+def live_endpoint_by_name(s: Session, tenant_id: str, model_name: str) -> Endpoint | None:
+    return s.scalar(
+        select(Endpoint).where(
+            Endpoint.tenant_id == tenant_id,
+            Endpoint.model_name == model_name,
+            Endpoint.deleted_at.is_(None),
+        )
+    )
+
+
+def endpoints_using_model(s: Session, tenant_id: str, model_id: str) -> Sequence[Endpoint]:
+    version_ids = select(ModelVersion.id).where(ModelVersion.model_id == model_id)
+    return s.scalars(
+        select(Endpoint).where(
+            Endpoint.tenant_id == tenant_id,
+            Endpoint.deleted_at.is_(None),
+            Endpoint.version_id.in_(version_ids),
+        )
+    ).all()
+
+
+# ----- usage ----------------------------------------------------------------------------------
+
+
+def insert_usage(s: Session, rows: list[dict[str, Any]]) -> int:
+    """Insert usage rows, skipping request ids already recorded; returns how many were new."""
+    if not rows:
+        return 0
+    insert = pg_insert if s.bind is not None and s.bind.dialect.name == "postgresql" else None
+    stmt = (insert or sqlite_insert)(UsageRecord).values(rows)
+    stmt = stmt.on_conflict_do_nothing(index_elements=["request_id"])
+    result = s.execute(stmt)
+    return int(result.rowcount or 0)
+
+
+def usage_rows(
+    s: Session, tenant_id: str | None, start: datetime, end: datetime
+) -> Sequence[UsageRecord]:
+    q = select(UsageRecord).where(UsageRecord.created_at >= start, UsageRecord.created_at < end)
+    if tenant_id is not None:
+        q = q.where(UsageRecord.tenant_id == tenant_id)
+    return s.scalars(q.order_by(UsageRecord.created_at, UsageRecord.id)).all()
+
+
+def tokens_used_since(s: Session, since: datetime) -> dict[str, int]:
+    """Prompt + completion tokens per tenant since `since` (to seed quota counters)."""
+    total = func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens)
+    rows = s.execute(
+        select(UsageRecord.tenant_id, total)
+        .where(UsageRecord.created_at >= since)
+        .group_by(UsageRecord.tenant_id)
+    ).all()
+    return {tenant: int(n or 0) for tenant, n in rows}

@@ -1,0 +1,155 @@
+"""The database schema (SQLAlchemy 2 declarative). Migrations in `migrations/` must match it."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dict[str, Any]: JSON,
+        datetime: DateTime(timezone=True),
+    }
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    monthly_token_quota: Mapped[int | None] = mapped_column(BigInteger)
+    is_system: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime]
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(20))
+    scopes: Mapped[str] = mapped_column(String(100))  # comma-separated: inference,admin
+    rpm_limit: Mapped[int | None] = mapped_column(Integer)
+    tpm_limit: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+
+class Blob(Base):
+    """One content-addressed file in the artifact store."""
+
+    __tablename__ = "blobs"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime]
+
+
+class TenantBlob(Base):
+    """A tenant proved it has a blob's content (it uploaded it); only then may it use the blob.
+
+    Blobs are stored once, whoever uploads them; ownership keeps one tenant from learning that
+    another holds some content, or from referencing it.
+    """
+
+    __tablename__ = "tenant_blobs"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    sha256: Mapped[str] = mapped_column(ForeignKey("blobs.sha256"), primary_key=True)
+
+
+class Model(Base):
+    __tablename__ = "models"
+    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime]
+
+
+class ModelVersion(Base):
+    """An immutable version: a manifest of files (relative path → sha256 and size)."""
+
+    __tablename__ = "model_versions"
+    __table_args__ = (UniqueConstraint("model_id", "version"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    format: Mapped[str] = mapped_column(String(20))  # hf | gguf
+    manifest: Mapped[dict[str, Any]]
+    total_size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime]
+
+
+class Endpoint(Base):
+    __tablename__ = "endpoints"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    model_name: Mapped[str] = mapped_column(String(200))
+    public: Mapped[bool] = mapped_column(Boolean, default=False)
+    artifact: Mapped[str] = mapped_column(String(1000))  # as given: registry ref or local path
+    version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    framework: Mapped[str] = mapped_column(String(40))
+    hardware: Mapped[dict[str, Any]]
+    scaling: Mapped[dict[str, Any]]
+    engine_options: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(40))
+    status_message: Mapped[str | None] = mapped_column(String(2000))
+    created_at: Mapped[datetime]
+    deleted_at: Mapped[datetime | None]
+
+
+Index(
+    "uq_endpoints_live_name",
+    Endpoint.tenant_id,
+    Endpoint.model_name,
+    unique=True,
+    sqlite_where=Endpoint.deleted_at.is_(None),
+    postgresql_where=Endpoint.deleted_at.is_(None),
+)
+
+
+class UsageRecord(Base):
+    """What one request consumed; exactly one row per request id."""
+
+    __tablename__ = "usage_records"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(80), unique=True)
+    tenant_id: Mapped[str] = mapped_column(String(40), index=True)
+    key_id: Mapped[str] = mapped_column(String(40))
+    endpoint_id: Mapped[str | None] = mapped_column(String(40))
+    model: Mapped[str] = mapped_column(String(200))
+    version_id: Mapped[str | None] = mapped_column(String(40))
+    kind: Mapped[str] = mapped_column(String(40))  # chat.completions | completions | …
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    latency_ms: Mapped[float]
+    ttft_ms: Mapped[float | None]
+    status_code: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(40))  # ok | client_disconnected | error
+    batch: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(index=True)
+
+
+Index("ix_usage_tenant_time", UsageRecord.tenant_id, UsageRecord.created_at)
