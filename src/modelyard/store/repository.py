@@ -241,11 +241,15 @@ def insert_usage(s: Session, rows: list[dict[str, Any]]) -> int:
     """Insert usage rows, skipping request ids already recorded; returns how many were new."""
     if not rows:
         return 0
-    insert = pg_insert if s.bind is not None and s.bind.dialect.name == "postgresql" else None
-    stmt = (insert or sqlite_insert)(UsageRecord).values(rows)
-    stmt = stmt.on_conflict_do_nothing(index_elements=["request_id"])
-    result = s.execute(stmt)
-    return int(result.rowcount or 0)
+    dialect = s.get_bind().dialect.name
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    stmt = (
+        insert(UsageRecord)
+        .values(rows)
+        .on_conflict_do_nothing(index_elements=["request_id"])
+        .returning(UsageRecord.request_id)
+    )
+    return len(s.execute(stmt).all())
 
 
 def usage_rows(
