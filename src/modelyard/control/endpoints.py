@@ -318,7 +318,7 @@ class EndpointManager:
         replica.route = ReplicaRoute(replica.replica_id, replica.handle.url)
         state.route.replicas.append(replica.route)
         self.routing.generation += 1
-        await self._set_status(state, "ready", None)
+        await self._update_status(state)
 
     def _default_engine_env(self) -> dict[str, str]:
         return {f"MODELYARD_{k.upper()}": str(v) for k, v in self.settings.worker_engine.items()}
@@ -396,10 +396,11 @@ class EndpointManager:
                 continue
             healthy = await self._probe(replica)
             if healthy:
+                # Also re-admits a replica the gateway benched after failing to connect to it.
                 replica.health_failures = 0
-                if replica.state == "unhealthy" and replica.route is not None:
+                replica.state = "ready"
+                if replica.route is not None:
                     replica.route.ready = True
-                    replica.state = "ready"
             else:
                 replica.health_failures += 1
                 if replica.health_failures >= _HEALTH_FAILURES_BEFORE_UNHEALTHY:
@@ -414,11 +415,19 @@ class EndpointManager:
             state.next_restart_at = time.monotonic() + backoff
             for _ in range(missing):
                 self._spawn(state, self._run_replica(state, self._new_replica(state)))
+        await self._update_status(state)
+
+    async def _update_status(self, state: EndpointState) -> None:
+        """ready = every desired replica serves; before that provisioning, after it degraded."""
         ready = sum(r.state == "ready" for r in state.replicas)
-        if ready and ready < state.desired:
-            await self._set_status(state, "degraded", f"{ready} of {state.desired} replicas ready")
-        elif ready >= state.desired:
+        if ready >= state.desired:
             await self._set_status(state, "ready", None)
+        elif state.status in ("ready", "degraded") and ready:
+            await self._set_status(state, "degraded", f"{ready} of {state.desired} replicas ready")
+        elif state.status == "provisioning":
+            await self._set_status(
+                state, "provisioning", f"{ready} of {state.desired} replicas ready"
+            )
 
     # ----- read and delete -------------------------------------------------------------------
 

@@ -243,13 +243,13 @@ def insert_usage(s: Session, rows: list[dict[str, Any]]) -> int:
         return 0
     dialect = s.get_bind().dialect.name
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    # One statement, the rows as parameters: compiled once and cached, not per batch.
     stmt = (
-        insert(UsageRecord)
-        .values(rows)
+        insert(UsageRecord.__table__)
         .on_conflict_do_nothing(index_elements=["request_id"])
-        .returning(UsageRecord.request_id)
+        .returning(UsageRecord.__table__.c.request_id)
     )
-    return len(s.execute(stmt).all())
+    return len(s.connection().execute(stmt, rows).all())
 
 
 def usage_rows(
