@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.modelyard-installed
 PORT ?= 8000
 
-.PHONY: install run test lint format bench clean
+.PHONY: install run worker test lint format bench bench-gateway clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/modelyard serve --host 127.0.0.1 --port $(PORT)
+
+worker: $(STAMP)
 	$(BIN)/modelyard worker --model smollm2 --host 127.0.0.1 --port $(PORT)
 
 test: $(STAMP)
@@ -37,6 +40,9 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py
+
+bench-gateway: $(STAMP)
+	$(BIN)/python benchmarks/gateway_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
