@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,10 +49,26 @@ def _default_config_file() -> Path:
     return Path(os.environ.get("MODELYARD_CONFIG_FILE", "modelyard.toml"))
 
 
-class EngineSettings(BaseSettings):
-    """Knobs of the LLM engine and of the worker process that serves it."""
+class _Settings(BaseSettings):
+    """Arguments, then `MODELYARD_*` environment variables, then the TOML file."""
 
     model_config = SettingsConfigDict(env_prefix="MODELYARD_", extra="ignore")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = TomlConfigSettingsSource(settings_cls, toml_file=_default_config_file())
+        return (init_settings, env_settings, toml)
+
+
+class EngineSettings(_Settings):
+    """Knobs of the LLM engine and of the worker process that serves it."""
 
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
@@ -89,18 +104,6 @@ class EngineSettings(BaseSettings):
     def _parse_size(cls, value: Any) -> int:
         return parse_size(value)
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        toml = TomlConfigSettingsSource(settings_cls, toml_file=_default_config_file())
-        return (init_settings, env_settings, toml)
-
 
 class ModelPrice(BaseModel):
     """USD per 1M tokens."""
@@ -110,10 +113,8 @@ class ModelPrice(BaseModel):
     cached_input: float | None = None  # default: the input price
 
 
-class PlatformSettings(BaseSettings):
+class PlatformSettings(_Settings):
     """Knobs of `modelyard serve`: the gateway, the control plane and their state."""
-
-    model_config = SettingsConfigDict(env_prefix="MODELYARD_", extra="ignore")
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -162,20 +163,3 @@ class PlatformSettings(BaseSettings):
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'modelyard.db').resolve()}"
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        toml = TomlConfigSettingsSource(settings_cls, toml_file=_default_config_file())
-        return (init_settings, env_settings, toml)
-
-
-@lru_cache(maxsize=1)
-def get_engine_settings() -> EngineSettings:
-    return EngineSettings()
