@@ -100,3 +100,39 @@ def test_siblings_wait_for_the_leader_prefill_and_reuse_it() -> None:
     out = sched.schedule()
     assert (sibling, 1) in out.scheduled  # 12 of 13 prompt tokens came from the cache
     assert sibling.num_cached_tokens == 12
+
+
+def test_interactive_prefill_runs_without_batch_decodes_in_its_step() -> None:
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    batch = [make_seq([i + 1, 2, 3], i) for i in range(3)]
+    for s in batch:
+        s.priority = 1
+        sched.add(s)
+    run_step(sched, sched.schedule())  # the batch prefills
+    out = sched.schedule()
+    assert sorted(s.seq_id for s, _ in out.scheduled) == [0, 1, 2]  # batch decodes alone
+    run_step(sched, out)
+    interactive = make_seq([9, 9, 9, 9, 9], 10)
+    sched.add(interactive)
+    out = sched.schedule()
+    assert [s.seq_id for s, _ in out.scheduled] == [10]  # its prefill step is its own
+    assert not out.preempted and all(s.block_ids for s in batch)  # batch kept its cache
+    run_step(sched, out)
+    out = sched.schedule()  # prompt done: decodes mix again, interactive first
+    assert [s.seq_id for s, _ in out.scheduled] == [10, 0, 1, 2]
+
+
+def test_interactive_takes_room_from_batch_when_full() -> None:
+    sched = Scheduler(KVCacheManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64)
+    batch = [make_seq([i + 1, 2, 3], i) for i in range(2)]
+    for s in batch:
+        s.priority = 1
+        sched.add(s)
+    run_step(sched, sched.schedule())
+    interactive = make_seq([9, 9, 9], 10)
+    sched.add(interactive)
+    out = sched.schedule()
+    assert [s.seq_id for s, _ in out.scheduled] == [10]
+    assert out.preempted == [batch[1]]  # the latest batch sequence made room
+    assert batch[1].status is SequenceStatus.WAITING and not batch[1].block_ids
+    assert batch[0].block_ids  # the other one kept its place

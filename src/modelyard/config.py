@@ -151,11 +151,26 @@ class PlatformSettings(_Settings):
     prices: dict[str, ModelPrice] = Field(
         default_factory=dict, description="Per model name: USD per 1M input/output tokens."
     )
+    max_file_bytes: int = Field(parse_size("512MiB"), description="Largest Files API upload.")
+    batch_concurrency: int = Field(8, ge=1, description="Batch items in flight per batch.")
+    batch_item_attempts: int = Field(4, ge=1, description="Tries of an item on transient errors.")
+    batch_discount: float = Field(0.5, ge=0.0, le=1.0, description="Price cut on batch tokens.")
+    batch_poll_interval_s: float = Field(0.5, gt=0, description="How often new batches are seen.")
+    batch_webhook_url: str | None = Field(None, description="Told when any batch ends.")
+    batch_webhook_secret: str | None = Field(
+        None,
+        description="HMAC-SHA256 key for webhook signatures (default: one generated into "
+        "the data dir on first start).",
+    )
+    batch_webhook_hosts: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1", "localhost"],
+        description="Hosts a batch's own metadata.webhook_url may point at.",
+    )
     worker_engine: dict[str, Any] = Field(
         default_factory=dict, description="Default engine settings for every worker."
     )
 
-    @field_validator("max_body_bytes", "max_artifact_bytes", mode="before")
+    @field_validator("max_body_bytes", "max_artifact_bytes", "max_file_bytes", mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> int:
         return parse_size(value)

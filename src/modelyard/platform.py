@@ -18,6 +18,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from modelyard.api.schemas import DeployRequest
+from modelyard.batch.files import FileService
+from modelyard.batch.runner import BatchRunner
+from modelyard.batch.service import BatchService
 from modelyard.config import PlatformSettings
 from modelyard.control.backends.local import LocalBackend
 from modelyard.control.endpoints import EndpointManager
@@ -84,6 +87,9 @@ class Platform:
         self.gateway = Gateway(
             settings, self.auth, self.limiter, self.quota, self.routing, self.recorder, self.metrics
         )
+        self.files = FileService(self.db, self.store, settings.max_file_bytes)
+        self.batches = BatchService(self.db, self.files)
+        self.batch_runner = BatchRunner(settings, self.db, self.files, self.gateway)
         self.bootstrap: Bootstrap | None = None
         self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's banner
 
@@ -96,10 +102,13 @@ class Platform:
         await self.endpoints.start()
         if self.settings.default_models:
             await self._deploy_default_models()
+        self.batch_runner.start()
         if self.on_ready is not None:
             self.on_ready()
 
     async def stop(self) -> None:
+        # Items in flight are not recorded: they are pending again on the next start.
+        await self.batch_runner.stop()
         await self.endpoints.stop()
         await self.recorder.stop()
         await self.gateway.stop()

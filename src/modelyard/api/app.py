@@ -11,7 +11,13 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from modelyard import __version__
-from modelyard.api import routes_admin, routes_endpoints, routes_inference, routes_registry
+from modelyard.api import (
+    routes_admin,
+    routes_batch,
+    routes_endpoints,
+    routes_inference,
+    routes_registry,
+)
 from modelyard.api.errors import install_error_handlers
 from modelyard.api.middleware import BodySizeLimit
 from modelyard.platform import Platform
@@ -32,9 +38,13 @@ def create_platform_app(platform: Platform) -> FastAPI:
     app.add_middleware(
         BodySizeLimit,
         max_bytes=platform.settings.max_body_bytes,
-        path_limits={"/v1/blobs/": platform.settings.max_artifact_bytes},
+        path_limits={
+            "/v1/blobs/": platform.settings.max_artifact_bytes,
+            # Multipart framing adds a little on top of the file itself.
+            "/v1/files": platform.settings.max_file_bytes + 2**20,
+        },
     )
-    for module in (routes_inference, routes_endpoints, routes_registry, routes_admin):
+    for module in (routes_inference, routes_endpoints, routes_registry, routes_admin, routes_batch):
         app.include_router(module.router)
 
     @app.get("/health")

@@ -12,8 +12,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import ORJSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from modelyard.api.responses import JSONResponse
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,8 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> ORJSONResponse:
-        return ORJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(
@@ -92,21 +93,21 @@ def validation_error(errors: Sequence[Any]) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> ORJSONResponse:
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> ORJSONResponse:
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> ORJSONResponse:
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail) if exc.detail else "error"
         if exc.status_code == 404 and message == "Not Found":
             message = "Unknown request URL. Please check the URL and method."
         return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> ORJSONResponse:
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return APIError(500, f"The server had an error processing your request: {exc}").response()

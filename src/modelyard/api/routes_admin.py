@@ -10,11 +10,12 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query
-from fastapi.responses import ORJSONResponse, Response
+from fastapi.responses import Response
 from sqlalchemy.exc import IntegrityError
 
 from modelyard.api.deps import get_admin, get_platform
 from modelyard.api.errors import APIError
+from modelyard.api.responses import JSONResponse
 from modelyard.api.schemas import KeyCreate, KeyUpdate, TenantCreate, TenantUpdate
 from modelyard.control.usage import parse_time, summarize, to_csv
 from modelyard.gateway.auth import Principal, generate_key
@@ -63,7 +64,7 @@ async def create_tenant(
     body: TenantCreate,
     principal: Principal = Depends(get_admin),
     platform: Platform = Depends(get_platform),
-) -> ORJSONResponse:
+) -> JSONResponse:
     principal.require_platform_admin()
 
     def create() -> dict[str, Any]:
@@ -73,7 +74,7 @@ async def create_tenant(
         except IntegrityError as exc:
             raise APIError(409, f"tenant {body.name!r} exists", code="tenant_exists") from exc
 
-    return ORJSONResponse(await asyncio.to_thread(create), status_code=201)
+    return JSONResponse(await asyncio.to_thread(create), status_code=201)
 
 
 @router.get("/v1/tenants")
@@ -141,7 +142,7 @@ async def create_key(
     body: KeyCreate,
     principal: Principal = Depends(get_admin),
     platform: Platform = Depends(get_platform),
-) -> ORJSONResponse:
+) -> JSONResponse:
     tenant_id = principal.tenant_id
     if body.tenant_id is not None and body.tenant_id != principal.tenant_id:
         principal.require_platform_admin()
@@ -164,7 +165,7 @@ async def create_key(
             )
             return {**key_view(row), "key": key}
 
-    return ORJSONResponse(await asyncio.to_thread(create), status_code=201)
+    return JSONResponse(await asyncio.to_thread(create), status_code=201)
 
 
 @router.get("/v1/keys")
@@ -274,7 +275,7 @@ async def usage(
             return list(repo.usage_rows(s, scope, start_ts, end_ts))
 
     rows = await asyncio.to_thread(load)
-    groups = summarize(rows, group_by, platform.settings.prices)
+    groups = summarize(rows, group_by, platform.settings.prices, platform.settings.batch_discount)
     return {
         "object": "usage",
         "start": int(start_ts.timestamp()),
@@ -309,7 +310,8 @@ async def usage_export(
 
     def load() -> str:
         with platform.db.session() as s:
-            return to_csv(repo.usage_rows(s, scope, start_ts, end_ts), platform.settings.prices)
+            rows = repo.usage_rows(s, scope, start_ts, end_ts)
+            return to_csv(rows, platform.settings.prices, platform.settings.batch_discount)
 
     body = await asyncio.to_thread(load)
     return Response(

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import ORJSONResponse
 
 from modelyard.api.deps import base_url, get_admin, get_platform, get_principal
+from modelyard.api.responses import JSONResponse
 from modelyard.api.schemas import DeployRequest
 from modelyard.gateway.auth import Principal
 from modelyard.platform import Platform
@@ -21,10 +21,10 @@ async def deploy(
     request: Request,
     principal: Principal = Depends(get_admin),
     platform: Platform = Depends(get_platform),
-) -> ORJSONResponse:
+) -> JSONResponse:
     result = await platform.endpoints.deploy(principal, body)
     result["endpoint_url"] = f"{base_url(request)}/v1/models/{result['endpoint_id']}"
-    return ORJSONResponse(result, status_code=202)
+    return JSONResponse(result, status_code=202)
 
 
 @router.get("/v1/endpoints")
@@ -51,5 +51,5 @@ async def delete_endpoint(
     endpoint_id: str,
     principal: Principal = Depends(get_admin),
     platform: Platform = Depends(get_platform),
-) -> ORJSONResponse:
-    return ORJSONResponse(await platform.endpoints.delete(principal, endpoint_id), status_code=202)
+) -> JSONResponse:
+    return JSONResponse(await platform.endpoints.delete(principal, endpoint_id), status_code=202)

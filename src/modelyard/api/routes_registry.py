@@ -11,10 +11,10 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import ORJSONResponse
 
 from modelyard.api.deps import get_admin, get_platform
 from modelyard.api.errors import APIError
+from modelyard.api.responses import JSONResponse
 from modelyard.api.schemas import VersionCreate
 from modelyard.control.registry import check_model_name
 from modelyard.gateway.auth import Principal
@@ -66,7 +66,7 @@ async def create_version(
     body: VersionCreate,
     principal: Principal = Depends(get_admin),
     platform: Platform = Depends(get_platform),
-) -> ORJSONResponse:
+) -> JSONResponse:
     files = {path: entry.model_dump(exclude_none=True) for path, entry in body.files.items()}
     version = await asyncio.to_thread(
         platform.registry.create_version,
@@ -75,7 +75,7 @@ async def create_version(
         files,
         body.format,
     )
-    return ORJSONResponse(
+    return JSONResponse(
         {
             "id": version.version_id,
             "model": version.model_name,

@@ -36,17 +36,18 @@ def parse_time(value: str | int | None, param: str) -> datetime | None:
     return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
 
-def cost(row: UsageRecord, prices: dict[str, ModelPrice]) -> float:
+def cost(row: UsageRecord, prices: dict[str, ModelPrice], batch_discount: float = 0.0) -> float:
     price = prices.get(row.model)
     if price is None:
         return 0.0
     cached_price = price.input if price.cached_input is None else price.cached_input
     uncached = row.prompt_tokens - row.cached_tokens
-    return (
+    full = (
         uncached * price.input
         + row.cached_tokens * cached_price
         + row.completion_tokens * price.output
     ) / 1e6
+    return full * (1.0 - batch_discount) if row.batch else full
 
 
 def _group_key(row: UsageRecord, group_by: str) -> str:
@@ -58,7 +59,10 @@ def _group_key(row: UsageRecord, group_by: str) -> str:
 
 
 def summarize(
-    rows: Sequence[UsageRecord], group_by: str, prices: dict[str, ModelPrice]
+    rows: Sequence[UsageRecord],
+    group_by: str,
+    prices: dict[str, ModelPrice],
+    batch_discount: float = 0.0,
 ) -> list[dict[str, Any]]:
     if group_by not in GROUPS:
         raise APIError(400, f"group_by must be one of {', '.join(GROUPS)}", param="group_by")
@@ -82,13 +86,15 @@ def summarize(
         g["completion_tokens"] += row.completion_tokens
         g["cached_tokens"] += row.cached_tokens
         g["total_tokens"] += row.prompt_tokens + row.completion_tokens
-        g["cost_usd"] += cost(row, prices)
+        g["cost_usd"] += cost(row, prices, batch_discount)
     for g in groups.values():
         g["cost_usd"] = round(g["cost_usd"], 8)
     return [groups[k] for k in sorted(groups)]
 
 
-def to_csv(rows: Iterable[UsageRecord], prices: dict[str, ModelPrice]) -> str:
+def to_csv(
+    rows: Iterable[UsageRecord], prices: dict[str, ModelPrice], batch_discount: float = 0.0
+) -> str:
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(CSV_COLUMNS)
@@ -99,7 +105,7 @@ def to_csv(rows: Iterable[UsageRecord], prices: dict[str, ModelPrice]) -> str:
                 r.endpoint_id or "", r.model, r.version_id or "", r.kind, r.prompt_tokens,
                 r.completion_tokens, r.cached_tokens, round(r.latency_ms, 3),
                 "" if r.ttft_ms is None else round(r.ttft_ms, 3), r.status_code, r.status,
-                int(r.batch), round(cost(r, prices), 8),
+                int(r.batch), round(cost(r, prices, batch_discount), 8),
             ]
         )  # fmt: skip
     return out.getvalue()

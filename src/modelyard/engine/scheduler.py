@@ -67,14 +67,38 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
+    def _urgent_priority(self) -> int | None:
+        """The priority whose first tokens are pending while less urgent sequences run.
+
+        While it is set, a step serves only sequences at least that urgent: an interactive
+        request never waits behind a step full of batch decodes for its first token.
+        """
+        pending = [s.priority for s in self.waiting]
+        pending += [s.priority for s in self.running if s.prefilling]
+        if not pending:
+            return None
+        top = min(pending)
+        return top if any(s.priority > top for s in self.running) else None
+
+    def _priority_victim(self, than: int, scheduled: set[int]) -> Sequence | None:
+        """The least urgent running sequence below `than` that this step has not scheduled."""
+        for seq in reversed(self.running):
+            if seq.priority > than and id(seq) not in scheduled:
+                return seq
+        return None
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.running.sort(key=lambda s: s.sort_key)
+        urgent = self._urgent_priority()
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if urgent is not None and seq.priority > urgent:
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, num_new):
                 victim = self.running.pop()
@@ -90,10 +114,14 @@ class Scheduler:
         # A step that had to preempt admits nobody new: it would only thrash.
         if out.preempted:
             return out
+        scheduled = {id(s) for s, _ in out.scheduled}
         admitted: list[Sequence] = []
+        displaced: list[Sequence] = []
         for seq in self.waiting:
-            if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
+            if budget <= 0:
                 break
+            if urgent is not None and seq.priority > urgent:
+                continue
             leader = seq.leader
             if leader is not None and not leader.finished and leader.prefilling:
                 continue  # its leader is computing the shared prompt; reuse it next step
@@ -104,18 +132,34 @@ class Scheduler:
                 if not self.enable_chunked_prefill and admitted:
                     break
                 num_new = budget
-            if not self.kv.allocate(seq, num_new, cached):
-                break  # strict priority order: nobody overtakes a sequence that does not fit
-            seq.num_computed_tokens = num_computed
-            if not seq.admitted:
-                seq.num_cached_tokens = num_computed
-                seq.admitted = True
-            seq.status = SequenceStatus.RUNNING
-            admitted.append(seq)
-            out.scheduled.append((seq, num_new))
-            budget -= num_new
+            while len(self.running) + len(admitted) >= self.max_num_seqs or not self.kv.allocate(
+                seq, num_new, cached
+            ):
+                # Room for a more urgent sequence is taken from less urgent ones.
+                victim = self._priority_victim(seq.priority, scheduled)
+                if victim is None:
+                    break
+                self.running.remove(victim)
+                self.kv.free(victim)
+                victim.num_computed_tokens = 0
+                self.num_preemptions += 1
+                displaced.append(victim)
+                out.preempted.append(victim)
+            else:
+                seq.num_computed_tokens = num_computed
+                if not seq.admitted:
+                    seq.num_cached_tokens = num_computed
+                    seq.admitted = True
+                seq.status = SequenceStatus.RUNNING
+                admitted.append(seq)
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                continue
+            break  # strict priority order: nobody overtakes a sequence that does not fit
         if admitted:
             taken = set(map(id, admitted))
             self.waiting = [s for s in self.waiting if id(s) not in taken]
             self.running.extend(admitted)
+        for victim in displaced:
+            self.add(victim)
         return out

@@ -65,14 +65,21 @@ class UsageRecorder:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="usage-writer")
 
-    async def record(self, event: UsageEvent) -> None:
+    async def count(self, event: UsageEvent) -> bool:
+        """Move the tenant's quota counter for a request; False if it was counted already."""
         if event.request_id in self._seen:
-            return  # the same request reported twice (e.g. retries): bill once
+            return False  # the same request reported twice (e.g. retries): bill once
         self._seen[event.request_id] = None
         if len(self._seen) > _SEEN_CAPACITY:
             self._seen.popitem(last=False)
         if event.total_tokens:
             await self.quota.add(event.tenant_id, month_of(event.created_at), event.total_tokens)
+        return True
+
+    async def record(self, event: UsageEvent) -> None:
+        """Count the request and queue its row for the background writer."""
+        if not await self.count(event):
+            return
         self._pending.append(event)
         if len(self._pending) >= 256:
             self._wake.set()

@@ -35,6 +35,19 @@ from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)
 
+BATCH_PRIORITY = 1  # the engine serves priority 0 (interactive) first
+_NO_LIMITS = Decision(
+    allowed=True,
+    reason=None,
+    retry_after_s=0.0,
+    limit_requests=None,
+    remaining_requests=None,
+    reset_requests_s=0.0,
+    limit_tokens=None,
+    remaining_tokens=None,
+    reset_tokens_s=0.0,
+)
+
 _SCHEMAS: dict[str, type[BaseModel]] = {
     "chat.completions": ChatCompletionRequest,
     "completions": CompletionRequest,
@@ -85,6 +98,7 @@ class _Call:
     ttft: float | None = None
     status: str = "ok"
     status_code: int = 200
+    batch: bool = False  # a batch item: no rate limits, metered as batch
 
 
 class Gateway:
@@ -145,14 +159,7 @@ class Gateway:
     async def _admit(
         self, principal: Principal, payload: dict[str, Any], req: Any
     ) -> tuple[EndpointRoute, int, Decision]:
-        route = self.routing.resolve(principal.tenant_id, req.model)
-        if route is None:
-            raise APIError(
-                404,
-                f"The model `{req.model}` does not exist or you do not have access to it.",
-                param="model",
-                code="model_not_found",
-            )
+        route = self._resolve(principal, req.model)
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if max_tokens is not None and max_tokens > route.max_tokens_cap:
             raise bad_request(
@@ -177,21 +184,39 @@ class Gateway:
                 code="rate_limit_exceeded",
                 headers=decision.headers(),
             )
-        quota = principal.monthly_token_quota
-        if quota is not None:
-            used = await self.quota.used(principal.tenant_id, month_of(now()))
-            if used >= quota:
-                await self.limiter.reconcile(principal.key_id, principal.limits, reserved, 0)
-                self.metrics.limited.labels("quota").inc()
-                raise APIError(
-                    429,
-                    f"You exceeded your monthly token quota ({used} of {quota} tokens used). "
-                    "Ask your administrator to raise it.",
-                    type="insufficient_quota",
-                    code="insufficient_quota",
-                    headers=decision.headers(),
-                )
+        try:
+            await self._check_quota(principal)
+        except APIError as exc:
+            await self.limiter.reconcile(principal.key_id, principal.limits, reserved, 0)
+            exc.headers.update(decision.headers())
+            raise
         return route, reserved, decision
+
+    def _resolve(self, principal: Principal, model: str) -> EndpointRoute:
+        route = self.routing.resolve(principal.tenant_id, model)
+        if route is None:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        return route
+
+    async def _check_quota(self, principal: Principal) -> None:
+        quota = principal.monthly_token_quota
+        if quota is None:
+            return
+        used = await self.quota.used(principal.tenant_id, month_of(now()))
+        if used >= quota:
+            self.metrics.limited.labels("quota").inc()
+            raise APIError(
+                429,
+                f"You exceeded your monthly token quota ({used} of {quota} tokens used). "
+                "Ask your administrator to raise it.",
+                type="insufficient_quota",
+                code="insufficient_quota",
+            )
 
     # ----- forwarding ------------------------------------------------------------------------
 
@@ -270,27 +295,43 @@ class Gateway:
             await self._refund(call)
             raise
 
+    async def run_internal(
+        self, principal: Principal, kind: str, payload: dict[str, Any], request_id: str
+    ) -> tuple[int, dict[str, Any], UsageEvent | None]:
+        """One batch item: the same validation, routing, retries and metering as a client's
+        request, without rate limits, at batch priority, metered as batch, never streamed.
+
+        Returns the worker's status and body, and the usage record to commit with the result
+        (None unless it succeeded); raises `APIError` for what fails before a worker (bad body,
+        unknown model, quota, no replica)."""
+        _, req = self._parse(kind, orjson.dumps(payload))
+        route = self._resolve(principal, req.model)
+        await self._check_quota(principal)
+        body = {**payload, "stream": False, "priority": BATCH_PRIORITY}
+        call = _Call(
+            principal=principal,
+            route=route,
+            kind=kind,
+            request_id=request_id,
+            reserved=0,
+            decision=_NO_LIMITS,
+            batch=True,
+        )
+        status, content = await self._call_unary(call, orjson.dumps(body))
+        result = orjson.loads(content)
+        if status != 200:
+            return status, result, None
+        self._take_usage(call, result.get("usage") or {})
+        return status, result, await self._finish(call)
+
     async def _refund(self, call: _Call) -> None:
         p = call.principal
         await self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0)
 
-    async def _upstream_error(
-        self, call: _Call, response: aiohttp.ClientResponse, headers: dict[str, str]
-    ) -> Response:
-        """A worker's own error (already OpenAI-shaped) goes back as it is; nothing is billed."""
-        content = await response.read()
-        call.status_code = response.status
-        self.metrics.requests.labels(call.route.model_name, response.status).inc()
-        await self._refund(call)
-        return Response(
-            content, status_code=response.status, media_type="application/json", headers=headers
-        )
-
-    async def _unary(self, call: _Call, payload: bytes, headers: dict[str, str]) -> Response:
+    async def _call_unary(self, call: _Call, payload: bytes) -> tuple[int, bytes]:
+        """Send a non-streaming request and read the whole answer."""
         response, replica = await self._send(call, payload, stream=False)
         try:
-            if response.status != 200:
-                return await self._upstream_error(call, response, headers)
             content = await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             response.close()
@@ -298,6 +339,21 @@ class Gateway:
         finally:
             replica.outstanding -= 1
             response.release()
+        call.status_code = response.status
+        return response.status, content
+
+    async def _unpaid(self, call: _Call, content: bytes, headers: dict[str, str]) -> Response:
+        """A worker's own error (already OpenAI-shaped) goes back as it is; nothing is billed."""
+        self.metrics.requests.labels(call.route.model_name, call.status_code).inc()
+        await self._refund(call)
+        return Response(
+            content, status_code=call.status_code, media_type="application/json", headers=headers
+        )
+
+    async def _unary(self, call: _Call, payload: bytes, headers: dict[str, str]) -> Response:
+        status, content = await self._call_unary(call, payload)
+        if status != 200:
+            return await self._unpaid(call, content, headers)
         self._take_usage(call, orjson.loads(content).get("usage") or {})
         await self._finish(call)
         return Response(content, media_type="application/json", headers=headers)
@@ -308,10 +364,12 @@ class Gateway:
         response, replica = await self._send(call, payload, stream=True)
         if response.status != 200:
             try:
-                return await self._upstream_error(call, response, headers)
+                content = await response.read()
             finally:
                 response.release()
                 replica.outstanding -= 1
+            call.status_code = response.status
+            return await self._unpaid(call, content, headers)
         call.prompt_tokens = int(response.headers.get(PROMPT_TOKENS_HEADER, 0))
         return StreamingResponse(
             self._relay(call, response, replica, wants_usage),
@@ -391,7 +449,12 @@ class Gateway:
         details = usage.get("prompt_tokens_details") or {}
         call.cached_tokens = int(details.get("cached_tokens") or 0)
 
-    async def _finish(self, call: _Call) -> None:
+    async def _finish(self, call: _Call) -> UsageEvent:
+        """Metrics, the TPM settlement and the usage record of a served request.
+
+        A batch item's record is returned, not queued: the runner commits it together with
+        the item's result, so neither can exist without the other.
+        """
         latency = time.perf_counter() - call.started
         model = call.route.model_name
         self.metrics.requests.labels(model, call.status_code).inc()
@@ -402,22 +465,25 @@ class Gateway:
         self.metrics.tokens.labels(model, "completion").inc(call.completion_tokens)
         actual = call.prompt_tokens + call.completion_tokens
         p = call.principal
-        await self.limiter.reconcile(p.key_id, p.limits, call.reserved, actual)
-        await self.recorder.record(
-            UsageEvent(
-                request_id=call.request_id,
-                tenant_id=p.tenant_id,
-                key_id=p.key_id,
-                endpoint_id=call.route.endpoint_id,
-                model=model,
-                version_id=call.route.version_id,
-                kind=call.kind,
-                prompt_tokens=call.prompt_tokens,
-                completion_tokens=call.completion_tokens,
-                cached_tokens=call.cached_tokens,
-                latency_ms=latency * 1000,
-                ttft_ms=None if call.ttft is None else call.ttft * 1000,
-                status_code=call.status_code,
-                status=call.status,
-            )
+        if not call.batch:
+            await self.limiter.reconcile(p.key_id, p.limits, call.reserved, actual)
+        event = UsageEvent(
+            request_id=call.request_id,
+            tenant_id=p.tenant_id,
+            key_id=p.key_id,
+            endpoint_id=call.route.endpoint_id,
+            model=model,
+            version_id=call.route.version_id,
+            kind=call.kind,
+            prompt_tokens=call.prompt_tokens,
+            completion_tokens=call.completion_tokens,
+            cached_tokens=call.cached_tokens,
+            latency_ms=latency * 1000,
+            ttft_ms=None if call.ttft is None else call.ttft * 1000,
+            status_code=call.status_code,
+            status=call.status,
+            batch=call.batch,
         )
+        if not call.batch:
+            await self.recorder.record(event)
+        return event

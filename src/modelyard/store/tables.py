@@ -15,6 +15,7 @@ from sqlalchemy import (
     Integer,
     String,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -153,3 +154,82 @@ class UsageRecord(Base):
 
 
 Index("ix_usage_tenant_time", UsageRecord.tenant_id, UsageRecord.created_at)
+
+
+class File(Base):
+    """An uploaded or generated file (OpenAI Files API); the bytes live in the artifact store."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    filename: Mapped[str] = mapped_column(String(500))
+    purpose: Mapped[str] = mapped_column(String(40))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(ForeignKey("blobs.sha256"))
+    created_at: Mapped[datetime]
+    deleted_at: Mapped[datetime | None]
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    key_id: Mapped[str] = mapped_column(String(40))
+    endpoint: Mapped[str] = mapped_column(String(100))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    completion_window: Mapped[str] = mapped_column(String(20))
+    status: Mapped[str] = mapped_column(String(20), index=True)
+    errors: Mapped[dict[str, Any] | None]
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata")
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+    in_progress_at: Mapped[datetime | None]
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]
+    webhook_delivered_at: Mapped[datetime | None]
+
+
+class BatchItem(Base):
+    """One line of a batch; its result is written once, when it finishes.
+
+    Valid lines are unique per (batch, custom_id); an invalid line (a duplicate custom_id
+    among them) is kept as its own finished error record.
+    """
+
+    __tablename__ = "batch_items"
+    __table_args__ = (UniqueConstraint("batch_id", "line"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    line: Mapped[int] = mapped_column(Integer)
+    custom_id: Mapped[str] = mapped_column(String(500))
+    valid: Mapped[bool] = mapped_column(Boolean, default=True)
+    body: Mapped[dict[str, Any] | None]
+    status: Mapped[str] = mapped_column(String(20))  # pending | done | error
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    response: Mapped[dict[str, Any] | None]
+    error: Mapped[dict[str, Any] | None]
+    request_id: Mapped[str | None] = mapped_column(String(80))
+    finished_at: Mapped[datetime | None]
+
+
+Index("ix_batch_items_pending", BatchItem.batch_id, BatchItem.status)
+Index(
+    "uq_batch_items_custom_id",
+    BatchItem.batch_id,
+    BatchItem.custom_id,
+    unique=True,
+    sqlite_where=text("valid"),
+    postgresql_where=text("valid"),
+)

@@ -7,12 +7,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import ORJSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from modelyard.api.errors import install_error_handlers
 from modelyard.api.middleware import BodySizeLimit
 from modelyard.api.protocol import ChatCompletionRequest, CompletionRequest
+from modelyard.api.responses import JSONResponse
 from modelyard.engine.async_engine import AsyncEngine
 from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.openai_serving import OpenAIServing
@@ -45,11 +46,11 @@ def create_app(
         return await serving.completion(body, request)
 
     @app.get("/v1/models")
-    async def models() -> ORJSONResponse:
-        return ORJSONResponse(serving.models())
+    async def models() -> JSONResponse:
+        return JSONResponse(serving.models())
 
     @app.get("/health")
-    async def health() -> ORJSONResponse:
+    async def health() -> JSONResponse:
         e = engine.engine
         body = {
             "status": "ok" if engine.healthy else "error",
@@ -63,7 +64,7 @@ def create_app(
         }
         if engine.error is not None:
             body["error"] = str(engine.error)
-        return ORJSONResponse(body, status_code=200 if engine.healthy else 503)
+        return JSONResponse(body, status_code=200 if engine.healthy else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 from fastapi import Request
-from fastapi.responses import ORJSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from modelyard.api.disconnect import run_until_disconnect
 from modelyard.api.errors import APIError, bad_request, error_body
@@ -25,6 +25,7 @@ from modelyard.api.protocol import (
     CompletionRequest,
     _SamplingFields,
 )
+from modelyard.api.responses import JSONResponse
 from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
 from modelyard.engine.llm_engine import RequestOutput, RequestRejected
 from modelyard.engine.sampling_params import InvalidSamplingParams, SamplingParams
@@ -343,7 +344,7 @@ class OpenAIServing:
         choices, usage = await run_until_disconnect(
             request, self._collect(request_id, jobs, req.priority, req.n)
         )
-        return ORJSONResponse(
+        return JSONResponse(
             {
                 "id": response_id,
                 "object": "chat.completion",
@@ -433,7 +434,7 @@ class OpenAIServing:
         choices, usage = await run_until_disconnect(
             request, self._collect(request_id, jobs, req.priority, req.n)
         )
-        return ORJSONResponse(
+        return JSONResponse(
             {
                 "id": response_id,
                 "object": "text_completion",

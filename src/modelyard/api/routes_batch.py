@@ -1,0 +1,138 @@
+"""The OpenAI Files and Batches APIs (tenant-scoped; keys with the `inference` scope)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from modelyard.api.deps import get_platform, get_principal
+from modelyard.api.responses import JSONResponse
+from modelyard.gateway.auth import Principal
+from modelyard.platform import Platform
+
+router = APIRouter()
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1)
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+async def _inference(principal: Principal = Depends(get_principal)) -> Principal:
+    principal.require("inference")
+    return principal
+
+
+@router.post("/v1/files")
+async def upload_file(
+    file: UploadFile = File(...),
+    purpose: str = Form(...),
+    principal: Principal = Depends(_inference),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    # The upload is spooled to a local temp file, then copied (and hashed) into the store.
+    with tempfile.NamedTemporaryFile(dir=platform.store.tmp, prefix="file-") as tmp:
+        await asyncio.to_thread(shutil.copyfileobj, file.file, tmp, 1 << 20)
+        tmp.flush()
+        return await asyncio.to_thread(
+            platform.files.create_from_path,
+            principal.tenant_id,
+            Path(tmp.name),
+            file.filename or "upload.jsonl",
+            purpose,
+        )
+
+
+@router.get("/v1/files")
+async def list_files(
+    purpose: str | None = None,
+    limit: int = Query(100, ge=1, le=10_000),
+    after: str | None = None,
+    principal: Principal = Depends(_inference),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    return await asyncio.to_thread(platform.files.list, principal.tenant_id, purpose, limit, after)
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(
+    file_id: str,
+    principal: Principal = Depends(_inference),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    return await asyncio.to_thread(platform.files.get, principal.tenant_id, file_id)
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(
+    file_id: str,
+    principal: Principal = Depends(_inference),
+    platform: Platform = Depends(get_platform),
+) -> FileResponse:
+    path = await asyncio.to_thread(platform.files.content_path, principal.tenant_id, file_id)
+    return FileResponse(path, media_type="application/octet-stream")
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(
+    file_id: str,
+    principal: Principal = Depends(_inference),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    return await asyncio.to_thread(platform.files.delete, principal.tenant_id, file_id)
+
+
+@router.post("/v1/batches")
+async def create_batch(
+    body: BatchCreate,
+    principal: Principal = Depends(_inference),
+    platform: Platform = Depends(get_platform),
+) -> JSONResponse:
+    batch = await asyncio.to_thread(
+        platform.batches.create,
+        principal,
+        body.input_file_id,
+        body.endpoint,
+        body.completion_window,
+        body.metadata,
+    )
+    return JSONResponse(batch)
+
+
+@router.get("/v1/batches")
+async def list_batches(
+    limit: int = Query(20, ge=1, le=100),
+    after: str | None = None,
+    principal: Principal = Depends(_inference),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    return await asyncio.to_thread(platform.batches.list, principal.tenant_id, limit, after)
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(
+    batch_id: str,
+    principal: Principal = Depends(_inference),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    return await asyncio.to_thread(platform.batches.get, principal.tenant_id, batch_id)
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(
+    batch_id: str,
+    principal: Principal = Depends(_inference),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    return await asyncio.to_thread(platform.batches.cancel, principal.tenant_id, batch_id)

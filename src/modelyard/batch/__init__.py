@@ -1,0 +1,1 @@
+"""Batch inference: the OpenAI Files and Batches APIs, validation, the durable runner, webhooks."""

@@ -1,0 +1,198 @@
+"""The Open Inference Protocol (KServe v2 / Triton / MLServer) at the HTTP edge, JSON only: the
+infer request schema, reading its text tensor, and the response and metadata bodies.
+
+Text goes in as one `BYTES` tensor of shape [N] or [N, 1]; its `data` may be nested as the
+shape says (KServe style) or flat with `shape` saying how to read it (Triton style). Output
+tensors are written flat, row-major: every v2 client reads that. Errors have the protocol's own
+shape, `{"error": "message"}`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.responses import Response
+
+from modelyard.encoders.classifier import Scores
+from modelyard.encoders.responses import json_response
+
+VERSION = "1"  # every hosted model has one version
+
+
+class OIPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def response(self) -> Response:
+        return json_response({"error": self.message}, self.status)
+
+
+class InferTensor(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    shape: list[int]
+    datatype: str
+    data: Any
+    parameters: dict[str, Any] | None = None
+
+
+class RequestedOutput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    inputs: list[InferTensor]
+    outputs: list[RequestedOutput] | None = None
+    parameters: dict[str, Any] | None = None
+
+
+def parse_infer_request(raw: bytes) -> InferRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise OIPError(400, f"invalid JSON body: {exc}") from None
+    try:
+        return InferRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise OIPError(400, f"invalid inference request at '{where}': {first['msg']}") from None
+
+
+def _flatten(data: Any, shape: list[int], name: str) -> list[Any]:
+    size = math.prod(shape)
+    if not isinstance(data, list):
+        raise OIPError(400, f"input '{name}': 'data' must be a list")
+    if not any(isinstance(x, list) for x in data):
+        if len(data) != size:
+            raise OIPError(
+                400,
+                f"input '{name}': 'data' holds {len(data)} elements, shape {shape} needs {size}",
+            )
+        return data
+
+    def walk(node: Any, dims: list[int]) -> list[Any]:
+        if not dims:
+            if isinstance(node, list):
+                raise OIPError(400, f"input '{name}': 'data' is nested deeper than shape {shape}")
+            return [node]
+        if not isinstance(node, list) or len(node) != dims[0]:
+            raise OIPError(400, f"input '{name}': nested 'data' does not match shape {shape}")
+        return [x for child in node for x in walk(child, dims[1:])]
+
+    return walk(data, shape)
+
+
+def read_texts(request: InferRequest, max_inputs: int) -> list[str]:
+    """The texts of the request's single BYTES input tensor, shape [N] or [N, 1]."""
+    if len(request.inputs) != 1:
+        raise OIPError(
+            400, f"expected exactly one input tensor (BYTES texts), got {len(request.inputs)}"
+        )
+    tensor = request.inputs[0]
+    if tensor.datatype != "BYTES":
+        raise OIPError(
+            400, f"input '{tensor.name}' has datatype {tensor.datatype}; expected BYTES (texts)"
+        )
+    shape = tensor.shape
+    if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 0:
+        raise OIPError(400, f"input '{tensor.name}' has shape {shape}; expected [N] or [N, 1]")
+    texts = _flatten(tensor.data, shape, tensor.name)
+    if not texts:
+        raise OIPError(400, f"input '{tensor.name}' holds no texts")
+    if len(texts) > max_inputs:
+        raise OIPError(
+            400,
+            f"input '{tensor.name}' holds {len(texts)} texts, more than the limit of {max_inputs}",
+        )
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise OIPError(400, f"input '{tensor.name}': element {i} is not a string")
+    return texts
+
+
+def top_k(request: InferRequest, n_labels: int) -> int | None:
+    k = (request.parameters or {}).get("top_k")
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_labels:
+        raise OIPError(400, f"parameter 'top_k' must be an integer from 1 to {n_labels}")
+    return k
+
+
+def select_outputs(request: InferRequest, available: Sequence[str]) -> list[str]:
+    if not request.outputs:
+        return list(available)
+    names = [o.name for o in request.outputs]
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise OIPError(400, f"unknown output {unknown[0]!r}; this model has {', '.join(available)}")
+    return names
+
+
+def tensor(name: str, datatype: str, shape: list[int], data: Any) -> dict[str, Any]:
+    return {"name": name, "datatype": datatype, "shape": shape, "data": data}
+
+
+def classifier_outputs(scores: list[Scores], k: int | None) -> dict[str, dict[str, Any]]:
+    n = len(scores)
+    if k is None:
+        labels = [s[0][0] for s in scores]
+        values = np.array([s[0][1] for s in scores], dtype=np.float32)
+        shape = [n]
+    else:
+        labels = [label for s in scores for label, _ in s[:k]]
+        values = np.array([p for s in scores for _, p in s[:k]], dtype=np.float32)
+        shape = [n, k]
+    return {
+        "label": tensor("label", "BYTES", shape, labels),
+        "score": tensor("score", "FP32", list(shape), values),
+    }
+
+
+def embedding_outputs(vectors: np.ndarray) -> dict[str, dict[str, Any]]:
+    return {
+        "embedding": tensor("embedding", "FP32", list(vectors.shape), vectors.reshape(-1)),
+    }
+
+
+def infer_response(
+    model: str, request: InferRequest, outputs: dict[str, dict[str, Any]], names: list[str]
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"model_name": model, "model_version": VERSION}
+    if request.id is not None:
+        body["id"] = request.id
+    body["outputs"] = [outputs[n] for n in names]
+    return body
+
+
+def model_metadata(
+    name: str, platform: str, classifier: bool, dimension: int | None
+) -> dict[str, Any]:
+    """Inputs and outputs as the infer route takes and gives them (-1: any size)."""
+    inputs = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    if classifier:
+        outputs = [
+            {"name": "label", "datatype": "BYTES", "shape": [-1]},
+            {"name": "score", "datatype": "FP32", "shape": [-1]},
+        ]
+    else:
+        outputs = [{"name": "embedding", "datatype": "FP32", "shape": [-1, dimension or -1]}]
+    return {
+        "name": name,
+        "versions": [VERSION],
+        "platform": platform,
+        "inputs": inputs,
+        "outputs": outputs,
+    }
