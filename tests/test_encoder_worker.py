@@ -33,7 +33,7 @@ class EncoderWorkerProcess(WorkerProcess):
     def __init__(self, models: dict[str, Path], *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "modelyard.worker.encoder_app", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "modelyard.cli", "encoders", "--port", str(self.port)]
         for name, path in models.items():
             cmd += ["--model", f"{name}={path}"]
         cmd += ["--log-level", "warning", *extra]

@@ -122,6 +122,43 @@ def worker(
         raise _fail(str(exc)) from exc
 
 
+@app.command()
+def encoders(
+    model: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME=PATH of an embedding or classifier model folder (repeatable)."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    memory_budget: Annotated[str, typer.Option(help="Memory for loaded models.")] = "2GiB",
+    max_batch_size: Annotated[int, typer.Option(help="Inputs per batch (1 = none).")] = 32,
+    max_wait_ms: Annotated[float, typer.Option(help="How long a batch waits to fill.")] = 5.0,
+    device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Serve embedding and classifier models: OpenAI embeddings and the Open Inference Protocol
+    v2, several models in one process, loaded on first use, dynamically batched."""
+    from modelyard.config import parse_size
+    from modelyard.worker.encoder_app import serve_encoders
+
+    _setup_logging(log_level)
+    models: dict[str, Path] = {}
+    for entry in model or []:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise _fail(f"--model takes NAME=PATH, got {entry!r}")
+        if name in models:
+            raise _fail(f"model name {name!r} given twice")
+        models[name] = Path(path)
+    try:
+        serve_encoders(
+            models, host, port, parse_size(memory_budget), max_batch_size, max_wait_ms,
+            device=device, log_level=log_level,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+
+
 def _api_key(explicit: str | None, data_dir: Path) -> str:
     if explicit:
         return explicit

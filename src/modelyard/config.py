@@ -151,6 +151,11 @@ class PlatformSettings(_Settings):
     prices: dict[str, ModelPrice] = Field(
         default_factory=dict, description="Per model name: USD per 1M input/output tokens."
     )
+    encoder_host_memory: int = Field(
+        parse_size("2GiB"), description="Memory of the shared embedding/classifier host."
+    )
+    encoder_max_batch_size: int = Field(32, ge=1, description="Encoder inputs per batch.")
+    encoder_max_wait_ms: float = Field(5.0, ge=0, description="How long a batch waits to fill.")
     max_file_bytes: int = Field(parse_size("512MiB"), description="Largest Files API upload.")
     batch_concurrency: int = Field(8, ge=1, description="Batch items in flight per batch.")
     batch_item_attempts: int = Field(4, ge=1, description="Tries of an item on transient errors.")
@@ -170,7 +175,13 @@ class PlatformSettings(_Settings):
         default_factory=dict, description="Default engine settings for every worker."
     )
 
-    @field_validator("max_body_bytes", "max_artifact_bytes", "max_file_bytes", mode="before")
+    @field_validator(
+        "max_body_bytes",
+        "max_artifact_bytes",
+        "max_file_bytes",
+        "encoder_host_memory",
+        mode="before",
+    )
     @classmethod
     def _parse_size(cls, value: Any) -> int:
         return parse_size(value)

@@ -20,6 +20,7 @@ from modelyard.api import (
 )
 from modelyard.api.errors import install_error_handlers
 from modelyard.api.middleware import BodySizeLimit
+from modelyard.api.oip import install_oip_error_handlers
 from modelyard.platform import Platform
 
 
@@ -35,6 +36,7 @@ def create_platform_app(platform: Platform) -> FastAPI:
     app = FastAPI(title="modelyard", version=__version__, lifespan=lifespan, redoc_url=None)
     app.state.platform = platform
     install_error_handlers(app)
+    install_oip_error_handlers(app)
     app.add_middleware(
         BodySizeLimit,
         max_bytes=platform.settings.max_body_bytes,

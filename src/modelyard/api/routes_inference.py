@@ -26,6 +26,39 @@ async def completions(request: Request) -> Response:
     return await get_platform(request).gateway.handle(request, "completions")
 
 
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    return await get_platform(request).gateway.handle(request, "embeddings")
+
+
+# Open Inference Protocol v2 (KServe, Triton, MLServer clients) for classifier and embedding
+# endpoints. Errors under /v2 take the protocol's {"error": "..."} shape.
+
+
+@router.get("/v2/health/live")
+@router.get("/v2/health/ready")
+async def oip_health() -> dict[str, Any]:
+    return {}
+
+
+@router.get("/v2/models/{model}")
+@router.get("/v2/models/{model}/versions/{version}")
+async def oip_metadata(model: str, request: Request, version: str | None = None) -> Response:
+    return await get_platform(request).gateway.handle_oip(request, model, "")
+
+
+@router.get("/v2/models/{model}/ready")
+@router.get("/v2/models/{model}/versions/{version}/ready")
+async def oip_ready(model: str, request: Request, version: str | None = None) -> Response:
+    return await get_platform(request).gateway.handle_oip(request, model, "ready")
+
+
+@router.post("/v2/models/{model}/infer")
+@router.post("/v2/models/{model}/versions/{version}/infer")
+async def oip_infer(model: str, request: Request, version: str | None = None) -> Response:
+    return await get_platform(request).gateway.handle_oip(request, model, "infer")
+
+
 def _model_object(route: EndpointRoute, platform: Platform) -> dict[str, Any]:
     state = platform.endpoints.endpoints.get(route.endpoint_id)
     created = int(state.row.created_at.timestamp()) if state else 0

@@ -38,7 +38,11 @@ from modelyard.store.tables import ApiKey, Batch, BatchItem, Tenant
 
 log = logging.getLogger(__name__)
 
-_KIND = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
+_KIND = {
+    "/v1/chat/completions": "chat.completions",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
 # Failures worth another try: nothing reached a model, or the model's server broke.
 _TRANSIENT = {499, 500, 502, 503, 504}
 

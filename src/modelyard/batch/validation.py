@@ -16,7 +16,7 @@ import orjson
 
 MAX_LINES = 50_000
 MAX_CUSTOM_ID = 500
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 @dataclass

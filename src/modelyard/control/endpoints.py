@@ -22,6 +22,8 @@ from modelyard.api.errors import APIError
 from modelyard.api.schemas import DeployRequest
 from modelyard.config import EngineSettings, PlatformSettings
 from modelyard.control.backends.base import Backend, ReplicaHandle, ReplicaSpec
+from modelyard.control.encoder_pool import EncoderPool
+from modelyard.control.model_kind import LLM, detect
 from modelyard.control.registry import Registry, ResolvedVersion
 from modelyard.gateway.auth import Principal
 from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
@@ -73,6 +75,7 @@ class EndpointState:
     status: str = "provisioning"
     message: str | None = None
     last_error: str | None = None
+    kind: str | None = None  # llm, or an encoder kind served by the shared encoder host
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
@@ -110,6 +113,7 @@ class EndpointManager:
         self.backend = backend
         self.routing = routing
         self.endpoints: dict[str, EndpointState] = {}
+        self.encoders = EncoderPool(settings, backend)
         self._loop_task: asyncio.Task[None] | None = None
         self._http = httpx.AsyncClient(timeout=2.0)
         self._stopping = False
@@ -136,6 +140,7 @@ class EndpointManager:
             for task in state.tasks:
                 task.cancel()
         await self.backend.stop_all()
+        await self.encoders.close()
         await self._http.aclose()
 
     # ----- deploy ----------------------------------------------------------------------------
@@ -277,11 +282,60 @@ class EndpointManager:
                     version = await asyncio.to_thread(self.registry.by_id, state.row.version_id)
                     # Verifies every blob's sha256 before any worker loads it.
                     state.model_path = await asyncio.to_thread(self.registry.materialize, version)
+            state.kind = await asyncio.to_thread(detect, state.model_path)
         except Exception as exc:
             await self._set_status(state, "failed", f"cannot prepare the model files: {exc}")
             return
+        if state.kind != LLM:
+            await self._provision_encoder(state)
+            return
         replicas = [self._new_replica(state) for _ in range(state.desired)]
         await asyncio.gather(*(self._run_replica(state, r) for r in replicas))
+
+    async def _provision_encoder(self, state: EndpointState) -> None:
+        """An embedding or classifier model joins the shared encoder host (one per platform)."""
+        assert state.model_path is not None
+        state.desired = 1
+        replica = Replica(f"encoder-host/{state.row.id}")
+        state.replicas = [replica]
+        try:
+            replica.route = await self.encoders.register(state.row.id, state.model_path)
+        except Exception as exc:
+            replica.state, replica.error = "failed", str(exc)
+            await self._set_status(state, "failed", f"the encoder host refused the model: {exc}")
+            return
+        replica.handle = self.encoders.handle
+        replica.state = "ready"
+        replica.ready_after_s = time.time() - replica.started_at
+        state.route.upstream_model = state.row.id
+        state.route.replicas = [replica.route]
+        self.routing.generation += 1
+        await self._set_status(state, "ready", None)
+
+    async def _reconcile_encoders(self) -> None:
+        live = [
+            s
+            for s in self.endpoints.values()
+            if s.kind not in (None, LLM) and s.status in ("ready", "degraded")
+        ]
+        if not live or await self.encoders.healthy():
+            return
+        for state in live:
+            for route in state.route.replicas:
+                route.ready = False
+        restarts = self.encoders.restarts
+        try:
+            await self.encoders.ensure()  # restarts it and registers every model again
+        except Exception as exc:
+            log.warning("encoder host restart failed: %s", exc)
+            for state in live:
+                await self._set_status(state, "degraded", f"encoder host down: {exc}")
+            return
+        for state in live:
+            for replica in state.replicas:
+                replica.handle = self.encoders.handle
+            state.restarts += self.encoders.restarts - restarts
+            await self._set_status(state, "ready", None)
 
     @staticmethod
     def _new_replica(state: EndpointState) -> Replica:
@@ -362,6 +416,10 @@ class EndpointManager:
     async def _reconcile_loop(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.settings.health_check_interval_s)
+            try:
+                await self._reconcile_encoders()
+            except Exception:
+                log.exception("reconciling the encoder host failed")
             for state in list(self.endpoints.values()):
                 try:
                     await self._reconcile(state)
@@ -384,6 +442,8 @@ class EndpointManager:
     async def _reconcile(self, state: EndpointState) -> None:
         if state.status in ("draining", "deleted") or state.model_path is None:
             return
+        if state.kind != LLM:
+            return  # encoder endpoints live and die with the shared host
         for replica in list(state.replicas):
             if replica.state not in ("ready", "unhealthy") or replica.handle is None:
                 continue
@@ -449,6 +509,7 @@ class EndpointManager:
             "status": state.status,
             "status_message": state.message,
             "public": row.public,
+            "kind": state.kind,
             "model_artifact": row.artifact,
             "version_id": row.version_id,
             "framework": row.framework,
@@ -495,9 +556,13 @@ class EndpointManager:
         for task in list(state.tasks):
             if task is not asyncio.current_task():
                 task.cancel()
+        if state.kind not in (None, LLM):
+            await self.encoders.unregister(state.row.id)
+        else:
+            for replica in state.replicas:
+                if replica.handle is not None:
+                    await self.backend.stop(replica.handle)
         for replica in state.replicas:
-            if replica.handle is not None:
-                await self.backend.stop(replica.handle)
             replica.state = "stopped"
         await asyncio.to_thread(self._mark_deleted, state.row.id)
         state.status = "deleted"

@@ -106,6 +106,19 @@ class ModelHost:
             self._load_locks.setdefault(name, threading.Lock())
         return spec
 
+    def unregister(self, name: str) -> bool:
+        """Forget a model (unloading it); False if it is unknown or busy right now."""
+        with self._lock:
+            if name not in self._specs:
+                return False
+            model = self._loaded.get(name)
+            if model is not None:
+                if not model.idle:
+                    return False
+                self._drop(name)
+            del self._specs[name]
+            return True
+
     @property
     def names(self) -> list[str]:
         return list(self._specs)

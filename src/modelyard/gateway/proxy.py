@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from modelyard.api.disconnect import run_until_disconnect
+from modelyard.api.embeddings import EmbeddingRequest
 from modelyard.api.errors import APIError, bad_request, error_body, validation_error
 from modelyard.api.protocol import PROMPT_TOKENS_HEADER, ChatCompletionRequest, CompletionRequest
 from modelyard.config import PlatformSettings
@@ -51,8 +52,13 @@ _NO_LIMITS = Decision(
 _SCHEMAS: dict[str, type[BaseModel]] = {
     "chat.completions": ChatCompletionRequest,
     "completions": CompletionRequest,
+    "embeddings": EmbeddingRequest,
 }
-_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
+_PATHS = {
+    "chat.completions": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
 # Failures before any response byte: the request never reached a model, so another replica may
 # take it. (aiohttp measured ~3x less client CPU per proxied request than httpx here.)
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError)
@@ -71,7 +77,7 @@ def estimate_prompt_tokens(payload: dict[str, Any]) -> int:
                 chars += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, dict))
             chars += 16
         return chars // 4 + 1
-    prompt = payload.get("prompt")
+    prompt = payload.get("prompt", payload.get("input"))
     if isinstance(prompt, str):
         return len(prompt) // 4 + 1
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -160,6 +166,20 @@ class Gateway:
         self, principal: Principal, payload: dict[str, Any], req: Any
     ) -> tuple[EndpointRoute, int, Decision]:
         route = self._resolve(principal, req.model)
+        reserved = self._reserve(route, payload, req)
+        decision = await self._acquire(principal, req.model, reserved)
+        try:
+            await self._check_quota(principal)
+        except APIError as exc:
+            await self.limiter.reconcile(principal.key_id, principal.limits, reserved, 0)
+            exc.headers.update(decision.headers())
+            raise
+        return route, reserved, decision
+
+    def _reserve(self, route: EndpointRoute, payload: dict[str, Any], req: Any) -> int:
+        """Tokens to hold against TPM until the real count is known."""
+        if isinstance(req, EmbeddingRequest):
+            return estimate_prompt_tokens(payload)
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if max_tokens is not None and max_tokens > route.max_tokens_cap:
             raise bad_request(
@@ -171,7 +191,9 @@ class Gateway:
         prompt = getattr(req, "prompt", None)
         batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
         n_prompts = len(prompt) if batched else 1
-        reserved = estimate_prompt_tokens(payload) + completion * req.n * n_prompts
+        return estimate_prompt_tokens(payload) + completion * req.n * n_prompts
+
+    async def _acquire(self, principal: Principal, model: str, reserved: int) -> Decision:
         decision = await self.limiter.acquire(principal.key_id, principal.limits, reserved)
         if not decision.allowed:
             self.metrics.limited.labels(decision.reason or "limit").inc()
@@ -179,18 +201,12 @@ class Gateway:
             limit = decision.limit_requests if what == "requests" else decision.limit_tokens
             raise APIError(
                 429,
-                f"Rate limit reached for {req.model} on {what} per minute: limit {limit}. "
+                f"Rate limit reached for {model} on {what} per minute: limit {limit}. "
                 f"Please try again in {decision.retry_after_s:.2f}s.",
                 code="rate_limit_exceeded",
                 headers=decision.headers(),
             )
-        try:
-            await self._check_quota(principal)
-        except APIError as exc:
-            await self.limiter.reconcile(principal.key_id, principal.limits, reserved, 0)
-            exc.headers.update(decision.headers())
-            raise
-        return route, reserved, decision
+        return decision
 
     def _resolve(self, principal: Principal, model: str) -> EndpointRoute:
         route = self.routing.resolve(principal.tenant_id, model)
@@ -221,7 +237,7 @@ class Gateway:
     # ----- forwarding ------------------------------------------------------------------------
 
     async def _send(
-        self, call: _Call, payload: bytes, stream: bool
+        self, call: _Call, payload: bytes | None, stream: bool, path: str | None = None
     ) -> tuple[aiohttp.ClientResponse, ReplicaRoute]:
         """Open the upstream response, trying other replicas on connection failures."""
         assert self.session is not None
@@ -234,8 +250,9 @@ class Gateway:
             tried.add(replica.replica_id)
             replica.outstanding += 1
             try:
-                response = await self.session.post(
-                    replica.url + _PATHS[call.kind],
+                response = await self.session.request(
+                    "GET" if payload is None else "POST",
+                    replica.url + (path or _PATHS[call.kind]),
                     data=payload,
                     headers={"content-type": "application/json", "x-request-id": call.request_id},
                     timeout=self._stream_timeout if stream else self._unary_timeout,
@@ -280,8 +297,10 @@ class Gateway:
             decision=decision,
         )
         headers = {"x-request-id": call.request_id, **decision.headers()}
+        if route.upstream_model:
+            payload["model"] = route.upstream_model
         try:
-            if req.stream:
+            if getattr(req, "stream", False):
                 wants_usage = bool(req.stream_options and req.stream_options.include_usage)
                 # Always ask for usage, so the stream can be billed; the client sees the usage
                 # chunk only if it asked for it.
@@ -308,6 +327,8 @@ class Gateway:
         route = self._resolve(principal, req.model)
         await self._check_quota(principal)
         body = {**payload, "stream": False, "priority": BATCH_PRIORITY}
+        if route.upstream_model:
+            body["model"] = route.upstream_model
         call = _Call(
             principal=principal,
             route=route,
@@ -319,6 +340,8 @@ class Gateway:
         )
         status, content = await self._call_unary(call, orjson.dumps(body))
         result = orjson.loads(content)
+        if route.upstream_model and isinstance(result, dict) and "model" in result:
+            result["model"] = route.model_name
         if status != 200:
             return status, result, None
         self._take_usage(call, result.get("usage") or {})
@@ -328,9 +351,11 @@ class Gateway:
         p = call.principal
         await self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0)
 
-    async def _call_unary(self, call: _Call, payload: bytes) -> tuple[int, bytes]:
-        """Send a non-streaming request and read the whole answer."""
-        response, replica = await self._send(call, payload, stream=False)
+    async def _call_unary(
+        self, call: _Call, payload: bytes | None, path: str | None = None
+    ) -> tuple[int, bytes]:
+        """Send a non-streaming request (a GET without payload) and read the whole answer."""
+        response, replica = await self._send(call, payload, stream=False, path=path)
         try:
             content = await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -354,9 +379,61 @@ class Gateway:
         status, content = await self._call_unary(call, payload)
         if status != 200:
             return await self._unpaid(call, content, headers)
-        self._take_usage(call, orjson.loads(content).get("usage") or {})
+        body = orjson.loads(content)
+        self._take_usage(call, body.get("usage") or {})
         await self._finish(call)
+        if call.route.upstream_model:  # the client knows the model by its public name
+            body["model"] = call.route.model_name
+            content = orjson.dumps(body)
         return Response(content, media_type="application/json", headers=headers)
+
+    # ----- Open Inference Protocol v2 -------------------------------------------------------
+
+    async def handle_oip(self, request: Request, model: str, action: str) -> Response:
+        """`/v2/models/{model}[/ready|/infer]` for the tenant's classifier and embedding
+        endpoints: same keys, limits and routing; an inference counts one request (and no
+        tokens) against the key and in metering."""
+        principal = await self.auth.authenticate(request.headers.get("authorization"))
+        principal.require("inference")
+        route = self._resolve(principal, model)
+        upstream = route.upstream_model or route.model_name
+        path = f"/v2/models/{upstream}" + (f"/{action}" if action else "")
+        if action != "infer":
+            call = _Call(principal, route, "oip", uuid.uuid4().hex, 0, _NO_LIMITS)
+            status, content = await self._call_unary(call, None, path)
+            return Response(
+                self._rename(content, upstream, route.model_name),
+                status_code=status,
+                media_type="application/json",
+            )
+        decision = await self._acquire(principal, model, 0)
+        await self._check_quota(principal)
+        call = _Call(principal, route, "oip.infer", uuid.uuid4().hex, 0, decision)
+        headers = {"x-request-id": call.request_id, **decision.headers()}
+        status, content = await self._call_unary(call, await request.body(), path)
+        if status == 200:
+            await self._finish(call)
+        else:
+            self.metrics.requests.labels(route.model_name, status).inc()
+        return Response(
+            self._rename(content, upstream, route.model_name),
+            status_code=status,
+            media_type="application/json",
+            headers=headers,
+        )
+
+    @staticmethod
+    def _rename(content: bytes, upstream: str, public: str) -> bytes:
+        if upstream == public:
+            return content
+        try:
+            body = orjson.loads(content)
+        except orjson.JSONDecodeError:
+            return content
+        for key in ("name", "model_name"):
+            if isinstance(body, dict) and body.get(key) == upstream:
+                body[key] = public
+        return orjson.dumps(body)
 
     async def _stream(
         self, call: _Call, payload: bytes, wants_usage: bool, headers: dict[str, str]

@@ -26,6 +26,9 @@ class EndpointRoute:
     version_id: str | None
     max_tokens_cap: int
     replicas: list[ReplicaRoute] = field(default_factory=list)
+    # The model's name on its replicas when it differs from the public one (the shared
+    # encoder host knows each endpoint's model by the endpoint id).
+    upstream_model: str | None = None
 
     @property
     def outstanding(self) -> int:

@@ -9,18 +9,16 @@ Every input of a request goes through the model's batcher as its own item, so th
 concurrent requests share batches and a 2048-input request is cut into `max_batch_size` batches
 that other requests interleave with.
 
-Run it: `python -m modelyard.worker.encoder_app --model NAME=PATH [--model NAME=PATH ...]
-[--host 127.0.0.1] [--port 8000] [--memory-budget 2GiB] [--max-batch-size 32]
-[--max-wait-ms 5] [--max-body-bytes 8MiB] [--device cpu] [--log-level info]`.
+Run it: `modelyard encoders --model NAME=PATH [--model NAME=PATH ...]`; the platform starts one
+with no model and adds models through `PUT /admin/models/{name}`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,13 +28,32 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel
 
 from modelyard import __version__
 from modelyard.api.disconnect import run_until_disconnect
+from modelyard.api.embeddings import (
+    MAX_INPUTS,
+    EmbeddingRequest,
+    embedding_response,
+    model_not_found,
+)
 from modelyard.api.errors import APIError, bad_request, install_error_handlers
 from modelyard.api.middleware import BodySizeLimit
-from modelyard.config import parse_size
+from modelyard.api.oip import (
+    VERSION,
+    OIPError,
+    classifier_outputs,
+    embedding_outputs,
+    infer_response,
+    install_oip_error_handlers,
+    model_metadata,
+    parse_infer_request,
+    read_texts,
+    select_outputs,
+    top_k,
+)
+from modelyard.api.responses import json_response
 from modelyard.encoders.batcher import DynamicBatcher
 from modelyard.encoders.embedding import EmbeddingModel
 from modelyard.encoders.errors import (
@@ -44,36 +61,22 @@ from modelyard.encoders.errors import (
     EncoderInputError,
     HostBusy,
     ModelTooLarge,
+    UnsupportedModel,
 )
 from modelyard.encoders.host import ModelHost, ModelSpec
-from modelyard.encoders.loading import embedding_dimension, platform
+from modelyard.encoders.loading import ModelKind, embedding_dimension, platform
 from modelyard.encoders.metrics import EncoderMetrics
-from modelyard.encoders.oip_protocol import (
-    VERSION,
-    OIPError,
-    classifier_outputs,
-    embedding_outputs,
-    infer_response,
-    model_metadata,
-    parse_infer_request,
-    read_texts,
-    select_outputs,
-    top_k,
-)
-from modelyard.encoders.openai_protocol import (
-    MAX_INPUTS,
-    EmbeddingRequest,
-    embedding_response,
-    model_not_found,
-)
-from modelyard.encoders.responses import json_response
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-_OIP_PREFIX = "/v2"
 _RETRY_AFTER_S = "1"
 T = TypeVar("T")
+
+
+class RegisterModel(BaseModel):
+    path: str
+    kind: ModelKind | None = None
 
 
 async def _submit_all(batcher: DynamicBatcher[Any, T], inputs: Sequence[Any]) -> list[T]:
@@ -99,43 +102,6 @@ def _host_failure(exc: HostBusy | ModelTooLarge) -> tuple[int, str, dict[str, st
     if isinstance(exc, HostBusy):
         return 503, str(exc), {"retry-after": _RETRY_AFTER_S}
     return 500, str(exc), {}
-
-
-def _install_oip_error_handlers(app: FastAPI) -> None:
-    """Under `/v2/` every error, the framework's own included, takes the protocol's shape;
-    elsewhere the OpenAI handlers `install_error_handlers` put in place still answer."""
-    openai_handlers = dict(app.exception_handlers)
-
-    def is_oip(request: Request) -> bool:
-        path = request.url.path
-        return path == _OIP_PREFIX or path.startswith(_OIP_PREFIX + "/")
-
-    @app.exception_handler(OIPError)
-    async def _oip(_: Request, exc: OIPError) -> Response:
-        return exc.response()
-
-    def wrap(
-        kind: type[Exception], to_oip: Callable[[Any], OIPError]
-    ) -> Callable[[Request, Any], Awaitable[Response]]:
-        fallback = openai_handlers[kind]
-
-        async def handler(request: Request, exc: Any) -> Response:
-            if is_oip(request):
-                if kind is Exception:
-                    log.exception("unhandled error")
-                return to_oip(exc).response()
-            return await fallback(request, exc)  # type: ignore[no-any-return]
-
-        return handler
-
-    app.add_exception_handler(APIError, wrap(APIError, lambda e: OIPError(e.status, e.message)))
-    app.add_exception_handler(
-        StarletteHTTPException,
-        wrap(StarletteHTTPException, lambda e: OIPError(e.status_code, str(e.detail))),
-    )
-    app.add_exception_handler(
-        Exception, wrap(Exception, lambda e: OIPError(500, f"internal error: {e}"))
-    )
 
 
 class _Serving:
@@ -277,7 +243,7 @@ def create_encoder_app(host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_B
         title="modelyard encoder worker", lifespan=lifespan, docs_url=None, redoc_url=None
     )
     install_error_handlers(app)
-    _install_oip_error_handlers(app)
+    install_oip_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     metrics = EncoderMetrics(host)
     serving = _Serving(host, metrics)
@@ -291,6 +257,24 @@ def create_encoder_app(host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_B
     @app.get("/v1/models")
     async def models() -> Response:
         return json_response(serving.models())
+
+    # The platform's control plane adds and removes the models this host serves at runtime.
+    # Workers listen on loopback only; the gateway is the public door.
+    @app.put("/admin/models/{name}")
+    async def register_model(name: str, body: RegisterModel) -> Response:
+        try:
+            spec = await asyncio.to_thread(host.register, name, body.path, body.kind)
+        except (ModelTooLarge, UnsupportedModel) as exc:
+            raise bad_request(str(exc), "path", "model_rejected") from exc
+        return json_response({"name": name, "kind": spec.kind, "path": str(spec.path)})
+
+    @app.delete("/admin/models/{name}")
+    async def unregister_model(name: str) -> Response:
+        if not host.unregister(name):
+            if name in host.names:
+                raise APIError(409, f"model {name!r} is busy; retry", code="model_busy")
+            raise model_not_found(name)
+        return json_response({"name": name, "deleted": True})
 
     @app.get("/v2")
     async def server_metadata() -> Response:
@@ -358,53 +342,3 @@ def serve_encoders(
     app = create_encoder_app(model_host, max_body_bytes)
     log.info("serving %d encoder models on http://%s:%d", len(models), host, port)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-
-
-def _model_arg(value: str) -> tuple[str, Path]:
-    name, sep, path = value.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
-    return name, Path(path)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m modelyard.worker.encoder_app",
-        description="Serve embedding and classifier models (OpenAI embeddings, KServe v2).",
-    )
-    parser.add_argument(
-        "--model",
-        action="append",
-        type=_model_arg,
-        required=True,
-        metavar="NAME=PATH",
-        help="a model folder to host under NAME (repeat for several); its kind is read from it",
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--memory-budget", type=parse_size, default=parse_size("2GiB"))
-    parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--max-wait-ms", type=float, default=5.0)
-    parser.add_argument("--max-body-bytes", type=parse_size, default=DEFAULT_MAX_BODY_BYTES)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    models = dict(args.model)
-    if len(models) != len(args.model):
-        parser.error("a model name is given twice")
-    logging.basicConfig(level=args.log_level.upper())
-    serve_encoders(
-        models,
-        args.host,
-        args.port,
-        args.memory_budget,
-        args.max_batch_size,
-        args.max_wait_ms,
-        max_body_bytes=args.max_body_bytes,
-        device=args.device,
-        log_level=args.log_level,
-    )
-
-
-if __name__ == "__main__":
-    main()

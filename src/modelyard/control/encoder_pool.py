@@ -1,0 +1,140 @@
+"""The shared encoder host: one process that serves every embedding and classifier endpoint.
+
+Small models share a device instead of taking a process each: an encoder endpoint is a model
+registered in this host (under its endpoint id, so equal names of two tenants never meet),
+loaded on first use and evicted least-recently-used within `encoder_host_memory`. The pool
+starts the host on first need, re-registers every model if the host has to be restarted, and
+keeps each endpoint's route pointed at the host's current address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from modelyard.config import PlatformSettings
+from modelyard.control.backends.base import Backend, ReplicaHandle, ReplicaSpec
+from modelyard.gateway.router import ReplicaRoute
+from modelyard.store import repository as repo
+
+log = logging.getLogger(__name__)
+
+
+class EncoderHostError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Model:
+    path: Path
+    routes: list[ReplicaRoute] = field(default_factory=list)
+
+
+class EncoderPool:
+    def __init__(self, settings: PlatformSettings, backend: Backend) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.handle: ReplicaHandle | None = None
+        self.started_at: float | None = None
+        self.restarts = 0
+        self._models: dict[str, _Model] = {}
+        self._lock = asyncio.Lock()
+        self._http = httpx.AsyncClient(timeout=30.0)
+
+    @property
+    def url(self) -> str | None:
+        return self.handle.url if self.handle else None
+
+    def alive(self) -> bool:
+        return self.handle is not None and self.backend.alive(self.handle)
+
+    async def _start(self) -> None:
+        s = self.settings
+        spec = ReplicaSpec(
+            replica_id=repo.new_id("enc"),
+            endpoint_id="encoder-host",
+            model_path=None,
+            served_model_name="",
+            command="encoders",
+            args=(
+                "--memory-budget", str(s.encoder_host_memory),
+                "--max-batch-size", str(s.encoder_max_batch_size),
+                "--max-wait-ms", str(s.encoder_max_wait_ms),
+            ),
+        )  # fmt: skip
+        self.handle = await self.backend.start(spec)
+        self.started_at = time.time()
+        deadline = time.monotonic() + s.replica_start_timeout_s
+        while time.monotonic() < deadline:
+            if not self.backend.alive(self.handle):
+                raise EncoderHostError(
+                    f"encoder host exited ({self.backend.exit_status(self.handle)})"
+                )
+            try:
+                if (await self._http.get(self.handle.url + "/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+        raise EncoderHostError("encoder host did not become healthy")
+
+    async def _put(self, name: str, path: Path) -> None:
+        assert self.handle is not None
+        r = await self._http.put(f"{self.handle.url}/admin/models/{name}", json={"path": str(path)})
+        if r.status_code != 200:
+            raise EncoderHostError(f"the encoder host refused {name}: {r.text[:300]}")
+
+    async def ensure(self) -> None:
+        """Start (or restart) the host if it is not running, with every model registered."""
+        async with self._lock:
+            if self.alive():
+                return
+            if self.handle is not None:
+                self.restarts += 1
+                log.warning("encoder host died; restarting it with %d models", len(self._models))
+                await self.backend.stop(self.handle)
+            self.handle = None
+            await self._start()
+            for name, model in self._models.items():
+                await self._put(name, model.path)
+                for route in model.routes:
+                    route.url = self.handle.url  # type: ignore[union-attr]
+                    route.ready = True
+
+    async def register(self, name: str, path: Path) -> ReplicaRoute:
+        """Serve `path` under `name`; returns a route for the endpoint's routing entry."""
+        await self.ensure()
+        async with self._lock:
+            assert self.handle is not None
+            await self._put(name, path)
+            route = ReplicaRoute(f"encoder-host/{name}", self.handle.url)
+            self._models[name] = _Model(path, [route])
+            return route
+
+    async def unregister(self, name: str) -> None:
+        async with self._lock:
+            model = self._models.pop(name, None)
+            if model is None or not self.alive():
+                return
+            assert self.handle is not None
+            await self._http.delete(f"{self.handle.url}/admin/models/{name}")
+            if not self._models:  # nothing left to serve: give the memory back
+                await self.backend.stop(self.handle)
+                self.handle = None
+
+    async def healthy(self) -> bool:
+        if not self.alive():
+            return False
+        assert self.handle is not None
+        try:
+            return (await self._http.get(self.handle.url + "/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def close(self) -> None:
+        await self._http.aclose()

@@ -1,0 +1,219 @@
+"""Embedding and classifier endpoints on `modelyard serve`: the official `openai` client's
+`embeddings.create` and the Open Inference Protocol v2 through the gateway with tenant keys,
+metering, limits, isolation, several models sharing one host process, host repair, and a batch
+of embeddings."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from modelyard.encoders.embedding import EmbeddingModel
+from tests.platform_harness import (
+    PlatformProcess,
+    create_key,
+    create_tenant,
+    deploy,
+    usage_rows,
+    wait_status,
+)
+from tests.tiny_encoders import build_classifier, export_onnx, minilm_folder
+
+SENTENCES = ["The cat sat on the mat.", "Quantum computing uses qubits.", "Hello!"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("encoders")
+    clf = build_classifier(root / "clf")
+    return {"minilm": minilm_folder(), "clf": clf, "clf-onnx": export_onnx(clf, root / "onnx")}
+
+
+@pytest.fixture(scope="module")
+def platform(
+    tmp_path_factory: pytest.TempPathFactory, folders: dict[str, Path], cache_dir: Path
+) -> Iterator[PlatformProcess]:
+    env = {"MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
+    try:
+        admin = p.api()
+        for name, folder in folders.items():
+            deploy(admin, name, str(folder), public=True)
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def tenant(platform: PlatformProcess) -> tuple[str, str]:
+    admin = platform.api()
+    tenant = create_tenant(admin, "encoders-tenant")
+    return tenant, create_key(admin, tenant, rpm_limit=1000)["key"]
+
+
+def test_embeddings_through_the_gateway_are_exact_and_metered(
+    platform: PlatformProcess, tenant: tuple[str, str]
+) -> None:
+    tenant_id, key = tenant
+    client = platform.openai(key)
+    reference, counts = EmbeddingModel(minilm_folder()).encode(SENTENCES)
+    resp = client.embeddings.create(model="minilm", input=SENTENCES, encoding_format="float")
+    assert resp.model == "minilm" and [d.index for d in resp.data] == [0, 1, 2]
+    got = np.array([d.embedding for d in resp.data], dtype=np.float32)
+    assert np.abs(got - reference.numpy()).max() < 1e-5
+    assert resp.usage.prompt_tokens == sum(counts) == resp.usage.total_tokens
+    decoded = client.embeddings.create(model="minilm", input=SENTENCES[0])  # base64 on the wire
+    assert np.allclose(decoded.data[0].embedding, got[0], atol=1e-6)
+    time.sleep(0.3)
+    rows = [r for r in usage_rows(platform.api(), tenant_id=tenant_id) if r["kind"] == "embeddings"]
+    assert sorted(int(r["prompt_tokens"]) for r in rows) == sorted([sum(counts), counts[0]])
+    assert all(r["model"] == "minilm" and r["completion_tokens"] == "0" for r in rows)
+
+
+def test_open_inference_protocol_through_the_gateway(
+    platform: PlatformProcess, tenant: tuple[str, str]
+) -> None:
+    tenant_id, key = tenant
+    http = platform.api(key)
+    meta = http.get("/v2/models/clf").json()
+    assert meta["name"] == "clf" and meta["outputs"][0]["name"] in ("label", "score")
+    assert http.get("/v2/models/clf/ready").status_code == 200
+    assert http.get("/v2/health/live").status_code == 200
+    kserve = {"inputs": [{"name": "text", "shape": [2], "datatype": "BYTES",
+                          "data": ["good movie", "bad movie"]}]}  # fmt: skip
+    outputs = {}
+    for model in ("clf", "clf-onnx"):
+        r = http.post(f"/v2/models/{model}/infer", json=kserve)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model_name"] == model
+        outputs[model] = {o["name"]: o for o in body["outputs"]}
+        assert outputs[model]["label"]["shape"] == [2]
+    assert outputs["clf"]["label"]["data"] == outputs["clf-onnx"]["label"]["data"]
+    assert np.allclose(outputs["clf"]["score"]["data"], outputs["clf-onnx"]["score"]["data"],
+                       atol=1e-4)  # fmt: skip
+    triton = {"inputs": [{"name": "text", "shape": [2, 1], "datatype": "BYTES",
+                          "data": ["good movie", "bad movie"]}]}  # fmt: skip
+    r = http.post("/v2/models/clf/infer", json=triton)
+    assert r.status_code == 200
+    time.sleep(0.3)
+    rows = [r for r in usage_rows(platform.api(), tenant_id=tenant_id) if r["kind"] == "oip.infer"]
+    assert len(rows) == 3  # one metered request each, no tokens
+    assert {r["prompt_tokens"] for r in rows} == {"0"}
+
+
+def test_oip_errors_take_the_protocol_shape(platform: PlatformProcess, tenant: tuple[str, str]):
+    _, key = tenant
+    http = platform.api(key)
+    r = http.post("/v2/models/nope/infer", json={"inputs": []})
+    assert r.status_code == 404 and set(r.json()) == {"error"}
+    r = httpx.post(f"{platform.url}/v2/models/clf/infer", json={"inputs": []})
+    assert r.status_code == 401 and set(r.json()) == {"error"}
+    bad_type = {"inputs": [{"name": "text", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
+    r = http.post("/v2/models/clf/infer", json=bad_type)
+    assert r.status_code == 400 and "error" in r.json()
+    bad_shape = {"inputs": [{"name": "text", "shape": [3], "datatype": "BYTES", "data": ["a"]}]}
+    assert http.post("/v2/models/clf/infer", json=bad_shape).status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        platform.openai(key).embeddings.create(model="nope", input="x")
+    with pytest.raises(openai.BadRequestError):
+        platform.openai(key).embeddings.create(model="minilm", input="x", dimensions=8)
+
+
+def test_rate_limits_apply_to_oip_requests(platform: PlatformProcess) -> None:
+    admin = platform.api()
+    key = create_key(admin, create_tenant(admin, "oip-limited"), rpm_limit=2)["key"]
+    body = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}
+    http = platform.api(key)
+    assert [http.post("/v2/models/clf/infer", json=body).status_code for _ in range(2)] == [
+        200,
+        200,
+    ]
+    r = http.post("/v2/models/clf/infer", json=body)
+    assert r.status_code == 429 and "error" in r.json() and int(r.headers["retry-after"]) >= 1
+
+
+def test_small_models_share_one_host_process(platform: PlatformProcess) -> None:
+    endpoints = platform.api().get("/v1/endpoints").json()["data"]
+    pids = {e["model_name"]: e["replicas"]["items"][0]["pid"] for e in endpoints}
+    assert pids["minilm"] == pids["clf"] == pids["clf-onnx"]
+    assert {e["kind"] for e in endpoints} == {"embedding", "classifier", "onnx-classifier"}
+
+
+def test_private_encoder_endpoints_stay_private(
+    platform: PlatformProcess, folders: dict[str, Path]
+) -> None:
+    admin = platform.api()
+    a = create_tenant(admin, "enc-a")
+    b_key = create_key(admin, create_tenant(admin, "enc-b"))["key"]
+    a_admin = create_key(admin, a, scopes=["admin", "inference"])["key"]
+    # The platform admin deploys for nobody else; tenant A pushes its own classifier instead.
+    from modelyard.registry_client import RegistryClient
+
+    RegistryClient(platform.url, a_admin).push(folders["clf"], "a-clf")
+    endpoint = deploy(platform.api(a_admin), "a-clf", "a-clf")
+    body = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}
+    assert platform.api(a_admin).post("/v2/models/a-clf/infer", json=body).status_code == 200
+    assert platform.api(b_key).post("/v2/models/a-clf/infer", json=body).status_code == 404
+    assert platform.api(b_key).post(f"/v2/models/{endpoint}/infer", json=body).status_code == 404
+    platform.api(a_admin).delete(f"/v1/endpoints/{endpoint}")
+    wait_status(platform.api(a_admin), endpoint, "gone")
+
+
+def test_a_batch_of_embeddings(platform: PlatformProcess, tenant: tuple[str, str]) -> None:
+    _, key = tenant
+    client = platform.openai(key)
+    lines = [
+        {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": "minilm", "input": SENTENCES[i % 3]}}
+        for i in range(12)
+    ]  # fmt: skip
+    data = "\n".join(json.dumps(x) for x in lines).encode()
+    upload = client.files.create(file=("e.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while (b := client.batches.retrieve(batch.id)).status != "completed":
+        assert time.monotonic() < deadline, b.status
+        time.sleep(0.2)
+    out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    assert len(out) == 12
+    assert all(len(o["response"]["body"]["data"][0]["embedding"]) == 384 for o in out)
+    assert {o["response"]["body"]["model"] for o in out} == {"minilm"}
+
+
+def test_a_killed_encoder_host_is_restarted_with_its_models(
+    platform: PlatformProcess, tenant: tuple[str, str]
+) -> None:
+    _, key = tenant
+    admin = platform.api()
+    (minilm,) = [
+        e for e in admin.get("/v1/endpoints").json()["data"] if e["model_name"] == "minilm"
+    ]
+    old_pid = minilm["replicas"]["items"][0]["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    client = platform.openai(key)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.embeddings.create(model="minilm", input="back again?")
+            break
+        except (openai.APIStatusError, openai.APIConnectionError):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    endpoint = admin.get(f"/v1/endpoints/{minilm['endpoint_id']}").json()
+    assert endpoint["replicas"]["items"][0]["pid"] != old_pid
+    assert endpoint["replicas"]["restarts"] >= 1
+    body = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}
+    assert platform.api(key).post("/v2/models/clf/infer", json=body).status_code == 200
