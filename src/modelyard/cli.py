@@ -101,6 +101,10 @@ def worker(
     ] = None,
     dtype: Annotated[str | None, typer.Option(help="auto, float32 or bfloat16.")] = None,
     kv_cache_memory: Annotated[str | None, typer.Option(help="KV cache budget, e.g. 1GiB.")] = None,
+    tensor_parallel_size: Annotated[
+        int | None,
+        typer.Option(help="Split the model over N devices (ranks); starts N-1 helper processes."),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Serve one model over the OpenAI API (chat, completions, models, health, metrics)."""
@@ -115,6 +119,8 @@ def worker(
         overrides["dtype"] = dtype
     if kv_cache_memory:
         overrides["kv_cache_memory"] = kv_cache_memory
+    if tensor_parallel_size is not None:
+        overrides["tensor_parallel_size"] = tensor_parallel_size
     try:
         settings = EngineSettings(**overrides)  # type: ignore[arg-type]
         serve_worker(model, host, port, settings, served_model_name, log_level)

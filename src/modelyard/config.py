@@ -97,7 +97,17 @@ class EngineSettings(_Settings):
         Path.home() / ".cache" / "modelyard",
         description="Where converted weights (GGUF to safetensors) and tokenizers are cached.",
     )
-    num_threads: int | None = Field(None, description="torch intra-op threads (default: torch's).")
+    num_threads: int | None = Field(
+        None,
+        description="torch intra-op threads per rank (default: torch's; with tensor "
+        "parallelism on CPU, the cores divided by tensor_parallel_size).",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks (devices) one replica's model is split over; each rank gets "
+        "kv_cache_memory for its share of the KV heads.",
+    )
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
@@ -136,6 +146,22 @@ class PlatformSettings(_Settings):
         35.0, description="A stream that sends nothing for this long is cut with an error event."
     )
     gateway_retries: int = Field(2, description="Other replicas tried before the first byte.")
+    admission_timeout_s: float = Field(
+        30.0, gt=0, description="How long a request may wait for a replica with room (then 429)."
+    )
+    admission_tokens_per_request: int = Field(
+        1024,
+        ge=1,
+        description="The KV cache one request needs on average (tokens): a replica admits "
+        "KV capacity / this many requests at once.",
+    )
+    admission_queue_size: int = Field(
+        256, ge=0, description="Requests that may wait for room, per endpoint (then 429)."
+    )
+    scale_from_zero_timeout_s: float = Field(
+        180.0, gt=0, description="How long a request waits for a scaled-to-zero model to load."
+    )
+    async_result_ttl_s: float = Field(600.0, gt=0, description="How long 202 results are kept.")
     default_reserved_completion_tokens: int = Field(
         1024, description="TPM reserved for a request without max_tokens, reconciled after."
     )

@@ -26,6 +26,16 @@ async def completions(request: Request) -> Response:
     return await get_platform(request).gateway.handle(request, "completions")
 
 
+@router.get("/v1/async/{request_id}")
+async def async_result(
+    request_id: str,
+    principal: Principal = Depends(get_principal),
+    platform: Platform = Depends(get_platform),
+) -> Response:
+    """The answer to a request sent with `Prefer: respond-async` (202 while it runs)."""
+    return platform.gateway.async_results.get(principal.tenant_id, request_id)
+
+
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> Response:
     return await get_platform(request).gateway.handle(request, "embeddings")

@@ -1,9 +1,10 @@
-"""Endpoints: deploy a model version as replicas, keep them healthy, drain and delete them.
+"""Endpoints: deploy a model version as replicas, keep them healthy, scale them, drain them.
 
 The database holds what should exist (the endpoint rows); this manager holds what does exist
 (replica processes via a backend) and reconciles the two in a loop: dead replicas are replaced,
-unhealthy ones leave the routing table until they answer again. On start it re-provisions every
-live endpoint found in the database.
+unhealthy ones leave the routing table until they answer again, and each endpoint's autoscaler
+sets how many replicas it should have (down to zero when idle; a request for an endpoint at
+zero activates it at once). On start it re-provisions every live endpoint in the database.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,12 @@ from pydantic import ValidationError
 from modelyard.api.errors import APIError
 from modelyard.api.schemas import DeployRequest
 from modelyard.config import EngineSettings, PlatformSettings
+from modelyard.control.autoscaler import Autoscaler, Decision, ScalingPolicy
 from modelyard.control.backends.base import Backend, ReplicaHandle, ReplicaSpec
 from modelyard.control.encoder_pool import EncoderPool
 from modelyard.control.model_kind import LLM, detect
 from modelyard.control.registry import Registry, ResolvedVersion
+from modelyard.control.scaling import LoadTracker
 from modelyard.gateway.auth import Principal
 from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.store import repository as repo
@@ -43,11 +47,12 @@ class Replica:
     replica_id: str
     route: ReplicaRoute | None = None
     handle: ReplicaHandle | None = None
-    state: str = "starting"  # starting | ready | unhealthy | failed | stopped
+    state: str = "starting"  # starting | ready | unhealthy | draining | failed | stopped
     started_at: float = field(default_factory=time.time)
     ready_after_s: float | None = None
     health_failures: int = 0
     error: str | None = None
+    load: dict[str, Any] | None = None  # its last /health report
 
     def view(self) -> dict[str, Any]:
         return {
@@ -71,12 +76,16 @@ class EndpointState:
     replicas: list[Replica] = field(default_factory=list)
     desired: int = 1
     restarts: int = 0
+    failures: int = 0  # replica failures since one was last ready: the restart backoff
     next_restart_at: float = 0.0
     status: str = "provisioning"
     message: str | None = None
     last_error: str | None = None
     kind: str | None = None  # llm, or an encoder kind served by the shared encoder host
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    autoscaler: Autoscaler | None = None
+    load: LoadTracker | None = None
+    decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=20))
 
     @property
     def live(self) -> list[Replica]:
@@ -263,6 +272,10 @@ class EndpointManager:
         state = EndpointState(
             row=row, route=route, model_path=path, engine_env=env, desired=desired
         )
+        policy = ScalingPolicy.from_deploy(row.hardware, row.scaling)
+        state.autoscaler = Autoscaler(policy)
+        state.load = LoadTracker(policy.metric)
+        route.activate = lambda: self._activate(state)
         self.endpoints[row.id] = state
         self.routing.put(route)
         self._spawn(state, self._provision(state))
@@ -358,6 +371,7 @@ class EndpointManager:
             await self._wait_healthy(replica)
         except Exception as exc:
             replica.state = "failed"
+            state.failures += 1
             replica.error = state.last_error = str(exc)
             log.warning(
                 "replica %s of %s failed to start: %s", replica.replica_id, state.row.id, exc
@@ -367,11 +381,17 @@ class EndpointManager:
             if not any(r.state == "ready" for r in state.replicas):
                 await self._set_status(state, "failed", f"replica failed to start: {exc}")
             return
+        if replica.state == "draining":  # scaled down while it was starting
+            await self.backend.stop(replica.handle)
+            replica.state = "stopped"
+            return
         replica.state = "ready"
+        state.failures = 0
         replica.ready_after_s = time.time() - replica.started_at
         replica.route = ReplicaRoute(replica.replica_id, replica.handle.url)
+        await self._probe(replica)  # its load report and admission limit, before traffic
         state.route.replicas.append(replica.route)
-        self.routing.generation += 1
+        self.routing.changed(state.route)
         await self._update_status(state)
 
     def _default_engine_env(self) -> dict[str, str]:
@@ -427,17 +447,26 @@ class EndpointManager:
                     log.exception("reconciling endpoint %s failed", state.row.id)
 
     async def _probe(self, replica: Replica) -> bool:
+        """Health check; keeps the replica's load report and sets its admission limit."""
         assert replica.handle is not None
         try:
             r = await self._http.get(replica.handle.url + "/health")
-            return r.status_code == 200
         except httpx.HTTPError:
             return False
+        if r.status_code != 200:
+            return False
+        replica.load = r.json()
+        capacity = int(replica.load.get("kv_cache_capacity_tokens") or 0)
+        if replica.route is not None and capacity:
+            # The spec's admission formula: KV memory / the KV one request needs on average.
+            per_request = self.settings.admission_tokens_per_request
+            replica.route.max_concurrency = max(1, capacity // per_request)
+        return True
 
     def _drop_route(self, state: EndpointState, replica: Replica) -> None:
         if replica.route is not None and replica.route in state.route.replicas:
             state.route.replicas.remove(replica.route)
-            self.routing.generation += 1
+            self.routing.changed(state.route)
 
     async def _reconcile(self, state: EndpointState) -> None:
         if state.status in ("draining", "deleted") or state.model_path is None:
@@ -450,6 +479,7 @@ class EndpointManager:
             if not self.backend.alive(replica.handle):
                 code = self.backend.exit_status(replica.handle)
                 replica.state = "failed"
+                state.failures += 1
                 replica.error = state.last_error = f"replica {replica.replica_id} exited ({code})"
                 self._drop_route(state, replica)
                 log.warning("replica %s of %s died (%s)", replica.replica_id, state.row.id, code)
@@ -467,20 +497,79 @@ class EndpointManager:
                     replica.state = "unhealthy"
                     if replica.route is not None:
                         replica.route.ready = False
-        state.replicas = [r for r in state.replicas if r.state != "failed"]
-        missing = state.desired - len(state.live)
-        if missing > 0 and time.monotonic() >= state.next_restart_at:
-            state.restarts += missing
-            backoff = min(_MAX_RESTART_BACKOFF_S, 2.0 ** min(state.restarts, 6))
-            state.next_restart_at = time.monotonic() + backoff
-            for _ in range(missing):
-                self._spawn(state, self._run_replica(state, self._new_replica(state)))
+        state.replicas = [r for r in state.replicas if r.state not in ("failed", "stopped")]
+        self._autoscale(state)
+        self._converge(state)
         await self._update_status(state)
 
+    def _autoscale(self, state: EndpointState) -> None:
+        if state.autoscaler is None or state.load is None:
+            return
+        if state.status == "provisioning" and not any(r.state == "ready" for r in state.replicas):
+            return  # nothing to judge until it serves (and a cold start is no idleness)
+        now = time.monotonic()
+        loads = {r.replica_id: r.load for r in state.replicas if r.state == "ready" and r.load}
+        state.autoscaler.observe(state.load.observe(now, state.route, loads))
+        decision = state.autoscaler.decide(now, len(state.live))
+        if decision.desired != decision.current:
+            state.decisions.append(decision)
+            log.info(
+                "endpoint %s: %d -> %d replicas (%s)",
+                state.row.id, decision.current, decision.desired, decision.reason,
+            )  # fmt: skip
+        state.desired = decision.desired
+
+    def _converge(self, state: EndpointState) -> None:
+        """Start or drain replicas until the live ones match `desired`."""
+        live = state.live
+        missing = state.desired - len(live)
+        if missing > 0 and time.monotonic() >= state.next_restart_at:
+            if state.failures:  # replacing failed replicas: back off
+                state.restarts += missing
+                backoff = min(_MAX_RESTART_BACKOFF_S, 2.0 ** min(state.failures, 6))
+                state.next_restart_at = time.monotonic() + backoff
+            for _ in range(missing):
+                self._spawn(state, self._run_replica(state, self._new_replica(state)))
+        elif missing < 0:
+            # Newest first: a starting one costs nothing to drop, older ones hold warm caches.
+            for replica in sorted(live, key=lambda r: r.started_at, reverse=True)[:-missing]:
+                replica.state = "draining"
+                if replica.route is not None:
+                    replica.route.ready = False
+                    self._spawn(state, self._drain_replica(state, replica))
+
+    async def _drain_replica(self, state: EndpointState, replica: Replica) -> None:
+        """Scale-down of one replica: no new requests, wait for those in flight, then stop."""
+        deadline = time.monotonic() + self.settings.replica_drain_timeout_s
+        route = replica.route
+        # Polls counters the gateway moves; an event per counter would cost the hot path.
+        while route is not None and route.outstanding > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        self._drop_route(state, replica)
+        if replica.handle is not None:
+            await self.backend.stop(replica.handle)
+        replica.state = "stopped"
+
+    def _activate(self, state: EndpointState) -> None:
+        """A request for an endpoint with no replica serving: have one started now."""
+        if state.status in ("draining", "deleted", "failed") or state.kind not in (None, LLM):
+            return
+        if state.autoscaler is not None:
+            state.autoscaler.mark_active(time.monotonic())
+        if state.live or state.model_path is None:
+            return  # one is starting already (or the endpoint is still being provisioned)
+        state.desired = max(state.desired, 1)
+        state.status, state.message = "provisioning", "scaling from zero"
+        self._spawn(state, self._run_replica(state, self._new_replica(state)))
+
     async def _update_status(self, state: EndpointState) -> None:
-        """ready = every desired replica serves; before that provisioning, after it degraded."""
+        """ready = every desired replica serves; before that provisioning, after it degraded;
+        scaled_to_zero when the autoscaler wants none and none runs."""
         ready = sum(r.state == "ready" for r in state.replicas)
-        if ready >= state.desired:
+        running = [r for r in state.replicas if r.state not in ("failed", "stopped")]
+        if state.desired == 0 and not running:  # draining ones too must be gone
+            await self._set_status(state, "scaled_to_zero", None)
+        elif ready >= state.desired:
             await self._set_status(state, "ready", None)
         elif state.status in ("ready", "degraded") and ready:
             await self._set_status(state, "degraded", f"{ready} of {state.desired} replicas ready")
@@ -518,6 +607,16 @@ class EndpointManager:
             "engine": row.engine_options,
             "created_at": int(repo.as_utc(row.created_at).timestamp()),
             "endpoint_url": f"{base_url}/v1/models/{row.id}",
+            "autoscaling": {
+                "desired": state.desired,
+                "current": len(state.live),
+                "last_decision": (
+                    state.autoscaler.last.view()
+                    if state.autoscaler and state.autoscaler.last
+                    else None
+                ),
+                "recent_changes": [d.view() for d in state.decisions],
+            },
             "replicas": {
                 "desired": state.desired,
                 "ready": sum(r.state == "ready" for r in state.replicas),

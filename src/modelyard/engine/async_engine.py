@@ -77,15 +77,22 @@ class AsyncEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop, then the engine's helper ranks (tensor parallelism), if any."""
         self._stopping.set()
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self.engine.close()
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return (
+            self.error is None
+            and self.engine.failure is None
+            and self._thread is not None
+            and self._thread.is_alive()
+        )
 
     # ----- the loop (engine thread) ----------------------------------------------------------
 
@@ -155,7 +162,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; raises `RequestRejected` before anything is queued."""
         if not self.healthy:
-            raise EngineDeadError(f"engine is not running: {self.error}")
+            raise EngineDeadError(f"engine is not running: {self.error or self.engine.failure}")
         params.validate()
         self.engine.check_request(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex

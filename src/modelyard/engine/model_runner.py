@@ -3,11 +3,16 @@
 It flattens the step's sequences into one token batch (decodes first, then prefill chunks),
 computes each new token's cache slot from the block tables, runs the model and returns the
 logits of the positions that sample a next token.
+
+With tensor parallelism this is rank 0's runner: `execute` first broadcasts the step to the
+helper ranks (`TensorParallelLeader.send_step`), whose own runners call `forward` with it; the KV
+cache of every rank holds only that rank's KV heads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +20,9 @@ from modelyard.engine.attention import AttentionMetadata, PrefillChunk
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.llama import LlamaForCausalLM
 from modelyard.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from modelyard.engine.tensor_parallel import TensorParallelLeader
 
 
 @dataclass
@@ -35,14 +43,18 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        tp_size: int = 1,
+        leader: TensorParallelLeader | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        self.tp_size = tp_size
+        self.leader = leader
         num_slots = num_blocks * block_size
-        shape = (2, num_slots, config.num_key_value_heads, config.head_dim)
+        shape = (2, num_slots, config.num_key_value_heads // tp_size, config.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
         ]
@@ -112,5 +124,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits `[len(sampling_seqs), vocab]`."""
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        if self.leader is None:
+            hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            with self.leader.step():
+                self.leader.send_step(inputs)
+                hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states of the flat batch; every tensor-parallel rank runs this each step."""
+        return self.model(input_ids, positions, meta, self.kv_caches)
+
+    def close(self) -> None:
+        """Stop the helper ranks, if any (idempotent)."""
+        if self.leader is not None:
+            self.leader.close()

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from modelyard.api.embeddings import EmbeddingRequest
 from modelyard.api.errors import APIError, bad_request, error_body, validation_error
 from modelyard.api.protocol import PROMPT_TOKENS_HEADER, ChatCompletionRequest, CompletionRequest
 from modelyard.config import PlatformSettings
+from modelyard.gateway.async_results import AsyncResults
 from modelyard.gateway.auth import Authenticator, Principal
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
@@ -35,6 +36,9 @@ from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)
+
+# Told how long a request has waited for a replica that is being started.
+Progress = Callable[[float], Awaitable[None]]
 
 BATCH_PRIORITY = 1  # the engine serves priority 0 (interactive) first
 _NO_LIMITS = Decision(
@@ -126,6 +130,7 @@ class Gateway:
         self.recorder = recorder
         self.metrics = metrics
         self.session: aiohttp.ClientSession | None = None
+        self.async_results = AsyncResults(settings.async_result_ttl_s)
         self._unary_timeout = aiohttp.ClientTimeout(
             total=settings.gateway_request_timeout_s, connect=settings.gateway_connect_timeout_s
         )
@@ -236,15 +241,81 @@ class Gateway:
 
     # ----- forwarding ------------------------------------------------------------------------
 
+    async def _replica(
+        self, call: _Call, tried: set[str], progress: Progress | None = None
+    ) -> ReplicaRoute | None:
+        """A replica with room for the request, waiting for one if need be.
+
+        No replica serving: ask the control plane for one (scale from zero, or one still
+        starting) and wait up to `scale_from_zero_timeout_s`, reporting progress. All replicas
+        full: wait in the endpoint's admission queue up to `admission_timeout_s`; a full queue
+        or a wait that runs out is a 429 with Retry-After. None: every replica was tried.
+        """
+        route, s = call.route, self.settings
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        queued = False
+        try:
+            while True:
+                replica = self.routing.pick(route, tried)
+                if replica is not None:
+                    return replica
+                if not route.ready_replicas:
+                    if tried or route.activate is None:
+                        return None
+                    route.activate()
+                    waited = loop.time() - started
+                    if waited > s.scale_from_zero_timeout_s:
+                        raise APIError(
+                            503,
+                            f"`{route.model_name}` is still loading after {waited:.0f}s; retry",
+                            code="model_loading",
+                            headers={"retry-after": "10"},
+                        )
+                    if progress is not None:
+                        await progress(waited)
+                    await route.wait_change(1.0)
+                    continue
+                if all(r.replica_id in tried for r in route.ready_replicas):
+                    return None
+                if not queued:
+                    if route.waiting >= s.admission_queue_size:
+                        raise self._overloaded(route, "the admission queue is full")
+                    route.waiting += 1
+                    queued = True
+                remaining = started + s.admission_timeout_s - loop.time()
+                if remaining <= 0:
+                    raise self._overloaded(
+                        route, f"no replica had room for {s.admission_timeout_s:g}s"
+                    )
+                await route.wait_change(min(remaining, 1.0))
+        finally:
+            if queued:
+                route.waiting -= 1
+
+    def _overloaded(self, route: EndpointRoute, why: str) -> APIError:
+        self.metrics.limited.labels("capacity").inc()
+        return APIError(
+            429,
+            f"`{route.model_name}` is at capacity ({why}). Please retry shortly.",
+            code="model_overloaded",
+            headers={"retry-after": "5"},
+        )
+
     async def _send(
-        self, call: _Call, payload: bytes | None, stream: bool, path: str | None = None
+        self,
+        call: _Call,
+        payload: bytes | None,
+        stream: bool,
+        path: str | None = None,
+        progress: Progress | None = None,
     ) -> tuple[aiohttp.ClientResponse, ReplicaRoute]:
         """Open the upstream response, trying other replicas on connection failures."""
         assert self.session is not None
         tried: set[str] = set()
         last_error: Exception | None = None
         for attempt in range(self.settings.gateway_retries + 1):
-            replica = self.routing.pick(call.route, tried)
+            replica = await self._replica(call, tried, progress)
             if replica is None:
                 break
             tried.add(replica.replica_id)
@@ -259,21 +330,23 @@ class Gateway:
                 )
                 return response, replica
             except _RETRYABLE as exc:
-                replica.outstanding -= 1
+                call.route.release(replica)
+                replica.breaker.record(ok=False)
                 if isinstance(exc, aiohttp.ClientConnectorError):
                     # Nobody listens there: bench it until the control plane's next health
                     # probe finds it answering again.
                     replica.ready = False
                 elif attempt == 0:
-                    # A pooled keep-alive connection the worker had just closed: the replica
-                    # itself may be fine, so it may be tried once more on a fresh connection.
+                    # The worker closed the connection before answering: a pooled keep-alive
+                    # connection it had just closed, or it died with the request. Nothing
+                    # reached the client, so the request may go again, there too once.
                     tried.discard(replica.replica_id)
                 last_error = exc
                 if attempt < self.settings.gateway_retries:
                     self.metrics.retries.inc()
                 log.warning("replica %s unreachable (%r); trying another", replica.url, exc)
             except BaseException:
-                replica.outstanding -= 1
+                call.route.release(replica)
                 raise
         detail = f" (last error: {last_error!r})" if last_error else ""
         raise APIError(
@@ -299,16 +372,24 @@ class Gateway:
         headers = {"x-request-id": call.request_id, **decision.headers()}
         if route.upstream_model:
             payload["model"] = route.upstream_model
+        route.arrive()
+        cold = not route.ready_replicas and route.activate is not None
         try:
             if getattr(req, "stream", False):
                 wants_usage = bool(req.stream_options and req.stream_options.include_usage)
                 # Always ask for usage, so the stream can be billed; the client sees the usage
                 # chunk only if it asked for it.
                 payload["stream_options"] = {"include_usage": True}
-                return await self._stream(call, orjson.dumps(payload), wants_usage, headers)
-            return await run_until_disconnect(
-                request, self._unary(call, orjson.dumps(payload), headers)
-            )
+                body = orjson.dumps(payload)
+                if cold:
+                    return self._cold_stream(call, body, wants_usage, headers)
+                return await self._stream(call, body, wants_usage, headers)
+            body = orjson.dumps(payload)
+            if cold and "respond-async" in request.headers.get("prefer", ""):
+                return self.async_results.submit(
+                    principal.tenant_id, call.request_id, lambda: self._unary(call, body, headers)
+                )
+            return await run_until_disconnect(request, self._unary(call, body, headers))
         except BaseException:
             # Nothing was served: give the reserved tokens back.
             await self._refund(call)
@@ -360,10 +441,12 @@ class Gateway:
             content = await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             response.close()
+            replica.breaker.record(ok=False)
             raise APIError(502, f"the model server failed: {exc!r}", code="upstream_error") from exc
         finally:
-            replica.outstanding -= 1
+            call.route.release(replica)
             response.release()
+        replica.breaker.record(ok=response.status < 500)
         call.status_code = response.status
         return response.status, content
 
@@ -444,12 +527,64 @@ class Gateway:
                 content = await response.read()
             finally:
                 response.release()
-                replica.outstanding -= 1
+                call.route.release(replica)
+            replica.breaker.record(ok=response.status < 500)
             call.status_code = response.status
             return await self._unpaid(call, content, headers)
         call.prompt_tokens = int(response.headers.get(PROMPT_TOKENS_HEADER, 0))
         return StreamingResponse(
             self._relay(call, response, replica, wants_usage),
+            media_type="text/event-stream",
+            headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+
+    def _cold_stream(
+        self, call: _Call, payload: bytes, wants_usage: bool, headers: dict[str, str]
+    ) -> StreamingResponse:
+        """A stream for a model that is not loaded yet: SSE comment lines report the loading
+        while the client waits, then the generation streams as usual."""
+
+        async def body() -> AsyncIterator[bytes]:
+            notes: asyncio.Queue[bytes] = asyncio.Queue()
+
+            async def progress(waited: float) -> None:
+                note = f": loading {call.route.model_name}, {waited:.0f}s\n\n"
+                await notes.put(note.encode())
+
+            opening = asyncio.ensure_future(self._send(call, payload, True, progress=progress))
+            try:
+                while not opening.done():
+                    note = asyncio.ensure_future(notes.get())
+                    await asyncio.wait({opening, note}, return_when=asyncio.FIRST_COMPLETED)
+                    if note.done():
+                        yield note.result()
+                    else:
+                        note.cancel()
+                response, replica = opening.result()
+            except APIError as exc:
+                await self._refund(call)
+                yield b"data: " + orjson.dumps(exc.body()) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+            finally:
+                if not opening.done():
+                    opening.cancel()
+            if response.status != 200:
+                try:
+                    content = await response.read()
+                finally:
+                    response.release()
+                    call.route.release(replica)
+                await self._refund(call)
+                yield b"data: " + content + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+            call.prompt_tokens = int(response.headers.get(PROMPT_TOKENS_HEADER, 0))
+            async for chunk in self._relay(call, response, replica, wants_usage):
+                yield chunk
+
+        return StreamingResponse(
+            body(),
             media_type="text/event-stream",
             headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
         )
@@ -491,7 +626,8 @@ class Gateway:
             else:
                 # Closing the connection is what tells the worker to abort the generation.
                 response.close()
-            replica.outstanding -= 1
+            call.route.release(replica)
+            replica.breaker.record(ok=call.status != "error")
             await self._finish(call)
 
     def _inspect(self, call: _Call, event: bytes, wants_usage: bool) -> bool:

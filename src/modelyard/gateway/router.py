@@ -1,12 +1,20 @@
 """The routing table: which endpoints a tenant can address by model name, and their replicas.
 
 The control plane writes it (each change bumps `generation`); the gateway reads it on every
-request and picks the ready replica with the fewest requests in flight.
+request and picks, among the ready replicas whose circuit breaker lets requests through and
+which are below their admission limit, the one with the fewest requests in flight. Requests that
+find every replica full wait on the endpoint's `changed` signal (the admission queue).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from modelyard.gateway.breaker import CircuitBreaker
 
 
 @dataclass(eq=False)
@@ -15,6 +23,12 @@ class ReplicaRoute:
     url: str
     ready: bool = True
     outstanding: int = 0  # requests this gateway has in flight on it
+    # Admission limit from the replica's KV cache capacity; None = unlimited.
+    max_concurrency: int | None = None
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+
+    def has_room(self) -> bool:
+        return self.max_concurrency is None or self.outstanding < self.max_concurrency
 
 
 @dataclass(eq=False)
@@ -29,10 +43,41 @@ class EndpointRoute:
     # The model's name on its replicas when it differs from the public one (the shared
     # encoder host knows each endpoint's model by the endpoint id).
     upstream_model: str | None = None
+    waiting: int = 0  # requests queued for admission at the gateway
+    requests_total: int = 0
+    last_request_at: float | None = None
+    # Asks the control plane for a replica when there is none (scale from zero).
+    activate: Callable[[], None] | None = None
+    _changed: asyncio.Event | None = None
 
     @property
     def outstanding(self) -> int:
         return sum(r.outstanding for r in self.replicas)
+
+    @property
+    def ready_replicas(self) -> list[ReplicaRoute]:
+        return [r for r in self.replicas if r.ready]
+
+    def arrive(self) -> None:
+        self.requests_total += 1
+        self.last_request_at = time.monotonic()
+
+    def release(self, replica: ReplicaRoute) -> None:
+        """A request left `replica`: count it and wake one request waiting for room."""
+        replica.outstanding -= 1
+        self.notify()
+
+    def notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def wait_change(self, at_most_s: float) -> None:
+        """Until a replica frees a slot or the replica set changes, or `at_most_s` passes."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        self._changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), at_most_s)
 
 
 class RoutingTable:
@@ -46,10 +91,18 @@ class RoutingTable:
 
     def remove(self, endpoint_id: str) -> EndpointRoute | None:
         self.generation += 1
-        return self._endpoints.pop(endpoint_id, None)
+        route = self._endpoints.pop(endpoint_id, None)
+        if route is not None:
+            route.notify()
+        return route
 
     def get(self, endpoint_id: str) -> EndpointRoute | None:
         return self._endpoints.get(endpoint_id)
+
+    def changed(self, route: EndpointRoute) -> None:
+        """The control plane added, removed or re-admitted replicas of `route`."""
+        self.generation += 1
+        route.notify()
 
     def visible(self, tenant_id: str) -> list[EndpointRoute]:
         """The tenant's own endpoints, then public ones whose name it does not shadow."""
@@ -71,9 +124,17 @@ class RoutingTable:
 
     @staticmethod
     def pick(route: EndpointRoute, exclude: set[str] | None = None) -> ReplicaRoute | None:
+        now = time.monotonic()
         candidates = [
-            r for r in route.replicas if r.ready and (not exclude or r.replica_id not in exclude)
+            r
+            for r in route.replicas
+            if r.ready
+            and r.has_room()
+            and r.breaker.available(now)
+            and (not exclude or r.replica_id not in exclude)
         ]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: r.outstanding)
+        chosen = min(candidates, key=lambda r: r.outstanding)
+        chosen.breaker.on_send(now)
+        return chosen

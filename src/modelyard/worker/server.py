@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -42,6 +43,20 @@ def build_engine(model: str | Path, settings: EngineSettings) -> AsyncEngine:
     return AsyncEngine(engine, settings.request_timeout_s, settings.no_progress_timeout_s)
 
 
+# After a tensor-parallel rank died, how long a graceful shutdown may take before a hard exit.
+RANK_FAILURE_EXIT_S = 15.0
+
+
+def _exit_on_rank_failure(reason: str) -> None:
+    """A helper rank died (the others are already killed): shut the worker down so that the
+    platform replaces the replica, hard if the graceful path does not finish in time."""
+    log.error("tensor-parallel group failed (%s); the worker exits", reason)
+    hard_exit = threading.Timer(RANK_FAILURE_EXIT_S, os._exit, (1,))
+    hard_exit.daemon = True
+    hard_exit.start()
+    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+
+
 def serve_worker(
     model: str | Path,
     host: str,
@@ -52,7 +67,15 @@ def serve_worker(
 ) -> None:
     die_with_parent()
     engine = build_engine(model, settings)
-    name = served_model_name or engine.engine.model_name
-    app = create_app(engine, name)
-    log.info("serving model %r on http://%s:%d/v1", name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    leader = engine.engine.runner.leader
+    if leader is not None:
+        leader.on_failure = _exit_on_rank_failure
+    try:
+        name = served_model_name or engine.engine.model_name
+        app = create_app(engine, name)
+        log.info("serving model %r on http://%s:%d/v1", name, host, port)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.engine.close()  # the helper ranks, if uvicorn never ran the lifespan shutdown
+    if engine.engine.failure is not None:
+        sys.exit(1)

@@ -2,6 +2,11 @@
 
 Parameter names follow Hugging Face's checkpoints so that safetensors load by name; q/k/v and
 gate/up projections are fused into one matmul each at load time (`fuse_projections`).
+
+With tensor parallelism (`tp_size > 1`) each rank builds the layers for its own share of the
+attention heads and of the MLP (see `sharding.py`); the row-parallel o_proj and down_proj outputs
+are summed across ranks with one all-reduce each, so every rank ends a layer with the full hidden
+state.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -86,11 +92,18 @@ def _fused_linear(parts: tuple[nn.Linear, ...]) -> nn.Linear:
     return fused
 
 
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum the row-parallel partial outputs of every tensor-parallel rank (in place)."""
+    dist.all_reduce(x)
+    return x
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp_size = tp_size
+        self.num_heads = cfg.num_attention_heads // tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // tp_size
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -131,16 +144,18 @@ class Attention(nn.Module):
         q, k = rope(positions, q, k)
         write_kv(cache, meta.slot_mapping, k, v)
         out = paged_attention(q, k, v, cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(out.reshape(t, self.q_size))
+        return _all_reduce(out) if self.tp_size > 1 else out
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp_size = tp_size
+        self.intermediate = cfg.intermediate_size // tp_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, self.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None
 
     def fuse(self) -> None:
@@ -152,14 +167,15 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return _all_reduce(out) if self.tp_size > 1 else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, tp_size)
+        self.mlp = MLP(cfg, tp_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -176,19 +192,26 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp_size: int = 1) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp_size) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int | None = None, tp_size: int = 1
+    ) -> None:
+        """`tp_size > 1`: this rank's shard (heads and MLP slice); call under an initialised
+        `torch.distributed` default group of `tp_size` ranks."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+        self.tp_size = tp_size
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, tp_size)
         self.lm_head: nn.Module | None = (
             None
             if cfg.tie_word_embeddings

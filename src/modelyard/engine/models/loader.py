@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -14,6 +16,7 @@ from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.gguf_convert import convert_gguf
 from modelyard.engine.models.llama import LlamaForCausalLM
 from modelyard.engine.models.packed_linear import packing_available
+from modelyard.engine.models.sharding import Slice, check_tensor_parallel, shard_slice
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +73,38 @@ def read_model_config(folder: Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(raw)
 
 
-def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _load_state_dict(
+    folder: Path, shard: Callable[[str], Slice | None] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint; with `shard`, only the slice it names of each one (read
+    straight from safetensors files, so a tensor-parallel rank never holds the whole model)."""
+    from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     state: dict[str, torch.Tensor] = {}
     if files:
         for f in files:
-            state.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    part = shard(name) if shard else None
+                    if part is None:
+                        state[name] = st.get_tensor(name)
+                        continue
+                    dim, start, end = part
+                    sl = st.get_slice(name)
+                    state[name] = sl[start:end] if dim == 0 else sl[:, start:end]
         return state
     bins = sorted(folder.glob("pytorch_model*.bin"))
     if not bins:
         raise ModelNotFoundError(f"{folder} has no *.safetensors or pytorch_model*.bin weights")
     for f in bins:
         state.update(torch.load(f, map_location="cpu", weights_only=True))
+    if shard:
+        for name, tensor in state.items():
+            part = shard(name)
+            if part is not None:
+                dim, start, end = part
+                state[name] = tensor.narrow(dim, start, end - start).clone()
     return state
 
 
@@ -100,11 +121,16 @@ def load_model(
     device: torch.device,
     max_positions: int,
     pack_cpu_linears: bool = True,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> LoadedModel:
+    """Load the model, or with `tp_size > 1` rank `tp_rank`'s shard of it (see `sharding`)."""
     cfg = read_model_config(folder)
+    check_tensor_parallel(cfg, tp_size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
-    state = _load_state_dict(folder)
+        model = LlamaForCausalLM(cfg, max_positions, tp_size)
+    shard = partial(shard_slice, cfg=cfg, rank=tp_rank, tp=tp_size) if tp_size > 1 else None
+    state = _load_state_dict(folder, shard)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict()}
