@@ -243,7 +243,7 @@ def main() -> None:
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-        pad = engine.tokenizer.hf.pad_token_id or 0
+        pad = engine.tokenizer.pad_token_id or 0
         run_transformers_static(hf, pad, requests[:2], 2)  # warm-up
         results.append(run_transformers_static(hf, pad, requests, args.concurrency))
         print(json.dumps(results[1].summary()))

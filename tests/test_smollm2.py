@@ -51,7 +51,7 @@ def test_chat_template_and_tokenizer_come_from_the_gguf(engine: Any) -> None:
     text = tok.render_chat([{"role": "user", "content": "hi"}])
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     assert tok.decode(tok.encode("Hello world")) == "Hello world"
-    assert tok.hf.convert_tokens_to_ids("<|im_end|>") in tok.eos_token_ids
+    assert tok.token_id("<|im_end|>") in tok.eos_token_ids
 
 
 def test_logits_match_transformers(engine: Any, hf_smollm2: Any, chat_prompts: list) -> None:

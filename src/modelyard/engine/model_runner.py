@@ -11,6 +11,8 @@ cache of every rank holds only that rank's KV heads.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +36,24 @@ class StepInputs:
     sampling_seqs: list[Sequence]  # in the order of logits_indices
 
 
+def allocate_kv_caches(
+    shape: tuple[int, ...], layers: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed `[2, slots, kv_heads, head_dim]` tensor per layer.
+
+    On CPU they are views of one anonymous memory mapping: the kernel hands out zero pages
+    lazily, so a multi-GB cache costs nothing until used (zero-filling it up front took ~3 s
+    for 1 GiB, most of a cold start). Zeros matter: padded slots are read, then masked, and a
+    NaN in an unmasked-by-weight V would survive `0 * NaN`.
+    """
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+    per_layer = math.prod(shape)
+    buffer = mmap.mmap(-1, per_layer * layers * dtype.itemsize)
+    flat = torch.frombuffer(buffer, dtype=dtype, count=per_layer * layers)
+    return [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(layers)]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -55,9 +75,7 @@ class ModelRunner:
         self.leader = leader
         num_slots = num_blocks * block_size
         shape = (2, num_slots, config.num_key_value_heads // tp_size, config.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(shape, config.num_hidden_layers, dtype, device)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size

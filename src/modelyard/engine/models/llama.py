@@ -39,7 +39,10 @@ class RMSNorm(nn.Module):
 
 def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # Explicitly on the CPU: the model is built on the meta device, and running these ops there
+    # the first time costs a second of lazy initialization for a table we rebuild anyway.
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (cfg.rope_theta ** (steps / dim))
     rs = cfg.rope_scaling
     if rs.rope_type == "linear":
         inv_freq = inv_freq / rs.factor
@@ -63,7 +66,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq = _rope_inv_freq(cfg)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
@@ -194,7 +198,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp_size: int = 1) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit weight skips the random init: on the meta device that init alone pulls in
+        # torch's compiler stack (over a second of a cold start) for values that get replaced.
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp_size) for _ in range(cfg.num_hidden_layers)
         )

@@ -142,8 +142,6 @@ def load_model(
         log.warning("ignoring %d unexpected tensors, e.g. %s", len(unexpected), unexpected[:3])
     state = {k: v.to(dtype) for k, v in state.items() if k in expected}
     model.load_state_dict(state, assign=True, strict=True)
-    # Buffers (the rotary table) were built on the meta device: rebuild them for real.
-    model.model.rotary = type(model.model.rotary)(cfg, max_positions)
     model.fuse_projections()
     model = model.to(device).eval()
     if pack_cpu_linears and packing_available(device):
