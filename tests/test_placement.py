@@ -267,3 +267,13 @@ def test_kinds_are_not_mixed_and_devices_are_unique() -> None:
     assert none.unschedulable == {"x": "needs 1.0 GiB; there is no cuda device"}
     with pytest.raises(ValueError, match="listed twice"):
         Placement(inventory("cpu:1x8GiB") + inventory("cpu:1x4GiB"))
+
+
+def test_drain_order_empties_whole_devices_first() -> None:
+    placement = Placement(inventory("cpu:2x8GiB"))
+    placement.place([req("busy-neighbour", "other", 5)])  # cpu:0
+    placement.place([req("a", "chat", 2), req("b", "chat", 2)])  # a on cpu:0, b on cpu:1
+    assert names(placement.assignment("a") or []) == ["cpu:0"]
+    assert names(placement.assignment("b") or []) == ["cpu:1"]
+    # Removing b frees cpu:1 entirely; removing a would leave cpu:0 holding 5 GiB anyway.
+    assert placement.drain_order(["a", "b"]) == ["b", "a"]

@@ -182,6 +182,18 @@ class PlatformSettings(_Settings):
     )
     encoder_max_batch_size: int = Field(32, ge=1, description="Encoder inputs per batch.")
     encoder_max_wait_ms: float = Field(5.0, ge=0, description="How long a batch waits to fill.")
+    node_cache_bytes: int = Field(
+        parse_size("50GiB"), description="This node's cache of model files (LRU beyond it)."
+    )
+    warm_pool: dict[str, int] = Field(
+        default_factory=dict,
+        description="Registry model refs of the platform admin → idle preloaded replicas kept "
+        'ready for a cold endpoint of the same version to take over, e.g. {"smollm2": 1}.',
+    )
+    prewarm_lead_s: float = Field(300.0, gt=0, description="How early predicted traffic wakes.")
+    prewarm_min_requests: float = Field(
+        1.0, gt=0, description="Predicted requests in an hour that make an idle endpoint warm."
+    )
     max_file_bytes: int = Field(parse_size("512MiB"), description="Largest Files API upload.")
     batch_concurrency: int = Field(8, ge=1, description="Batch items in flight per batch.")
     batch_item_attempts: int = Field(4, ge=1, description="Tries of an item on transient errors.")
@@ -206,6 +218,7 @@ class PlatformSettings(_Settings):
         "max_artifact_bytes",
         "max_file_bytes",
         "encoder_host_memory",
+        "node_cache_bytes",
         mode="before",
     )
     @classmethod

@@ -102,6 +102,8 @@ class Platform:
         await self.endpoints.start()
         if self.settings.default_models:
             await self._deploy_default_models()
+        admin = await asyncio.to_thread(self.system_principal)
+        await self.endpoints.warm_pool.start(admin.tenant_id)
         self.batch_runner.start()
         if self.on_ready is not None:
             self.on_ready()

@@ -57,6 +57,11 @@ def create_platform_app(platform: Platform) -> FastAPI:
             "version": __version__,
             "endpoints": {s.row.id: s.status for s in endpoints},
             "routing_generation": platform.routing.generation,
+            "warm_pool_idle": platform.endpoints.warm_pool.idle(),
+            "node_cache": {
+                "hits": platform.endpoints.node_cache.hits,
+                "misses": platform.endpoints.node_cache.misses,
+            },
         }
 
     @app.get("/metrics")

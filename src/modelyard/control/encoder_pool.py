@@ -18,7 +18,13 @@ from pathlib import Path
 import httpx
 
 from modelyard.config import PlatformSettings
-from modelyard.control.backends.base import Backend, ReplicaHandle, ReplicaSpec
+from modelyard.control.backends.base import (
+    Backend,
+    ReplicaHandle,
+    ReplicaSpec,
+    ReplicaStartError,
+    wait_healthy,
+)
 from modelyard.gateway.router import ReplicaRoute
 from modelyard.store import repository as repo
 
@@ -69,19 +75,10 @@ class EncoderPool:
         )  # fmt: skip
         self.handle = await self.backend.start(spec)
         self.started_at = time.time()
-        deadline = time.monotonic() + s.replica_start_timeout_s
-        while time.monotonic() < deadline:
-            if not self.backend.alive(self.handle):
-                raise EncoderHostError(
-                    f"encoder host exited ({self.backend.exit_status(self.handle)})"
-                )
-            try:
-                if (await self._http.get(self.handle.url + "/health")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.2)
-        raise EncoderHostError("encoder host did not become healthy")
+        try:
+            await wait_healthy(self.backend, self.handle, self._http, s.replica_start_timeout_s)
+        except ReplicaStartError as exc:
+            raise EncoderHostError(f"encoder host: {exc}") from exc
 
     async def _put(self, name: str, path: Path) -> None:
         assert self.handle is not None

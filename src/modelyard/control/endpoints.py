@@ -12,25 +12,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-from pydantic import ValidationError
-
 from modelyard.api.errors import APIError
 from modelyard.api.schemas import DeployRequest
-from modelyard.config import EngineSettings, PlatformSettings
-from modelyard.control.autoscaler import Autoscaler, Decision, ScalingPolicy
-from modelyard.control.backends.base import Backend, ReplicaHandle, ReplicaSpec
+from modelyard.config import PlatformSettings
+from modelyard.control.autoscaler import Autoscaler, ScalingPolicy
+from modelyard.control.backends.base import Backend
 from modelyard.control.encoder_pool import EncoderPool
 from modelyard.control.model_kind import LLM, detect
+from modelyard.control.prewarm import TrafficHistory
 from modelyard.control.registry import Registry, ResolvedVersion
-from modelyard.control.scaling import LoadTracker
+from modelyard.control.replicas import ReplicaController
+from modelyard.control.scaling import LoadTracker, Scaler
+from modelyard.control.state import EndpointState, Replica, engine_env, spawn
 from modelyard.gateway.auth import Principal
-from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.gateway.router import EndpointRoute, RoutingTable
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint
@@ -38,73 +36,6 @@ from modelyard.store.tables import Endpoint
 log = logging.getLogger(__name__)
 
 SUPPORTED_FRAMEWORKS = ("native",)
-_HEALTH_FAILURES_BEFORE_UNHEALTHY = 3
-_MAX_RESTART_BACKOFF_S = 60.0
-
-
-@dataclass(eq=False)
-class Replica:
-    replica_id: str
-    route: ReplicaRoute | None = None
-    handle: ReplicaHandle | None = None
-    state: str = "starting"  # starting | ready | unhealthy | draining | failed | stopped
-    started_at: float = field(default_factory=time.time)
-    ready_after_s: float | None = None
-    health_failures: int = 0
-    error: str | None = None
-    load: dict[str, Any] | None = None  # its last /health report
-
-    def view(self) -> dict[str, Any]:
-        return {
-            "id": self.replica_id,
-            "state": self.state,
-            "address": self.handle.url if self.handle else None,
-            "pid": self.handle.pid if self.handle else None,
-            "started_at": int(self.started_at),
-            "ready_after_s": None if self.ready_after_s is None else round(self.ready_after_s, 2),
-            "outstanding": self.route.outstanding if self.route else 0,
-            "error": self.error,
-        }
-
-
-@dataclass(eq=False)
-class EndpointState:
-    row: Endpoint
-    route: EndpointRoute
-    model_path: Path | None = None
-    engine_env: dict[str, str] = field(default_factory=dict)
-    replicas: list[Replica] = field(default_factory=list)
-    desired: int = 1
-    restarts: int = 0
-    failures: int = 0  # replica failures since one was last ready: the restart backoff
-    next_restart_at: float = 0.0
-    status: str = "provisioning"
-    message: str | None = None
-    last_error: str | None = None
-    kind: str | None = None  # llm, or an encoder kind served by the shared encoder host
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    autoscaler: Autoscaler | None = None
-    load: LoadTracker | None = None
-    decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=20))
-
-    @property
-    def live(self) -> list[Replica]:
-        return [r for r in self.replicas if r.state in ("starting", "ready", "unhealthy")]
-
-
-def _engine_env(options: dict[str, Any]) -> tuple[dict[str, str], EngineSettings]:
-    """Validate engine options against `EngineSettings` and turn them into worker env vars."""
-    unknown = sorted(set(options) - set(EngineSettings.model_fields))
-    if unknown:
-        raise APIError(400, f"unknown engine option(s): {', '.join(unknown)}", param="engine")
-    try:
-        settings = EngineSettings(**options)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"engine.{where}: {first['msg']}", param=f"engine.{where}") from exc
-    env = {f"MODELYARD_{k.upper()}": str(v) for k, v in options.items()}
-    return env, settings
 
 
 class EndpointManager:
@@ -123,13 +54,24 @@ class EndpointManager:
         self.routing = routing
         self.endpoints: dict[str, EndpointState] = {}
         self.encoders = EncoderPool(settings, backend)
+        self.replicas = ReplicaController(
+            settings, backend, routing, registry, lambda: self.endpoints,
+            self._set_status, self._update_status,
+        )  # fmt: skip
+        self.node_cache = self.replicas.node_cache
+        self.warm_pool = self.replicas.warm_pool
+        self.history = TrafficHistory()
+        self.scaler = Scaler(settings, self.history)
+        self._history_path = settings.data_dir / "traffic_history.json"
+        self._history_saved = time.monotonic()
         self._loop_task: asyncio.Task[None] | None = None
-        self._http = httpx.AsyncClient(timeout=2.0)
         self._stopping = False
 
     # ----- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.history.load(self._history_path)
+
         def load() -> list[Endpoint]:
             with self.db.session() as s:
                 return list(repo.live_endpoints(s))
@@ -148,9 +90,10 @@ class EndpointManager:
         for state in self.endpoints.values():
             for task in state.tasks:
                 task.cancel()
+        await self.replicas.close()
         await self.backend.stop_all()
         await self.encoders.close()
-        await self._http.aclose()
+        self.history.save(self._history_path)
 
     # ----- deploy ----------------------------------------------------------------------------
 
@@ -207,7 +150,7 @@ class EndpointManager:
                 param="hardware.gpu_count",
                 code="unsupported_hardware",
             )
-        env, engine = _engine_env(req.engine)
+        env, engine = engine_env(req.engine)
         path, version = await asyncio.to_thread(
             self._resolve_artifact, principal, req.model_artifact
         )
@@ -258,7 +201,7 @@ class EndpointManager:
         max_tokens_cap: int | None = None,
     ) -> EndpointState:
         if env is None or max_tokens_cap is None:
-            env, engine = _engine_env(row.engine_options)
+            env, engine = engine_env(row.engine_options)
             max_tokens_cap = engine.max_tokens_cap
         route = EndpointRoute(
             endpoint_id=row.id,
@@ -278,13 +221,8 @@ class EndpointManager:
         route.activate = lambda: self._activate(state)
         self.endpoints[row.id] = state
         self.routing.put(route)
-        self._spawn(state, self._provision(state))
+        spawn(state, self._provision(state))
         return state
-
-    def _spawn(self, state: EndpointState, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        state.tasks.add(task)
-        task.add_done_callback(state.tasks.discard)
 
     async def _provision(self, state: EndpointState) -> None:
         try:
@@ -292,9 +230,7 @@ class EndpointManager:
                 if state.row.version_id is None:
                     state.model_path = Path(state.row.artifact)
                 else:
-                    version = await asyncio.to_thread(self.registry.by_id, state.row.version_id)
-                    # Verifies every blob's sha256 before any worker loads it.
-                    state.model_path = await asyncio.to_thread(self.registry.materialize, version)
+                    state.model_path = await self.replicas.fetch_model(state)
             state.kind = await asyncio.to_thread(detect, state.model_path)
         except Exception as exc:
             await self._set_status(state, "failed", f"cannot prepare the model files: {exc}")
@@ -302,8 +238,8 @@ class EndpointManager:
         if state.kind != LLM:
             await self._provision_encoder(state)
             return
-        replicas = [self._new_replica(state) for _ in range(state.desired)]
-        await asyncio.gather(*(self._run_replica(state, r) for r in replicas))
+        replicas = [self.replicas.new_replica(state) for _ in range(state.desired)]
+        await asyncio.gather(*(self.replicas.run(state, r) for r in replicas))
 
     async def _provision_encoder(self, state: EndpointState) -> None:
         """An embedding or classifier model joins the shared encoder host (one per platform)."""
@@ -350,72 +286,6 @@ class EndpointManager:
             state.restarts += self.encoders.restarts - restarts
             await self._set_status(state, "ready", None)
 
-    @staticmethod
-    def _new_replica(state: EndpointState) -> Replica:
-        # Listed before it starts, so the reconciler counts it and does not start another.
-        replica = Replica(repo.new_id("rep"))
-        state.replicas.append(replica)
-        return replica
-
-    async def _run_replica(self, state: EndpointState, replica: Replica) -> None:
-        assert state.model_path is not None
-        spec = ReplicaSpec(
-            replica_id=replica.replica_id,
-            endpoint_id=state.row.id,
-            model_path=state.model_path,
-            served_model_name=state.row.model_name,
-            engine_env={**self._default_engine_env(), **state.engine_env},
-        )
-        try:
-            replica.handle = await self.backend.start(spec)
-            await self._wait_healthy(replica)
-        except Exception as exc:
-            replica.state = "failed"
-            state.failures += 1
-            replica.error = state.last_error = str(exc)
-            log.warning(
-                "replica %s of %s failed to start: %s", replica.replica_id, state.row.id, exc
-            )
-            if replica.handle is not None:
-                await self.backend.stop(replica.handle)
-            if not any(r.state == "ready" for r in state.replicas):
-                await self._set_status(state, "failed", f"replica failed to start: {exc}")
-            return
-        if replica.state == "draining":  # scaled down while it was starting
-            await self.backend.stop(replica.handle)
-            replica.state = "stopped"
-            return
-        replica.state = "ready"
-        state.failures = 0
-        replica.ready_after_s = time.time() - replica.started_at
-        replica.route = ReplicaRoute(replica.replica_id, replica.handle.url)
-        await self._probe(replica)  # its load report and admission limit, before traffic
-        state.route.replicas.append(replica.route)
-        self.routing.changed(state.route)
-        await self._update_status(state)
-
-    def _default_engine_env(self) -> dict[str, str]:
-        return {f"MODELYARD_{k.upper()}": str(v) for k, v in self.settings.worker_engine.items()}
-
-    async def _wait_healthy(self, replica: Replica) -> None:
-        assert replica.handle is not None
-        deadline = time.monotonic() + self.settings.replica_start_timeout_s
-        while time.monotonic() < deadline:
-            if not self.backend.alive(replica.handle):
-                code = self.backend.exit_status(replica.handle)
-                raise RuntimeError(f"worker exited with code {code}{_log_tail(replica.handle)}")
-            try:
-                r = await self._http.get(replica.handle.url + "/health")
-                if r.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.25)
-        raise TimeoutError(
-            f"worker not healthy after {self.settings.replica_start_timeout_s:g}s"
-            f"{_log_tail(replica.handle)}"
-        )
-
     async def _set_status(self, state: EndpointState, status: str, message: str | None) -> None:
         if state.status == status and state.message == message:
             return
@@ -436,119 +306,29 @@ class EndpointManager:
     async def _reconcile_loop(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.settings.health_check_interval_s)
+            if time.monotonic() - self._history_saved > 60:
+                await asyncio.to_thread(self.history.save, self._history_path)
+                self._history_saved = time.monotonic()
             try:
                 await self._reconcile_encoders()
+                await self.warm_pool.tick()
             except Exception:
-                log.exception("reconciling the encoder host failed")
+                log.exception("reconciling the encoder host or the warm pool failed")
             for state in list(self.endpoints.values()):
                 try:
                     await self._reconcile(state)
                 except Exception:
                     log.exception("reconciling endpoint %s failed", state.row.id)
 
-    async def _probe(self, replica: Replica) -> bool:
-        """Health check; keeps the replica's load report and sets its admission limit."""
-        assert replica.handle is not None
-        try:
-            r = await self._http.get(replica.handle.url + "/health")
-        except httpx.HTTPError:
-            return False
-        if r.status_code != 200:
-            return False
-        replica.load = r.json()
-        capacity = int(replica.load.get("kv_cache_capacity_tokens") or 0)
-        if replica.route is not None and capacity:
-            # The spec's admission formula: KV memory / the KV one request needs on average.
-            per_request = self.settings.admission_tokens_per_request
-            replica.route.max_concurrency = max(1, capacity // per_request)
-        return True
-
-    def _drop_route(self, state: EndpointState, replica: Replica) -> None:
-        if replica.route is not None and replica.route in state.route.replicas:
-            state.route.replicas.remove(replica.route)
-            self.routing.changed(state.route)
-
     async def _reconcile(self, state: EndpointState) -> None:
         if state.status in ("draining", "deleted") or state.model_path is None:
             return
         if state.kind != LLM:
             return  # encoder endpoints live and die with the shared host
-        for replica in list(state.replicas):
-            if replica.state not in ("ready", "unhealthy") or replica.handle is None:
-                continue
-            if not self.backend.alive(replica.handle):
-                code = self.backend.exit_status(replica.handle)
-                replica.state = "failed"
-                state.failures += 1
-                replica.error = state.last_error = f"replica {replica.replica_id} exited ({code})"
-                self._drop_route(state, replica)
-                log.warning("replica %s of %s died (%s)", replica.replica_id, state.row.id, code)
-                continue
-            healthy = await self._probe(replica)
-            if healthy:
-                # Also re-admits a replica the gateway benched after failing to connect to it.
-                replica.health_failures = 0
-                replica.state = "ready"
-                if replica.route is not None:
-                    replica.route.ready = True
-            else:
-                replica.health_failures += 1
-                if replica.health_failures >= _HEALTH_FAILURES_BEFORE_UNHEALTHY:
-                    replica.state = "unhealthy"
-                    if replica.route is not None:
-                        replica.route.ready = False
-        state.replicas = [r for r in state.replicas if r.state not in ("failed", "stopped")]
-        self._autoscale(state)
-        self._converge(state)
+        await self.replicas.check_health(state)
+        self.scaler.autoscale(state, self._activate)
+        self.replicas.converge(state)
         await self._update_status(state)
-
-    def _autoscale(self, state: EndpointState) -> None:
-        if state.autoscaler is None or state.load is None:
-            return
-        if state.status == "provisioning" and not any(r.state == "ready" for r in state.replicas):
-            return  # nothing to judge until it serves (and a cold start is no idleness)
-        now = time.monotonic()
-        loads = {r.replica_id: r.load for r in state.replicas if r.state == "ready" and r.load}
-        state.autoscaler.observe(state.load.observe(now, state.route, loads))
-        decision = state.autoscaler.decide(now, len(state.live))
-        if decision.desired != decision.current:
-            state.decisions.append(decision)
-            log.info(
-                "endpoint %s: %d -> %d replicas (%s)",
-                state.row.id, decision.current, decision.desired, decision.reason,
-            )  # fmt: skip
-        state.desired = decision.desired
-
-    def _converge(self, state: EndpointState) -> None:
-        """Start or drain replicas until the live ones match `desired`."""
-        live = state.live
-        missing = state.desired - len(live)
-        if missing > 0 and time.monotonic() >= state.next_restart_at:
-            if state.failures:  # replacing failed replicas: back off
-                state.restarts += missing
-                backoff = min(_MAX_RESTART_BACKOFF_S, 2.0 ** min(state.failures, 6))
-                state.next_restart_at = time.monotonic() + backoff
-            for _ in range(missing):
-                self._spawn(state, self._run_replica(state, self._new_replica(state)))
-        elif missing < 0:
-            # Newest first: a starting one costs nothing to drop, older ones hold warm caches.
-            for replica in sorted(live, key=lambda r: r.started_at, reverse=True)[:-missing]:
-                replica.state = "draining"
-                if replica.route is not None:
-                    replica.route.ready = False
-                    self._spawn(state, self._drain_replica(state, replica))
-
-    async def _drain_replica(self, state: EndpointState, replica: Replica) -> None:
-        """Scale-down of one replica: no new requests, wait for those in flight, then stop."""
-        deadline = time.monotonic() + self.settings.replica_drain_timeout_s
-        route = replica.route
-        # Polls counters the gateway moves; an event per counter would cost the hot path.
-        while route is not None and route.outstanding > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.1)
-        self._drop_route(state, replica)
-        if replica.handle is not None:
-            await self.backend.stop(replica.handle)
-        replica.state = "stopped"
 
     def _activate(self, state: EndpointState) -> None:
         """A request for an endpoint with no replica serving: have one started now."""
@@ -560,7 +340,7 @@ class EndpointManager:
             return  # one is starting already (or the endpoint is still being provisioned)
         state.desired = max(state.desired, 1)
         state.status, state.message = "provisioning", "scaling from zero"
-        self._spawn(state, self._run_replica(state, self._new_replica(state)))
+        spawn(state, self.replicas.run(state, self.replicas.new_replica(state)))
 
     async def _update_status(self, state: EndpointState) -> None:
         """ready = every desired replica serves; before that provisioning, after it degraded;
@@ -601,6 +381,7 @@ class EndpointManager:
             "kind": state.kind,
             "model_artifact": row.artifact,
             "version_id": row.version_id,
+            "model_files_from": state.last_fetch,
             "framework": row.framework,
             "hardware": row.hardware,
             "scaling": row.scaling,
@@ -644,7 +425,7 @@ class EndpointManager:
         await self._set_status(state, "draining", None)
         state.status = "draining"
         self.routing.remove(endpoint_id)  # no new requests from here on
-        self._spawn(state, self._drain_and_stop(state))
+        spawn(state, self._drain_and_stop(state))
         return {"endpoint_id": endpoint_id, "status": "draining"}
 
     async def _drain_and_stop(self, state: EndpointState) -> None:
@@ -693,10 +474,3 @@ def _size_of(path: Path | None) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _log_tail(handle: ReplicaHandle, lines: int = 5) -> str:
-    if handle.log_path is None or not handle.log_path.exists():
-        return ""
-    tail = handle.log_path.read_text(errors="replace").strip().splitlines()[-lines:]
-    return (": " + " | ".join(tail)) if tail else ""

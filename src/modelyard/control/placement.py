@@ -7,7 +7,8 @@ device with the least free memory that still fits (best fit decreasing), so smal
 onto shared devices and empty devices stay free for big models. Replicas of one endpoint prefer
 nodes (then devices) that hold none of its replicas yet, for availability, but spreading never
 makes a request unschedulable. Ties break by node, kind, then index, so placement is
-deterministic.
+deterministic. On scale-down, `drain_order` names the replicas whose removal empties whole
+devices, since holes left in many devices keep them all provisioned.
 """
 
 from __future__ import annotations
@@ -146,6 +147,19 @@ class Placement:
     def assignment(self, replica_id: str) -> list[Device] | None:
         placed = self._replicas.get(replica_id)
         return [self.devices[i] for i in placed[1]] if placed else None
+
+    def drain_order(self, replica_ids: list[str]) -> list[str]:
+        """Which of these placed replicas to remove first when scaling down: the one leaving the
+        least behind on its devices, so removals empty whole devices instead of punching holes
+        in many (ties keep the given order)."""
+
+        def left_behind(replica_id: str) -> int:
+            req, chosen = self._replicas[replica_id]
+            return sum(
+                self.devices[i].memory_bytes - self._free[i] - req.memory_bytes for i in chosen
+            )
+
+        return sorted(replica_ids, key=left_behind)
 
     @property
     def occupied_devices(self) -> int:

@@ -166,13 +166,6 @@ class Registry:
             assert model is not None
             return _resolved(model.name, version)
 
-    def materialize(self, version: ResolvedVersion) -> Path:
-        """The version's files as a folder (or the single GGUF file) a worker can load."""
-        folder = self.store.materialize(version.version_id, version.files)
-        if version.format == "gguf":
-            return folder / next(p for p in version.files if p.endswith(".gguf"))
-        return folder
-
     # ----- listing, for the API ---------------------------------------------------------------
 
     def list_models(self, tenant_id: str) -> list[dict[str, Any]]:

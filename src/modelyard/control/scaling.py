@@ -13,11 +13,23 @@ seconds so far) become one `Observation` of the policy's metric, summed over rep
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from modelyard.control.autoscaler import Observation
+from modelyard.config import PlatformSettings
+from modelyard.control.autoscaler import Decision, Observation
+from modelyard.control.prewarm import TrafficHistory, should_prewarm
 from modelyard.gateway.router import EndpointRoute
+
+if TYPE_CHECKING:
+    from modelyard.control.state import EndpointState
+
+log = logging.getLogger(__name__)
+
+Activate = Callable[["EndpointState"], None]
 
 
 @dataclass
@@ -54,3 +66,49 @@ class LoadTracker:
             for gone in set(self._busy) - set(loads):
                 del self._busy[gone]
         return Observation(at=now, value=value, active=active)
+
+
+class Scaler:
+    """Each tick, per endpoint: record its traffic, wake it if its history predicts traffic
+    while it is at zero, and let its autoscaler set the replicas it should have."""
+
+    def __init__(self, settings: PlatformSettings, history: TrafficHistory) -> None:
+        self.settings = settings
+        self.history = history
+
+    def autoscale(self, state: EndpointState, activate: Activate) -> None:
+        if state.autoscaler is None or state.load is None:
+            return
+        if state.status == "provisioning" and not any(r.state == "ready" for r in state.replicas):
+            return  # nothing to judge until it serves (and a cold start is no idleness)
+        now = time.monotonic()
+        self.history.record(
+            state.row.id, time.time(), state.route.requests_total - state.requests_seen
+        )
+        state.requests_seen = state.route.requests_total
+        if not state.live and state.desired == 0:
+            self.maybe_prewarm(state, activate)
+        loads = {r.replica_id: r.load for r in state.replicas if r.state == "ready" and r.load}
+        state.autoscaler.observe(state.load.observe(now, state.route, loads))
+        decision = state.autoscaler.decide(now, len(state.live))
+        if decision.desired != decision.current:
+            state.decisions.append(decision)
+            log.info(
+                "endpoint %s: %d -> %d replicas (%s)",
+                state.row.id, decision.current, decision.desired, decision.reason,
+            )  # fmt: skip
+        state.desired = decision.desired
+
+    def maybe_prewarm(
+        self, state: EndpointState, activate: Callable[[EndpointState], None]
+    ) -> None:
+        s = self.settings
+        expected = should_prewarm(
+            self.history, state.row.id, time.time(), s.prewarm_lead_s, s.prewarm_min_requests
+        )
+        if expected is None:
+            return
+        reason = f"pre-warm: {expected:.1f} requests expected within {s.prewarm_lead_s:g}s"
+        state.decisions.append(Decision(time.monotonic(), 0, 1, reason, False))
+        log.info("endpoint %s: %s", state.row.id, reason)
+        activate(state)

@@ -2,8 +2,8 @@
 
 Writes go to a temporary file that is hashed while it is written and renamed into place only
 when the hash matches, so a broken or lying upload leaves nothing behind. A model version is a
-manifest (relative path → sha256); `materialize` lays it out as a folder a worker can load,
-verifying every blob's hash first.
+manifest (relative path → sha256); a node's cache (`control.node_cache`) copies its blobs out,
+verifying each hash, for workers to load.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -64,8 +63,7 @@ class ArtifactStore:
         self.root = root
         self.blobs = root / "blobs" / "sha256"
         self.tmp = root / "tmp"
-        self.materialized = root / "materialized"
-        for d in (self.blobs, self.tmp, self.materialized):
+        for d in (self.blobs, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
 
     def path(self, sha256: str) -> Path:
@@ -134,35 +132,6 @@ class ArtifactStore:
         actual = hash_file(self.path(sha256))
         if actual != sha256:
             raise IntegrityError(f"blob {sha256} is corrupted on disk (it hashes to {actual})")
-
-    def materialize(self, key: str, files: dict[str, str]) -> Path:
-        """A folder holding `files` (relative path → sha256), each blob verified first.
-
-        The folder is built beside its final place and renamed, so a worker never sees half of
-        it; blobs are hard-linked (read-only) where the filesystem allows, else copied.
-        """
-        target = self.materialized / key
-        for sha in files.values():
-            self.verify(sha)
-        if target.is_dir():
-            return target
-        build = Path(tempfile.mkdtemp(dir=self.tmp, prefix="mat-"))
-        try:
-            for rel, sha in files.items():
-                dest = build / check_relative_path(rel)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    os.link(self.path(sha), dest)
-                except OSError:
-                    shutil.copyfile(self.path(sha), dest)
-            try:
-                os.rename(build, target)
-            except OSError:
-                if not target.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(build, ignore_errors=True)
-        return target
 
 
 def scan_folder(root: Path) -> Iterable[tuple[str, Path]]:

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field
 
 from modelyard.api.errors import install_error_handlers
 from modelyard.api.middleware import BodySizeLimit
@@ -19,6 +20,10 @@ from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.openai_serving import OpenAIServing
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+
+
+class ServedModel(BaseModel):
+    name: str = Field(min_length=1)
 
 
 def create_app(
@@ -49,12 +54,19 @@ def create_app(
     async def models() -> JSONResponse:
         return JSONResponse(serving.models())
 
+    # A warm-pool replica is taken over by an endpoint: from now on it answers to that name.
+    # Workers listen on loopback only; the gateway is the public door.
+    @app.put("/admin/served-model")
+    async def rename(body: ServedModel) -> JSONResponse:
+        serving.model_name = body.name
+        return JSONResponse({"model": body.name})
+
     @app.get("/health")
     async def health() -> JSONResponse:
         e = engine.engine
         body = {
             "status": "ok" if engine.healthy else "error",
-            "model": model_name,
+            "model": serving.model_name,
             "running": e.num_running,
             "waiting": e.num_waiting,
             "kv_cache_usage": round(e.kv.usage(), 4),

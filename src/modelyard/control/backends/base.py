@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+import httpx
 
 
 @dataclass(frozen=True)
@@ -42,3 +46,32 @@ class Backend(Protocol):
         ...
 
     async def stop_all(self) -> None: ...
+
+
+class ReplicaStartError(RuntimeError):
+    """A replica exited or never answered its health check; the message has its log's tail."""
+
+
+def log_tail(handle: ReplicaHandle, lines: int = 5) -> str:
+    if handle.log_path is None or not handle.log_path.exists():
+        return ""
+    tail = handle.log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+    return (": " + " | ".join(tail)) if tail else ""
+
+
+async def wait_healthy(
+    backend: Backend, handle: ReplicaHandle, http: httpx.AsyncClient, timeout_s: float
+) -> None:
+    """Until the replica's `/health` answers 200; raises if it exits or runs out of time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not backend.alive(handle):
+            code = backend.exit_status(handle)
+            raise ReplicaStartError(f"worker exited with code {code}{log_tail(handle)}")
+        try:
+            if (await http.get(handle.url + "/health")).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.1)
+    raise ReplicaStartError(f"worker not healthy after {timeout_s:g}s{log_tail(handle)}")

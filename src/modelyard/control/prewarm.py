@@ -1,0 +1,81 @@
+"""Predictive pre-warming: wake an idle endpoint before the traffic it usually gets.
+
+Each endpoint's requests are counted per hour of the week (168 buckets) over the last
+`weeks` weeks. An endpoint at zero replicas whose expected requests in the hour starting
+`lead_s` from now reach `min_requests` is woken up ahead of them ("this model is requested every
+weekday at 9am"). The clock is always passed in, so tests and the fleet simulator drive it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+WEEK_S = 7 * 24 * 3600
+
+
+def hour_of_week(at: float) -> tuple[int, int]:
+    """(week number, hour of that week, Monday 00:00 UTC = 0) of a unix time."""
+    ts = datetime.fromtimestamp(at, UTC)
+    monday_based = ts.weekday() * 24 + ts.hour
+    # Weeks counted from a Monday, so a week number changes exactly at Monday 00:00.
+    week = int(
+        (at - (ts.weekday() * 86400 + ts.hour * 3600 + ts.minute * 60 + ts.second)) // WEEK_S
+    )
+    return week, monday_based
+
+
+class TrafficHistory:
+    def __init__(self, weeks: int = 4) -> None:
+        self.weeks = weeks
+        # endpoint → hour of week → {week number: requests}
+        self._counts: dict[str, dict[int, dict[int, int]]] = defaultdict(lambda: defaultdict(dict))
+        self._first_week: dict[str, int] = {}
+
+    def record(self, endpoint_id: str, at: float, requests: int = 1) -> None:
+        if requests <= 0:
+            return
+        week, how = hour_of_week(at)
+        self._first_week.setdefault(endpoint_id, week)
+        per_week = self._counts[endpoint_id][how]
+        per_week[week] = per_week.get(week, 0) + requests
+        for old in [w for w in per_week if w <= week - self.weeks]:
+            del per_week[old]
+
+    def expected(self, endpoint_id: str, at: float) -> float:
+        """Mean requests in that hour of the week over the past weeks seen (this week excluded)."""
+        week, how = hour_of_week(at)
+        first = self._first_week.get(endpoint_id)
+        if first is None or first >= week:
+            return 0.0
+        past = range(max(first, week - self.weeks), week)
+        counts = self._counts[endpoint_id].get(how, {})
+        return sum(counts.get(w, 0) for w in past) / len(past)
+
+    def save(self, path: Path) -> None:
+        data = {
+            ep: {"first": self._first_week.get(ep), "hours": {h: c for h, c in hours.items()}}
+            for ep, hours in self._counts.items()
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+
+    def load(self, path: Path) -> None:
+        if not path.exists():
+            return
+        for ep, entry in json.loads(path.read_text()).items():
+            if entry.get("first") is not None:
+                self._first_week[ep] = int(entry["first"])
+            for how, per_week in entry.get("hours", {}).items():
+                self._counts[ep][int(how)] = {int(w): int(n) for w, n in per_week.items()}
+
+
+def should_prewarm(
+    history: TrafficHistory, endpoint_id: str, now: float, lead_s: float, min_requests: float
+) -> float | None:
+    """The requests expected in the hour `lead_s` from now, if that is enough to wake up for."""
+    expected = history.expected(endpoint_id, now + lead_s)
+    return expected if expected >= min_requests else None

@@ -1,0 +1,235 @@
+"""Replica lifecycle: start (from the warm pool when it can), health, scale-down, repair.
+
+A replica starts from a warm-pool worker of its version when there is one, else from this node's
+cache of the model files; it joins the routing table once healthy, with its admission limit from
+its KV capacity. Every tick its health is probed: a dead one leaves routing and is replaced
+(with backoff), one failing three probes is benched until it answers. `converge` starts or drains
+replicas until the live ones match what the autoscaler wants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+
+from modelyard.config import PlatformSettings
+from modelyard.control.backends.base import Backend, ReplicaSpec, wait_healthy
+from modelyard.control.model_kind import LLM
+from modelyard.control.node_cache import NodeCache
+from modelyard.control.registry import Registry
+from modelyard.control.state import EndpointState, Replica, spawn
+from modelyard.control.warm_pool import WarmPool
+from modelyard.gateway.router import ReplicaRoute, RoutingTable
+from modelyard.store import repository as repo
+
+log = logging.getLogger(__name__)
+
+_HEALTH_FAILURES_BEFORE_UNHEALTHY = 3
+_MAX_RESTART_BACKOFF_S = 60.0
+
+SetStatus = Callable[[EndpointState, str, str | None], Awaitable[None]]
+UpdateStatus = Callable[[EndpointState], Awaitable[None]]
+
+
+class ReplicaController:
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        backend: Backend,
+        routing: RoutingTable,
+        registry: Registry,
+        endpoints: Callable[[], dict[str, EndpointState]],
+        set_status: SetStatus,
+        update_status: UpdateStatus,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.routing = routing
+        self.registry = registry
+        self.endpoints = endpoints
+        self.set_status = set_status
+        self.update_status = update_status
+        self.node_cache = NodeCache(
+            settings.data_dir / "node-cache", registry.store, settings.node_cache_bytes
+        )
+        self.warm_pool = WarmPool(
+            settings, backend, registry, self.node_cache, self.default_engine_env()
+        )
+        self._http = httpx.AsyncClient(timeout=2.0)
+
+    async def close(self) -> None:
+        await self.warm_pool.stop()
+        await self._http.aclose()
+
+    @staticmethod
+    def new_replica(state: EndpointState) -> Replica:
+        # Listed before it starts, so the reconciler counts it and does not start another.
+        replica = Replica(repo.new_id("rep"))
+        state.replicas.append(replica)
+        return replica
+
+    async def fetch_model(self, state: EndpointState) -> Path:
+        """The version's files from this node's cache (copied from the store and verified on a
+        miss); called before every replica start, since an idle version may have been evicted."""
+        assert state.row.version_id is not None
+        version = await asyncio.to_thread(self.registry.by_id, state.row.version_id)
+        in_use = {
+            s.row.version_id
+            for s in self.endpoints().values()
+            if s.live and s.row.version_id is not None
+        }
+        entry = await asyncio.to_thread(self.node_cache.fetch, version, in_use)
+        state.last_fetch = "node cache" if entry.hit else "artifact store"
+        return entry.path
+
+    async def run(self, state: EndpointState, replica: Replica) -> None:
+        assert state.model_path is not None
+        if state.row.version_id is not None and state.kind == LLM:
+            try:
+                state.model_path = await self.fetch_model(state)
+            except Exception as exc:
+                replica.state, replica.error = "failed", f"cannot fetch the model: {exc}"
+                state.failures += 1
+                return
+        if state.kind == LLM and not state.engine_env:
+            handle = await self.warm_pool.take(state.row.version_id, state.row.model_name)
+            if handle is not None:  # a preloaded replica of this version: no load at all
+                replica.handle = handle
+                state.last_fetch = "warm pool"
+                await self.serve(state, replica)
+                return
+        spec = ReplicaSpec(
+            replica_id=replica.replica_id,
+            endpoint_id=state.row.id,
+            model_path=state.model_path,
+            served_model_name=state.row.model_name,
+            engine_env={**self.default_engine_env(), **state.engine_env},
+        )
+        try:
+            replica.handle = await self.backend.start(spec)
+            await wait_healthy(
+                self.backend, replica.handle, self._http, self.settings.replica_start_timeout_s
+            )
+        except Exception as exc:
+            replica.state = "failed"
+            state.failures += 1
+            replica.error = state.last_error = str(exc)
+            log.warning(
+                "replica %s of %s failed to start: %s", replica.replica_id, state.row.id, exc
+            )
+            if replica.handle is not None:
+                await self.backend.stop(replica.handle)
+            if not any(r.state == "ready" for r in state.replicas):
+                await self.set_status(state, "failed", f"replica failed to start: {exc}")
+            return
+        await self.serve(state, replica)
+
+    async def serve(self, state: EndpointState, replica: Replica) -> None:
+        """A started, healthy replica joins its endpoint's routing."""
+        assert replica.handle is not None
+        if replica.state == "draining":  # scaled down while it was starting
+            await self.backend.stop(replica.handle)
+            replica.state = "stopped"
+            return
+        replica.state = "ready"
+        state.failures = 0
+        replica.ready_after_s = time.time() - replica.started_at
+        replica.route = ReplicaRoute(replica.replica_id, replica.handle.url)
+        await self.probe(replica)  # its load report and admission limit, before traffic
+        state.route.replicas.append(replica.route)
+        self.routing.changed(state.route)
+        await self.update_status(state)
+
+    def default_engine_env(self) -> dict[str, str]:
+        env = {"MODELYARD_CACHE_DIR": str(self.node_cache.engine_cache)}
+        env.update(
+            {f"MODELYARD_{k.upper()}": str(v) for k, v in self.settings.worker_engine.items()}
+        )
+        return env
+
+    async def probe(self, replica: Replica) -> bool:
+        """Health check; keeps the replica's load report and sets its admission limit."""
+        assert replica.handle is not None
+        try:
+            r = await self._http.get(replica.handle.url + "/health")
+        except httpx.HTTPError:
+            return False
+        if r.status_code != 200:
+            return False
+        replica.load = r.json()
+        capacity = int(replica.load.get("kv_cache_capacity_tokens") or 0)
+        if replica.route is not None and capacity:
+            # The spec's admission formula: KV memory / the KV one request needs on average.
+            per_request = self.settings.admission_tokens_per_request
+            replica.route.max_concurrency = max(1, capacity // per_request)
+        return True
+
+    def drop_route(self, state: EndpointState, replica: Replica) -> None:
+        if replica.route is not None and replica.route in state.route.replicas:
+            state.route.replicas.remove(replica.route)
+            self.routing.changed(state.route)
+
+    async def check_health(self, state: EndpointState) -> None:
+        """Probe every serving replica: the dead leave, the failing are benched, the rest report
+        their load."""
+        for replica in list(state.replicas):
+            if replica.state not in ("ready", "unhealthy") or replica.handle is None:
+                continue
+            if not self.backend.alive(replica.handle):
+                code = self.backend.exit_status(replica.handle)
+                replica.state = "failed"
+                state.failures += 1
+                replica.error = state.last_error = f"replica {replica.replica_id} exited ({code})"
+                self.drop_route(state, replica)
+                log.warning("replica %s of %s died (%s)", replica.replica_id, state.row.id, code)
+                continue
+            healthy = await self.probe(replica)
+            if healthy:
+                # Also re-admits a replica the gateway benched after failing to connect to it.
+                replica.health_failures = 0
+                replica.state = "ready"
+                if replica.route is not None:
+                    replica.route.ready = True
+            else:
+                replica.health_failures += 1
+                if replica.health_failures >= _HEALTH_FAILURES_BEFORE_UNHEALTHY:
+                    replica.state = "unhealthy"
+                    if replica.route is not None:
+                        replica.route.ready = False
+        state.replicas = [r for r in state.replicas if r.state not in ("failed", "stopped")]
+
+    def converge(self, state: EndpointState) -> None:
+        """Start or drain replicas until the live ones match `desired`."""
+        live = state.live
+        missing = state.desired - len(live)
+        if missing > 0 and time.monotonic() >= state.next_restart_at:
+            if state.failures:  # replacing failed replicas: back off
+                state.restarts += missing
+                backoff = min(_MAX_RESTART_BACKOFF_S, 2.0 ** min(state.failures, 6))
+                state.next_restart_at = time.monotonic() + backoff
+            for _ in range(missing):
+                spawn(state, self.run(state, self.new_replica(state)))
+        elif missing < 0:
+            # Newest first: a starting one costs nothing to drop, older ones hold warm caches.
+            for replica in sorted(live, key=lambda r: r.started_at, reverse=True)[:-missing]:
+                replica.state = "draining"
+                if replica.route is not None:
+                    replica.route.ready = False
+                    spawn(state, self.drain(state, replica))
+
+    async def drain(self, state: EndpointState, replica: Replica) -> None:
+        """Scale-down of one replica: no new requests, wait for those in flight, then stop."""
+        deadline = time.monotonic() + self.settings.replica_drain_timeout_s
+        route = replica.route
+        # Polls counters the gateway moves; an event per counter would cost the hot path.
+        while route is not None and route.outstanding > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+        self.drop_route(state, replica)
+        if replica.handle is not None:
+            await self.backend.stop(replica.handle)
+        replica.state = "stopped"

@@ -1,0 +1,95 @@
+"""What the control plane knows of each endpoint and its replicas, between reconcile ticks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from modelyard.api.errors import APIError
+from modelyard.config import EngineSettings
+from modelyard.control.autoscaler import Autoscaler, Decision
+from modelyard.control.backends.base import ReplicaHandle
+from modelyard.control.scaling import LoadTracker
+from modelyard.gateway.router import EndpointRoute, ReplicaRoute
+from modelyard.store.tables import Endpoint
+
+
+@dataclass(eq=False)
+class Replica:
+    replica_id: str
+    route: ReplicaRoute | None = None
+    handle: ReplicaHandle | None = None
+    state: str = "starting"  # starting | ready | unhealthy | draining | failed | stopped
+    started_at: float = field(default_factory=time.time)
+    ready_after_s: float | None = None
+    health_failures: int = 0
+    error: str | None = None
+    load: dict[str, Any] | None = None  # its last /health report
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "id": self.replica_id,
+            "state": self.state,
+            "address": self.handle.url if self.handle else None,
+            "pid": self.handle.pid if self.handle else None,
+            "started_at": int(self.started_at),
+            "ready_after_s": None if self.ready_after_s is None else round(self.ready_after_s, 2),
+            "outstanding": self.route.outstanding if self.route else 0,
+            "error": self.error,
+        }
+
+
+@dataclass(eq=False)
+class EndpointState:
+    row: Endpoint
+    route: EndpointRoute
+    model_path: Path | None = None
+    engine_env: dict[str, str] = field(default_factory=dict)
+    replicas: list[Replica] = field(default_factory=list)
+    desired: int = 1
+    restarts: int = 0
+    failures: int = 0  # replica failures since one was last ready: the restart backoff
+    next_restart_at: float = 0.0
+    status: str = "provisioning"
+    message: str | None = None
+    last_error: str | None = None
+    kind: str | None = None  # llm, or an encoder kind served by the shared encoder host
+    last_fetch: str | None = None  # where the replica came from: warm pool, node cache, store
+    requests_seen: int = 0  # the gateway's count at the last tick, for the traffic history
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    autoscaler: Autoscaler | None = None
+    load: LoadTracker | None = None
+    decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=20))
+
+    @property
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.state in ("starting", "ready", "unhealthy")]
+
+
+def engine_env(options: dict[str, Any]) -> tuple[dict[str, str], EngineSettings]:
+    """Validate engine options against `EngineSettings` and turn them into worker env vars."""
+    unknown = sorted(set(options) - set(EngineSettings.model_fields))
+    if unknown:
+        raise APIError(400, f"unknown engine option(s): {', '.join(unknown)}", param="engine")
+    try:
+        settings = EngineSettings(**options)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"engine.{where}: {first['msg']}", param=f"engine.{where}") from exc
+    env = {f"MODELYARD_{k.upper()}": str(v) for k, v in options.items()}
+    return env, settings
+
+
+def spawn(state: EndpointState, coro: Coroutine[Any, Any, None]) -> None:
+    """Run `coro` as a task of the endpoint (cancelled with it)."""
+    task = asyncio.create_task(coro)
+    state.tasks.add(task)
+    task.add_done_callback(state.tasks.discard)

@@ -1,0 +1,131 @@
+"""The warm pool: idle replicas of popular base models, already loaded, for cold endpoints.
+
+`warm_pool` names registry models of the platform admin and how many idle replicas of each to
+keep. An endpoint that needs a replica of the same version (and default engine settings) takes
+one over in milliseconds (the worker is told its new public name) instead of loading for
+seconds; the pool starts a replacement in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+
+from modelyard.config import PlatformSettings
+from modelyard.control.backends.base import Backend, ReplicaHandle, ReplicaSpec, wait_healthy
+from modelyard.control.node_cache import NodeCache
+from modelyard.control.registry import Registry, ResolvedVersion
+from modelyard.store import repository as repo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    version: ResolvedVersion
+    size: int
+    idle: list[ReplicaHandle] = field(default_factory=list)
+    starting: int = 0
+
+
+class WarmPool:
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        backend: Backend,
+        registry: Registry,
+        node_cache: NodeCache,
+        engine_env: dict[str, str],
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.registry = registry
+        self.node_cache = node_cache
+        self.engine_env = engine_env
+        self._slots: dict[str, _Slot] = {}  # by version id
+        self._http = httpx.AsyncClient(timeout=5.0)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._pending: dict[str, int] = {}  # refs not found in the registry yet
+        self._tenant_id = ""
+        self.taken = 0
+
+    async def start(self, tenant_id: str) -> None:
+        self._tenant_id = tenant_id
+        self._pending = dict(self.settings.warm_pool)
+        await self.tick()
+
+    async def tick(self) -> None:
+        """Resolve the models not in the registry yet (they may be pushed later) and refill."""
+        for ref, size in list(self._pending.items()):
+            version = await asyncio.to_thread(self.registry.resolve, self._tenant_id, ref, True)
+            if version is not None:
+                del self._pending[ref]
+                self._slots[version.version_id] = _Slot(version, size)
+        for version_id in self._slots:
+            self._refill(version_id)
+
+    def _refill(self, version_id: str) -> None:
+        slot = self._slots[version_id]
+        for _ in range(slot.size - len(slot.idle) - slot.starting):
+            slot.starting += 1
+            task = asyncio.create_task(self._start_one(slot))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _start_one(self, slot: _Slot) -> None:
+        try:
+            entry = await asyncio.to_thread(self.node_cache.fetch, slot.version)
+            spec = ReplicaSpec(
+                replica_id=repo.new_id("warm"),
+                endpoint_id="warm-pool",
+                model_path=entry.path,
+                served_model_name=f"warm-{slot.version.model_name}",
+                engine_env=self.engine_env,
+            )
+            handle = await self.backend.start(spec)
+            try:
+                await wait_healthy(
+                    self.backend, handle, self._http, self.settings.replica_start_timeout_s
+                )
+            except Exception:
+                await self.backend.stop(handle)
+                raise
+            slot.idle.append(handle)
+            log.info("warm pool: %s ready (%d idle)", slot.version.model_name, len(slot.idle))
+        except Exception as exc:
+            log.warning("warm pool: starting a %s replica failed: %s", slot.version.model_name, exc)
+        finally:
+            slot.starting -= 1
+
+    async def take(self, version_id: str | None, served_name: str) -> ReplicaHandle | None:
+        """An idle loaded replica of this version, renamed for its endpoint; None if none."""
+        slot = self._slots.get(version_id or "")
+        while slot is not None and slot.idle:
+            handle = slot.idle.pop(0)
+            self._refill(version_id or "")
+            if not self.backend.alive(handle):
+                continue
+            try:
+                r = await self._http.put(
+                    handle.url + "/admin/served-model", json={"name": served_name}
+                )
+            except httpx.HTTPError:
+                r = None
+            if r is None or r.status_code != 200:
+                await self.backend.stop(handle)
+                continue
+            self.taken += 1
+            return handle
+        return None
+
+    def idle(self) -> dict[str, int]:
+        return {s.version.model_name: len(s.idle) for s in self._slots.values()}
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._http.aclose()
