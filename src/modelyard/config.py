@@ -182,6 +182,14 @@ class PlatformSettings(_Settings):
     )
     encoder_max_batch_size: int = Field(32, ge=1, description="Encoder inputs per batch.")
     encoder_max_wait_ms: float = Field(5.0, ge=0, description="How long a batch waits to fill.")
+    devices: str | None = Field(
+        None,
+        description="This node's devices, e.g. cpu:4x6GiB or cuda:2x80GiB; default: the CUDA "
+        "devices torch sees, else one CPU device of 80 % of RAM.",
+    )
+    replica_overhead_bytes: int = Field(
+        parse_size("512MiB"), description="Device memory a replica needs beyond weights and KV."
+    )
     node_cache_bytes: int = Field(
         parse_size("50GiB"), description="This node's cache of model files (LRU beyond it)."
     )
@@ -219,6 +227,7 @@ class PlatformSettings(_Settings):
         "max_file_bytes",
         "encoder_host_memory",
         "node_cache_bytes",
+        "replica_overhead_bytes",
         mode="before",
     )
     @classmethod

@@ -53,3 +53,25 @@ async def delete_endpoint(
     platform: Platform = Depends(get_platform),
 ) -> JSONResponse:
     return JSONResponse(await platform.endpoints.delete(principal, endpoint_id), status_code=202)
+
+
+@router.get("/v1/devices")
+async def devices(
+    principal: Principal = Depends(get_admin), platform: Platform = Depends(get_platform)
+) -> dict[str, Any]:
+    """This node's devices and what the placed replicas use of them (platform admin)."""
+    principal.require_platform_admin()
+    placement = platform.endpoints.replicas.placement
+    return {
+        "object": "list",
+        "data": [
+            {
+                "name": d.qualified_name,
+                "kind": d.kind,
+                "memory_bytes": d.memory_bytes,
+                "used_bytes": d.memory_bytes - placement.free_bytes(d),
+                "replicas": placement.replicas_on(d),
+            }
+            for d in placement.devices
+        ],
+    }

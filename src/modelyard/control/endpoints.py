@@ -17,7 +17,7 @@ from typing import Any
 
 from modelyard.api.errors import APIError
 from modelyard.api.schemas import DeployRequest
-from modelyard.config import PlatformSettings
+from modelyard.config import EngineSettings, PlatformSettings
 from modelyard.control.autoscaler import Autoscaler, ScalingPolicy
 from modelyard.control.backends.base import Backend
 from modelyard.control.encoder_pool import EncoderPool
@@ -143,14 +143,7 @@ class EndpointManager:
             )
         if req.public and not principal.platform_admin:
             raise APIError(403, "only the platform admin can deploy public endpoints", "public")
-        if req.hardware.gpu_count != 1:
-            raise APIError(
-                400,
-                "replicas spanning several devices (gpu_count > 1) are not available yet",
-                param="hardware.gpu_count",
-                code="unsupported_hardware",
-            )
-        env, engine = engine_env(req.engine)
+        engine_env(req.engine)  # a bad option is a 400 now, not a failed replica later
         path, version = await asyncio.to_thread(
             self._resolve_artifact, principal, req.model_artifact
         )
@@ -185,7 +178,7 @@ class EndpointManager:
                 s.add(row)
 
         await asyncio.to_thread(insert)
-        state = self._adopt(row, path, env, engine.max_tokens_cap)
+        state = self._adopt(row, path)
         size = version.total_size if version else _size_of(path)
         return {
             "endpoint_id": row.id,
@@ -193,16 +186,11 @@ class EndpointManager:
             "estimated_ready_seconds": int(5 + size / 100e6),
         }
 
-    def _adopt(
-        self,
-        row: Endpoint,
-        path: Path | None = None,
-        env: dict[str, str] | None = None,
-        max_tokens_cap: int | None = None,
-    ) -> EndpointState:
-        if env is None or max_tokens_cap is None:
-            env, engine = engine_env(row.engine_options)
-            max_tokens_cap = engine.max_tokens_cap
+    def _adopt(self, row: Endpoint, path: Path | None = None) -> EndpointState:
+        env, _ = engine_env(row.engine_options)
+        # What the replicas will run with: the platform's worker defaults under the endpoint's.
+        engine = EngineSettings(**{**self.settings.worker_engine, **row.engine_options})
+        max_tokens_cap = engine.max_tokens_cap
         route = EndpointRoute(
             endpoint_id=row.id,
             tenant_id=row.tenant_id,
@@ -213,7 +201,7 @@ class EndpointManager:
         )
         desired = max(1, int(row.hardware.get("min_replicas", 1)))
         state = EndpointState(
-            row=row, route=route, model_path=path, engine_env=env, desired=desired
+            row=row, route=route, model_path=path, engine_env=env, engine=engine, desired=desired
         )
         policy = ScalingPolicy.from_deploy(row.hardware, row.scaling)
         state.autoscaler = Autoscaler(policy)
@@ -442,6 +430,7 @@ class EndpointManager:
             for replica in state.replicas:
                 if replica.handle is not None:
                     await self.backend.stop(replica.handle)
+                self.replicas.release(replica)
         for replica in state.replicas:
             replica.state = "stopped"
         await asyncio.to_thread(self._mark_deleted, state.row.id)

@@ -19,9 +19,12 @@ import httpx
 
 from modelyard.config import PlatformSettings
 from modelyard.control.backends.base import Backend, ReplicaSpec, wait_healthy
+from modelyard.control.devices import inventory
 from modelyard.control.model_kind import LLM
 from modelyard.control.node_cache import NodeCache
+from modelyard.control.placement import Placement, ReplicaRequest
 from modelyard.control.registry import Registry
+from modelyard.control.sizing import replica_bytes_per_device
 from modelyard.control.state import EndpointState, Replica, spawn
 from modelyard.control.warm_pool import WarmPool
 from modelyard.gateway.router import ReplicaRoute, RoutingTable
@@ -57,8 +60,9 @@ class ReplicaController:
         self.node_cache = NodeCache(
             settings.data_dir / "node-cache", registry.store, settings.node_cache_bytes
         )
+        self.placement = Placement(inventory(settings.devices))
         self.warm_pool = WarmPool(
-            settings, backend, registry, self.node_cache, self.default_engine_env()
+            settings, backend, registry, self.node_cache, self.default_engine_env(), self.placement
         )
         self._http = httpx.AsyncClient(timeout=2.0)
 
@@ -97,18 +101,22 @@ class ReplicaController:
                 state.failures += 1
                 return
         if state.kind == LLM and not state.engine_env:
-            handle = await self.warm_pool.take(state.row.version_id, state.row.model_name)
-            if handle is not None:  # a preloaded replica of this version: no load at all
-                replica.handle = handle
+            taken = await self.warm_pool.take(state.row.version_id, state.row.model_name)
+            if taken is not None:  # a preloaded replica of this version: no load at all
+                replica.handle, replica.placement_id = taken
+                replica.devices = self._device_names(replica.placement_id)
                 state.last_fetch = "warm pool"
                 await self.serve(state, replica)
                 return
+        env = {**self.default_engine_env(), **state.engine_env}
+        if not self._place(state, replica, env):
+            return
         spec = ReplicaSpec(
             replica_id=replica.replica_id,
             endpoint_id=state.row.id,
             model_path=state.model_path,
             served_model_name=state.row.model_name,
-            engine_env={**self.default_engine_env(), **state.engine_env},
+            engine_env=env,
         )
         try:
             replica.handle = await self.backend.start(spec)
@@ -124,16 +132,54 @@ class ReplicaController:
             )
             if replica.handle is not None:
                 await self.backend.stop(replica.handle)
+            self.release(replica)
             if not any(r.state == "ready" for r in state.replicas):
                 await self.set_status(state, "failed", f"replica failed to start: {exc}")
             return
         await self.serve(state, replica)
+
+    def _place(self, state: EndpointState, replica: Replica, env: dict[str, str]) -> bool:
+        """Reserve the replica's devices (and tell the worker which); False if nothing fits."""
+        assert state.model_path is not None
+        count = max(1, int(state.row.hardware.get("gpu_count", 1)))
+        need = replica_bytes_per_device(
+            state.model_path,
+            state.engine.model_copy(update={"tensor_parallel_size": count}),
+            on_cuda=any(d.kind == "cuda" for d in self.placement.devices),
+            overhead=self.settings.replica_overhead_bytes,
+        )
+        request = ReplicaRequest(replica.replica_id, state.row.id, need, count)
+        result = self.placement.place([request])
+        if replica.replica_id in result.unschedulable:
+            why = result.unschedulable[replica.replica_id]
+            replica.state, replica.error = "failed", f"unschedulable: {why}"
+            spawn(state, self.set_status(state, "unschedulable", why))
+            return False
+        devices = result.assignments[replica.replica_id]
+        replica.placement_id = replica.replica_id
+        replica.devices = [d.qualified_name for d in devices]
+        if count > 1:
+            env["MODELYARD_TENSOR_PARALLEL_SIZE"] = str(count)
+        if devices[0].kind == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in devices)
+        return True
+
+    def _device_names(self, placement_id: str | None) -> list[str]:
+        devices = self.placement.assignment(placement_id) if placement_id else None
+        return [d.qualified_name for d in devices or []]
+
+    def release(self, replica: Replica) -> None:
+        """Give the replica's devices back (it stopped, failed or never started)."""
+        if replica.placement_id is not None:
+            self.placement.release(replica.placement_id)
+            replica.placement_id = None
 
     async def serve(self, state: EndpointState, replica: Replica) -> None:
         """A started, healthy replica joins its endpoint's routing."""
         assert replica.handle is not None
         if replica.state == "draining":  # scaled down while it was starting
             await self.backend.stop(replica.handle)
+            self.release(replica)
             replica.state = "stopped"
             return
         replica.state = "ready"
@@ -186,6 +232,7 @@ class ReplicaController:
                 state.failures += 1
                 replica.error = state.last_error = f"replica {replica.replica_id} exited ({code})"
                 self.drop_route(state, replica)
+                self.release(replica)
                 log.warning("replica %s of %s died (%s)", replica.replica_id, state.row.id, code)
                 continue
             healthy = await self.probe(replica)
@@ -232,4 +279,5 @@ class ReplicaController:
         self.drop_route(state, replica)
         if replica.handle is not None:
             await self.backend.stop(replica.handle)
+        self.release(replica)
         replica.state = "stopped"

@@ -32,6 +32,8 @@ class Replica:
     health_failures: int = 0
     error: str | None = None
     load: dict[str, Any] | None = None  # its last /health report
+    placement_id: str | None = None  # its allocation in the node's `Placement`
+    devices: list[str] = field(default_factory=list)
 
     def view(self) -> dict[str, Any]:
         return {
@@ -42,6 +44,7 @@ class Replica:
             "started_at": int(self.started_at),
             "ready_after_s": None if self.ready_after_s is None else round(self.ready_after_s, 2),
             "outstanding": self.route.outstanding if self.route else 0,
+            "devices": self.devices,
             "error": self.error,
         }
 
@@ -52,6 +55,7 @@ class EndpointState:
     route: EndpointRoute
     model_path: Path | None = None
     engine_env: dict[str, str] = field(default_factory=dict)
+    engine: EngineSettings = field(default_factory=EngineSettings)  # effective, for sizing
     replicas: list[Replica] = field(default_factory=list)
     desired: int = 1
     restarts: int = 0

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from modelyard.config import PlatformSettings
+from modelyard.config import EngineSettings, PlatformSettings
 from modelyard.control.backends.base import Backend, ReplicaHandle, ReplicaSpec, wait_healthy
 from modelyard.control.node_cache import NodeCache
+from modelyard.control.placement import Placement, ReplicaRequest
 from modelyard.control.registry import Registry, ResolvedVersion
+from modelyard.control.sizing import replica_bytes_per_device
 from modelyard.store import repository as repo
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 class _Slot:
     version: ResolvedVersion
     size: int
-    idle: list[ReplicaHandle] = field(default_factory=list)
+    idle: list[ReplicaHandle] = field(default_factory=list)  # each placed under its replica id
     starting: int = 0
 
 
@@ -39,12 +41,14 @@ class WarmPool:
         registry: Registry,
         node_cache: NodeCache,
         engine_env: dict[str, str],
+        placement: Placement,
     ) -> None:
         self.settings = settings
         self.backend = backend
         self.registry = registry
         self.node_cache = node_cache
         self.engine_env = engine_env
+        self.placement = placement
         self._slots: dict[str, _Slot] = {}  # by version id
         self._http = httpx.AsyncClient(timeout=5.0)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -76,10 +80,22 @@ class WarmPool:
             task.add_done_callback(self._tasks.discard)
 
     async def _start_one(self, slot: _Slot) -> None:
+        replica_id = repo.new_id("warm")
         try:
             entry = await asyncio.to_thread(self.node_cache.fetch, slot.version)
+            need = replica_bytes_per_device(
+                entry.path,
+                EngineSettings(**self.settings.worker_engine),
+                on_cuda=any(d.kind == "cuda" for d in self.placement.devices),
+                overhead=self.settings.replica_overhead_bytes,
+            )
+            result = self.placement.place([ReplicaRequest(replica_id, "warm-pool", need)])
+            if replica_id in result.unschedulable:
+                log.warning("warm pool: no room for %s: %s", slot.version.model_name,
+                            result.unschedulable[replica_id])  # fmt: skip
+                return
             spec = ReplicaSpec(
-                replica_id=repo.new_id("warm"),
+                replica_id=replica_id,
                 endpoint_id="warm-pool",
                 model_path=entry.path,
                 served_model_name=f"warm-{slot.version.model_name}",
@@ -92,6 +108,7 @@ class WarmPool:
                 )
             except Exception:
                 await self.backend.stop(handle)
+                self.placement.release(replica_id)
                 raise
             slot.idle.append(handle)
             log.info("warm pool: %s ready (%d idle)", slot.version.model_name, len(slot.idle))
@@ -100,13 +117,17 @@ class WarmPool:
         finally:
             slot.starting -= 1
 
-    async def take(self, version_id: str | None, served_name: str) -> ReplicaHandle | None:
-        """An idle loaded replica of this version, renamed for its endpoint; None if none."""
+    async def take(
+        self, version_id: str | None, served_name: str
+    ) -> tuple[ReplicaHandle, str] | None:
+        """An idle loaded replica of this version, renamed for its endpoint, with its placement
+        id; None if there is none."""
         slot = self._slots.get(version_id or "")
         while slot is not None and slot.idle:
             handle = slot.idle.pop(0)
             self._refill(version_id or "")
             if not self.backend.alive(handle):
+                self.placement.release(handle.spec.replica_id)
                 continue
             try:
                 r = await self._http.put(
@@ -116,9 +137,10 @@ class WarmPool:
                 r = None
             if r is None or r.status_code != 200:
                 await self.backend.stop(handle)
+                self.placement.release(handle.spec.replica_id)
                 continue
             self.taken += 1
-            return handle
+            return handle, handle.spec.replica_id
         return None
 
     def idle(self) -> dict[str, int]:

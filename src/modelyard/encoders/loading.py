@@ -38,13 +38,12 @@ def detect_kind(folder: Path) -> ModelKind:
     return "embedding"
 
 
-def _safetensors_float32_bytes(path: Path) -> int:
-    """Bytes the file's tensors take once loaded as float32 (the header says their shapes)."""
+def safetensors_numel(path: Path) -> int:
+    """How many numbers the file's tensors hold (read from its header, not its data)."""
     with path.open("rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
-    numel = sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return numel * 4
+    return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
 
 
 def estimate_bytes(kind: ModelKind, folder: Path) -> int:
@@ -58,7 +57,7 @@ def estimate_bytes(kind: ModelKind, folder: Path) -> int:
         folder = EmbeddingConfig.read(folder).network_dir
     weights = sorted(folder.glob("*.safetensors"))
     if weights:
-        return sum(_safetensors_float32_bytes(w) for w in weights)
+        return sum(safetensors_numel(w) * 4 for w in weights)  # loaded as float32
     return sum(w.stat().st_size for w in folder.glob("pytorch_model*.bin"))
 
 
