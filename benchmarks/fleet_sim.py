@@ -61,9 +61,10 @@ Assumptions (the model, stated so the numbers can be judged):
   draining) occupies it. (Busy time as nvidia-smi counts it, any kernel running, would read
   higher and say less: one request in flight keeps a device "100 % busy".)
 
-Run time: the real `Autoscaler.decide` costs about 8 us (it averages its windows from the raw
-samples), and 1,000 endpoints over 2 days at one decision per 2 s per endpoint with a replica
-come to some 55 million decisions: about 8 CPU minutes, nine tenths of them in the autoscaler.
+Run time: the real `Autoscaler.decide` averages its windows from the raw samples (8-13 us a
+decision here), and 1,000 endpoints over 2 days, one decision per 2 s for every endpoint with a
+serving replica, come to about 60 million decisions: 8-13 CPU minutes, nine tenths of them in
+the autoscaler, so 5-10 minutes on 2 cores. `--endpoints 200 --days 1` takes about a minute.
 """
 
 from __future__ import annotations
@@ -259,6 +260,15 @@ def _peak_overlap(sessions: list[tuple[int, int, float]]) -> float:
     return peak
 
 
+GROUPS = ("mostly idle", "peak < 1 replica", "peak 1-4 replicas", "peak >= 4 replicas")
+
+
+def group_of(fleet: Fleet) -> np.ndarray:
+    """Each endpoint's group: mostly idle, else by its diurnal peak in replicas at 100 % of C."""
+    load = fleet.peak_rate * fleet.service_ticks * TICK_S / fleet.conc
+    return np.where(fleet.idle, 0, np.where(load < 1, 1, np.where(load < 4, 2, 3)))
+
+
 def pool(nodes: int) -> list[Device]:
     spec = f"cuda:{DEVICES_PER_NODE}x{DEVICE_BYTES}"
     return [d for i in range(nodes) for d in inventory(spec, node=f"n{i:04d}")]
@@ -284,6 +294,8 @@ class Serving:
     q1: np.ndarray = field(init=False)  # waited one tick: still within the SLO
     q2: np.ndarray = field(init=False)  # waited longer: over the SLO
     _rows: np.ndarray = field(init=False)
+    busy_per_endpoint: np.ndarray = field(init=False)  # device-seconds
+    allocated_per_endpoint: np.ndarray = field(init=False)
     requests: int = 0
     cold: int = 0
     misses: int = 0
@@ -300,6 +312,8 @@ class Serving:
         self.q1 = np.zeros(self.n, dtype=np.int64)
         self.q2 = np.zeros(self.n, dtype=np.int64)
         self._rows = np.arange(self.n)
+        self.busy_per_endpoint = np.zeros(self.n)
+        self.allocated_per_endpoint = np.zeros(self.n)
 
     def step(
         self, t: int, arrivals: np.ndarray, ready: np.ndarray, fleet: Fleet
@@ -332,6 +346,8 @@ class Serving:
         self.requests = self.cold = self.misses = 0
         self.wait_s = self.busy_device_s = self.provisioned_device_s = 0.0
         self.allocated_device_s = self.starting_device_s = 0.0
+        self.busy_per_endpoint[:] = 0
+        self.allocated_per_endpoint[:] = 0
 
     def totals(self) -> dict[str, float]:
         return {
@@ -349,18 +365,34 @@ class Serving:
         self,
         fleet: Fleet,
         hosting: np.ndarray,
+        held: np.ndarray,
         occupied: int,
-        allocated_bytes: int,
         starting_bytes: int = 0,
     ) -> None:
+        """Add one tick of busy, allocated and provisioned device-seconds; `hosting` replicas
+        serve (ready or draining), `held` ones occupy memory (also those still loading)."""
         # Weights stream while a replica has any request; KV in proportion to slots in use.
         weights = fleet.w_dev * np.minimum(hosting, self.in_service)
         kv = fleet.kv_dev * self.in_service / fleet.conc
-        busy_bytes = float(((weights + kv) * fleet.devices).sum())
-        self.busy_device_s += busy_bytes / DEVICE_BYTES * TICK_S
+        busy = (weights + kv) * fleet.devices * (TICK_S / DEVICE_BYTES)
+        allocated = (held * fleet.mem_dev * fleet.devices) * (TICK_S / DEVICE_BYTES)
+        self.busy_per_endpoint += busy
+        self.allocated_per_endpoint += allocated
+        self.busy_device_s += float(busy.sum())
+        self.allocated_device_s += float(allocated.sum())
         self.provisioned_device_s += occupied * TICK_S
-        self.allocated_device_s += allocated_bytes / DEVICE_BYTES * TICK_S
         self.starting_device_s += starting_bytes / DEVICE_BYTES * TICK_S
+
+    def by_group(self, groups: np.ndarray) -> dict[str, list[float]]:
+        """Per endpoint group: [endpoints, busy device-s, allocated device-s]."""
+        return {
+            name: [
+                int((groups == i).sum()),
+                float(self.busy_per_endpoint[groups == i].sum()),
+                float(self.allocated_per_endpoint[groups == i].sum()),
+            ]
+            for i, name in enumerate(GROUPS)
+        }
 
 
 @dataclass(eq=False)
@@ -384,7 +416,6 @@ class Autoscaled:
     ready_at: dict[int, list[tuple[int, Replica]]] = field(default_factory=dict)
     drained_at: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
     node_cache: dict[str, OrderedDict[int, int]] = field(default_factory=dict)
-    allocated_bytes: int = 0
     starting_bytes: int = 0  # held by replicas still loading: allocated, not yet serving
     serial: int = 0
     replica_starts: int = 0
@@ -493,7 +524,6 @@ class Autoscaled:
             self.ready_at.setdefault(ready_tick, []).append((e, replica))
             self.current[e] += 1
             self.replica_starts += 1
-            self.allocated_bytes += self._bytes(e)
             self.starting_bytes += self._bytes(e)
 
     def _scale_down(self, t: int, e: int, count: int) -> None:
@@ -520,7 +550,6 @@ class Autoscaled:
 
     def _free(self, e: int, replica_id: str) -> None:
         self.placement.release(replica_id)
-        self.allocated_bytes -= self._bytes(e)
 
 
 def rates(fleet: Fleet, t: int, extra: np.ndarray) -> np.ndarray:
@@ -551,6 +580,8 @@ class Cell:
     static_replicas: int
     static_unschedulable: int
     cpu_s: float
+    groups_auto: dict[str, list[float]]
+    groups_static: dict[str, list[float]]
 
 
 def run_cell(cell: int, cells: int, endpoints: int, days: int, seed: int, knobs: Knobs) -> Cell:
@@ -571,7 +602,6 @@ def run_cell(cell: int, cells: int, endpoints: int, days: int, seed: int, knobs:
     static_ready = fleet.static_replicas.copy()
     for replica_id in static_result.unschedulable:
         static_ready[int(replica_id[1:].split("-")[0])] -= 1
-    static_allocated = int((fleet.mem_dev * fleet.devices * static_ready).sum())
 
     auto = Autoscaled(fleet, Placement(pool(nodes)))
     ring_len = int(fleet.service_ticks.max()) + 1
@@ -595,8 +625,9 @@ def run_cell(cell: int, cells: int, endpoints: int, days: int, seed: int, knobs:
         auto.begin_tick(t)
         demand, in_service = auto_serving.step(t, arrivals, auto.ready, fleet)
         occupied[max(t, 0)] = auto.placement.occupied_devices
+        held = auto.current + auto.hosting - auto.ready  # starting + ready + draining
         auto_serving.account(
-            fleet, auto.hosting, int(occupied[max(t, 0)]), auto.allocated_bytes, auto.starting_bytes
+            fleet, auto.hosting, held, int(occupied[max(t, 0)]), auto.starting_bytes
         )
         # The engines' busy fraction, summed over ready replicas: an engine steps (is busy)
         # while it has any request, however few (least-loaded routing spreads them).
@@ -604,9 +635,7 @@ def run_cell(cell: int, cells: int, endpoints: int, days: int, seed: int, knobs:
         auto.control(t, arrivals.tolist(), demand.tolist(), busy.tolist())
 
         static_serving.step(t, arrivals, static_ready, fleet)
-        static_serving.account(
-            fleet, static_ready, static_placement.occupied_devices, static_allocated
-        )
+        static_serving.account(fleet, static_ready, static_ready, static_placement.occupied_devices)
 
     return Cell(
         nodes=nodes,
@@ -624,6 +653,8 @@ def run_cell(cell: int, cells: int, endpoints: int, days: int, seed: int, knobs:
         static_replicas=int(fleet.static_replicas.sum()),
         static_unschedulable=len(static_result.unschedulable),
         cpu_s=time.process_time() - cpu_started,
+        groups_auto=auto_serving.by_group(group_of(fleet)),
+        groups_static=static_serving.by_group(group_of(fleet)),
     )
 
 
@@ -678,6 +709,16 @@ def simulate(endpoints: int, days: int, seed: int, knobs: Knobs, cells: int) -> 
         "autoscaler_decisions": 0,
     }
     nodes = sum(p.nodes for p in parts)
+    by_group: dict[str, dict[str, float]] = {}
+    for name in GROUPS:
+        row: dict[str, float] = {"endpoints": sum(p.groups_auto[name][0] for p in parts)}
+        for side, attr in (("autoscaled", "groups_auto"), ("static", "groups_static")):
+            busy = sum(getattr(p, attr)[name][1] for p in parts)
+            held = sum(getattr(p, attr)[name][2] for p in parts)
+            total = sum(sum(g[2] for g in getattr(p, attr).values()) for p in parts)
+            row[f"{side}_memory_share_pct"] = round(100 * held / max(total, 1e-9), 1)
+            row[f"{side}_busy_of_memory_pct"] = round(100 * busy / max(held, 1e-9), 1)
+        by_group[name] = row
     return {
         "endpoints": endpoints,
         "endpoints_by_size": {
@@ -697,6 +738,7 @@ def simulate(endpoints: int, days: int, seed: int, knobs: Knobs, cells: int) -> 
         "pool_devices": nodes * DEVICES_PER_NODE,
         "autoscaled": autoscaled,
         "static": static,
+        "by_group": by_group,
         "device_hours_ratio": round(autoscaled["device_hours"] / static["device_hours"], 3),
         "targets": {
             "utilization_over_70pct": autoscaled["mean_utilization_pct"] > 70,
@@ -739,6 +781,17 @@ def table(report: dict[str, Any]) -> str:
     for label, key in ROWS:
         a, s = report["autoscaled"][key], report["static"][key]
         lines.append(f"{label:36}{a:>14,}{s:>14,}")
+    lines += [
+        "",
+        "where the allocated memory goes: share of it, and how busy that share is (%)",
+        f"{'':22}{'endpoints':>10}{'auto share':>12}{'busy':>7}{'static share':>14}{'busy':>7}",
+    ]
+    for name, g in report["by_group"].items():
+        lines.append(
+            f"{name:22}{g['endpoints']:>10}{g['autoscaled_memory_share_pct']:>12}"
+            f"{g['autoscaled_busy_of_memory_pct']:>7}{g['static_memory_share_pct']:>14}"
+            f"{g['static_busy_of_memory_pct']:>7}"
+        )
     lines.append("")
     lines.append(f"device-hours autoscaled / static: {report['device_hours_ratio']}")
     for name, ok in report["targets"].items():

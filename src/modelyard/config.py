@@ -167,6 +167,9 @@ class PlatformSettings(_Settings):
     )
     replica_start_timeout_s: float = 300.0
     replica_drain_timeout_s: float = 30.0
+    rollout_attempts: int = Field(
+        3, ge=1, description="Failed loads of a new version before falling back to the last good."
+    )
     health_check_interval_s: float = 2.0
     auth_cache_ttl_s: float = Field(5.0, description="How long a key lookup is cached.")
     local_artifact_roots: list[Path] = Field(

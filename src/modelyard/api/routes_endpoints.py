@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
 
 from modelyard.api.deps import base_url, get_admin, get_platform, get_principal
 from modelyard.api.responses import JSONResponse
@@ -44,6 +45,23 @@ async def get_endpoint(
     platform: Platform = Depends(get_platform),
 ) -> dict[str, Any]:
     return platform.endpoints.get(principal, endpoint_id, base_url(request))
+
+
+class EndpointUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_artifact: str = Field(min_length=1, description="Registry reference NAME[:VERSION].")
+
+
+@router.patch("/v1/endpoints/{endpoint_id}", status_code=202)
+async def update_endpoint(
+    endpoint_id: str,
+    body: EndpointUpdate,
+    principal: Principal = Depends(get_admin),
+    platform: Platform = Depends(get_platform),
+) -> JSONResponse:
+    result = await platform.endpoints.update(principal, endpoint_id, body.model_artifact)
+    return JSONResponse(result, status_code=202)
 
 
 @router.delete("/v1/endpoints/{endpoint_id}", status_code=202)

@@ -56,7 +56,7 @@ class EndpointManager:
         self.encoders = EncoderPool(settings, backend)
         self.replicas = ReplicaController(
             settings, backend, routing, registry, lambda: self.endpoints,
-            self._set_status, self._update_status,
+            self._set_status, self._update_status, self._mark_good,
         )  # fmt: skip
         self.node_cache = self.replicas.node_cache
         self.warm_pool = self.replicas.warm_pool
@@ -314,6 +314,7 @@ class EndpointManager:
         if state.kind != LLM:
             return  # encoder endpoints live and die with the shared host
         await self.replicas.check_health(state)
+        await self._maybe_roll_back(state)
         self.scaler.autoscale(state, self._activate)
         self.replicas.converge(state)
         await self._update_status(state)
@@ -330,10 +331,93 @@ class EndpointManager:
         state.status, state.message = "provisioning", "scaling from zero"
         spawn(state, self.replicas.run(state, self.replicas.new_replica(state)))
 
+    # ----- versions ----------------------------------------------------------------------------
+
+    async def update(self, principal: Principal, endpoint_id: str, artifact: str) -> dict[str, Any]:
+        """Roll the endpoint out to another registry version. Its replicas keep serving until
+        the new version's are ready; if those fail to load, the endpoint falls back."""
+        principal.require("admin")
+        state = self._get(principal, endpoint_id)
+        if state.kind not in (None, LLM):
+            raise APIError(
+                400, "encoder endpoints are updated by deploying again", "model_artifact"
+            )
+        version = await asyncio.to_thread(self.registry.resolve, principal.tenant_id, artifact)
+        assert version is not None
+        if version.version_id == state.row.version_id:
+            return {
+                "endpoint_id": endpoint_id,
+                "status": state.status,
+                "version_id": version.version_id,
+            }
+        ref = f"{version.model_name}:{version.version}"
+        state.rollout_from = state.row.version_id
+        await asyncio.to_thread(self._write_version, state, version.version_id, ref)
+        state.failures = 0
+        state.next_restart_at = 0.0
+        await self._set_status(state, "rolling_out", f"rolling out {ref}")
+        return {
+            "endpoint_id": endpoint_id,
+            "status": "rolling_out",
+            "version_id": version.version_id,
+        }
+
+    def _write_version(self, state: EndpointState, version_id: str | None, artifact: str) -> None:
+        with self.db.session() as s:
+            row = s.get(Endpoint, state.row.id)
+            assert row is not None
+            row.version_id, row.artifact = version_id, artifact
+        state.row.version_id, state.row.artifact = version_id, artifact
+        state.route.version_id = version_id
+
+    async def _mark_good(self, state: EndpointState) -> None:
+        """The endpoint's version serves: it is what a failing rollout will fall back to."""
+
+        def write() -> None:
+            with self.db.session() as s:
+                row = s.get(Endpoint, state.row.id)
+                if row is not None:
+                    row.good_version_id = state.row.version_id
+
+        state.row.good_version_id = state.row.version_id
+        await asyncio.to_thread(write)
+
+    async def _maybe_roll_back(self, state: EndpointState) -> None:
+        """A version that failed to load `rollout_attempts` times in a row, with none of its
+        replicas ever ready, gives way to the last good version (the spec's tier 3)."""
+        good = state.row.good_version_id
+        failed_version = state.row.version_id
+        if (
+            good is None
+            or good == failed_version
+            or state.failures < self.settings.rollout_attempts
+            or any(r.state == "ready" for r in state.current)
+        ):
+            return
+        version = await asyncio.to_thread(self.registry.by_id, good)
+        why = state.last_error or "it failed to load"
+        await asyncio.to_thread(
+            self._write_version, state, good, f"{version.model_name}:{version.version}"
+        )
+        state.rollout_from = None
+        state.failures = 0
+        state.next_restart_at = 0.0
+        message = (
+            f"version {failed_version} failed to load {self.settings.rollout_attempts} times "
+            f"({why[:300]}); serving the last good version {version.model_name}:{version.version}"
+        )
+        log.warning("endpoint %s: %s", state.row.id, message)
+        state.status = "rolling_back"
+        await self._set_status(state, "degraded", message)
+
     async def _update_status(self, state: EndpointState) -> None:
         """ready = every desired replica serves; before that provisioning, after it degraded;
         scaled_to_zero when the autoscaler wants none and none runs."""
-        ready = sum(r.state == "ready" for r in state.replicas)
+        if state.status == "degraded" and state.message and "last good version" in state.message:
+            return  # stays reported until the next rollout
+        if state.rollout_from is not None:
+            return  # rolling_out until the new version serves or falls back
+        ready = sum(r.state == "ready" for r in state.current)
         running = [r for r in state.replicas if r.state not in ("failed", "stopped")]
         if state.desired == 0 and not running:  # draining ones too must be gone
             await self._set_status(state, "scaled_to_zero", None)
@@ -369,6 +453,8 @@ class EndpointManager:
             "kind": state.kind,
             "model_artifact": row.artifact,
             "version_id": row.version_id,
+            "good_version_id": row.good_version_id,
+            "rollout_from": state.rollout_from,
             "model_files_from": state.last_fetch,
             "framework": row.framework,
             "hardware": row.hardware,

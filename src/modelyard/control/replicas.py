@@ -37,6 +37,7 @@ _MAX_RESTART_BACKOFF_S = 60.0
 
 SetStatus = Callable[[EndpointState, str, str | None], Awaitable[None]]
 UpdateStatus = Callable[[EndpointState], Awaitable[None]]
+MarkGood = Callable[[EndpointState], Awaitable[None]]
 
 
 class ReplicaController:
@@ -49,6 +50,7 @@ class ReplicaController:
         endpoints: Callable[[], dict[str, EndpointState]],
         set_status: SetStatus,
         update_status: UpdateStatus,
+        mark_good: MarkGood,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -57,6 +59,7 @@ class ReplicaController:
         self.endpoints = endpoints
         self.set_status = set_status
         self.update_status = update_status
+        self.mark_good = mark_good
         self.node_cache = NodeCache(
             settings.data_dir / "node-cache", registry.store, settings.node_cache_bytes
         )
@@ -73,7 +76,7 @@ class ReplicaController:
     @staticmethod
     def new_replica(state: EndpointState) -> Replica:
         # Listed before it starts, so the reconciler counts it and does not start another.
-        replica = Replica(repo.new_id("rep"))
+        replica = Replica(repo.new_id("rep"), version_id=state.row.version_id)
         state.replicas.append(replica)
         return replica
 
@@ -184,6 +187,10 @@ class ReplicaController:
             return
         replica.state = "ready"
         state.failures = 0
+        if replica.version_id == state.row.version_id:
+            state.rollout_from = None
+            if replica.version_id != state.row.good_version_id:
+                await self.mark_good(state)
         replica.ready_after_s = time.time() - replica.started_at
         replica.route = ReplicaRoute(replica.replica_id, replica.handle.url)
         await self.probe(replica)  # its load report and admission limit, before traffic
@@ -251,8 +258,17 @@ class ReplicaController:
         state.replicas = [r for r in state.replicas if r.state not in ("failed", "stopped")]
 
     def converge(self, state: EndpointState) -> None:
-        """Start or drain replicas until the live ones match `desired`."""
-        live = state.live
+        """Start or drain replicas until the live ones of the endpoint's version match
+        `desired`; replicas of an older version serve until the new ones all do."""
+        live = state.current
+        stale = [r for r in state.live if r.version_id != state.row.version_id]
+        ready = sum(r.state == "ready" for r in live)
+        if stale and ready >= max(state.desired, 1):
+            for replica in stale:
+                replica.state = "draining"
+                if replica.route is not None:
+                    replica.route.ready = False
+                spawn(state, self.drain(state, replica))
         missing = state.desired - len(live)
         if missing > 0 and time.monotonic() >= state.next_restart_at:
             if state.failures:  # replacing failed replicas: back off

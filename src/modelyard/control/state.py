@@ -33,6 +33,7 @@ class Replica:
     error: str | None = None
     load: dict[str, Any] | None = None  # its last /health report
     placement_id: str | None = None  # its allocation in the node's `Placement`
+    version_id: str | None = None  # the model version it runs
     devices: list[str] = field(default_factory=list)
 
     def view(self) -> dict[str, Any]:
@@ -45,6 +46,7 @@ class Replica:
             "ready_after_s": None if self.ready_after_s is None else round(self.ready_after_s, 2),
             "outstanding": self.route.outstanding if self.route else 0,
             "devices": self.devices,
+            "version_id": self.version_id,
             "error": self.error,
         }
 
@@ -72,9 +74,16 @@ class EndpointState:
     load: LoadTracker | None = None
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=20))
 
+    rollout_from: str | None = None  # the version a rollout in progress replaces
+
     @property
     def live(self) -> list[Replica]:
         return [r for r in self.replicas if r.state in ("starting", "ready", "unhealthy")]
+
+    @property
+    def current(self) -> list[Replica]:
+        """Live replicas of the version the endpoint should run."""
+        return [r for r in self.live if r.version_id == self.row.version_id]
 
 
 def engine_env(options: dict[str, Any]) -> tuple[dict[str, str], EngineSettings]:

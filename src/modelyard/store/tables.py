@@ -109,6 +109,8 @@ class Endpoint(Base):
     public: Mapped[bool] = mapped_column(Boolean, default=False)
     artifact: Mapped[str] = mapped_column(String(1000))  # as given: registry ref or local path
     version_id: Mapped[str | None] = mapped_column(ForeignKey("model_versions.id"))
+    # The last version that served: where a failing rollout falls back to.
+    good_version_id: Mapped[str | None] = mapped_column(String(40))
     framework: Mapped[str] = mapped_column(String(40))
     hardware: Mapped[dict[str, Any]]
     scaling: Mapped[dict[str, Any]]
