@@ -19,6 +19,8 @@ from modelyard.control.placement import (
     replica_memory,
     weights_bytes,
 )
+from modelyard.control.replicas import scale_down_order
+from modelyard.control.state import Replica
 
 GB = 10**9
 
@@ -198,6 +200,19 @@ def test_replicas_of_one_endpoint_spread_across_nodes_then_devices() -> None:
     ]
 
 
+def test_after_two_nodes_replicas_fill_holes_instead_of_opening_devices() -> None:
+    fleet = [d for n in ("n1", "n2", "n3") for d in inventory("cpu:2x8GiB", node=n)]
+    placement = Placement(fleet)
+    placement.place([req("a", "other-a", 5)])  # n1/cpu:0
+    placement.place([req("b", "other-b", 5)])  # n1/cpu:1 (3 GiB left on each)
+    result = placement.place([req(f"chat-{i}", "chat", 1) for i in range(3)])
+    where = [result.assignments[f"chat-{i}"][0].qualified_name for i in range(3)]
+    # Two nodes for availability; the third replica goes into the hole on n1/cpu:1 rather than
+    # opening n3, which stays empty and can be given back.
+    assert where == ["n1/cpu:0", "n2/cpu:0", "n1/cpu:1"]
+    assert placement.occupied_devices == 3
+
+
 def test_spreading_never_refuses_a_placement() -> None:
     placement = Placement(inventory("cpu:2x8GiB"))
     placement.place([req("big", "other", 7)])  # cpu:0 has 1 GiB free
@@ -277,3 +292,16 @@ def test_drain_order_empties_whole_devices_first() -> None:
     assert names(placement.assignment("b") or []) == ["cpu:1"]
     # Removing b frees cpu:1 entirely; removing a would leave cpu:0 holding 5 GiB anyway.
     assert placement.drain_order(["a", "b"]) == ["b", "a"]
+
+
+def test_scale_down_drops_starting_replicas_then_the_ones_that_empty_a_device() -> None:
+    placement = Placement(inventory("cpu:2x8GiB"))
+    placement.place([req("busy-neighbour", "other", 5)])  # cpu:0
+    placement.place([req("a", "chat", 2), req("b", "chat", 2), req("c", "chat", 2)])
+    ready = [Replica(i, state="ready", placement_id=i, started_at=n) for n, i in enumerate("abc")]
+    loading = Replica("d", state="starting", started_at=10.0)
+    order = [r.replica_id for r in scale_down_order([*ready, loading], placement)]
+    # The loading one first; then whichever of a/b/c leaves least behind on its device.
+    assert order[0] == "d"
+    on_cpu1 = [r for r in "abc" if names(placement.assignment(r) or []) == ["cpu:1"]]
+    assert order[1] in on_cpu1 and sorted(order[1:]) == ["a", "b", "c"]

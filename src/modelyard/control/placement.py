@@ -4,9 +4,10 @@ A replica needs its weights (after quantization) + its KV cache budget + overhea
 it uses; a replica over several devices (tensor-parallel ranks) needs that much on each of
 `device_count` devices of one node. A batch of requests is placed largest first, each onto the
 device with the least free memory that still fits (best fit decreasing), so small models pack
-onto shared devices and empty devices stay free for big models. Replicas of one endpoint prefer
-nodes (then devices) that hold none of its replicas yet, for availability, but spreading never
-makes a request unschedulable. Ties break by node, kind, then index, so placement is
+onto shared devices and empty devices stay free for big models. Replicas of one endpoint go to
+different nodes until they cover two (availability), never share a device while another device
+fits, and otherwise fill space on devices already in use before opening an empty one (an empty
+device is one that can be given back); spreading never makes a request unschedulable. Ties break by node, kind, then index, so placement is
 deterministic. On scale-down, `drain_order` names the replicas whose removal empties whole
 devices, since holes left in many devices keep them all provisioned.
 """
@@ -24,6 +25,7 @@ from modelyard.control.devices import Device
 GiB = 2**30
 MiB = 2**20
 DEFAULT_OVERHEAD_BYTES = 512 * MiB  # CUDA context, activations and allocator slack per device
+_SPREAD_NODES = 2  # an endpoint's replicas cover this many nodes before they fill holes
 _BITS = (32, 16, 8, 4)
 
 
@@ -236,19 +238,28 @@ class Placement:
     def _best_device(self, req: ReplicaRequest) -> tuple[list[int] | None, str]:
         nodes = self._endpoint_nodes.get(req.endpoint_id)
         per_device = self._endpoint_devices.get(req.endpoint_id)
-        best: tuple[int, int, int, int] | None = None  # (on node, on device, free, position)
+        best: tuple[int, ...] | None = None
         for free, i in self._candidates(req):
             if nodes is None or per_device is None:
-                best = (0, 0, free, i)
-            else:
-                rank = (nodes[self.devices[i].node], per_device[i], free, i)
-                if best is None or rank < best:
-                    best = rank
-            if best[0] == 0 and best[1] == 0:
-                break  # nothing later can beat a spread-clean device with less free memory
+                best = (0, 0, 0, 0, free, i)
+                break  # the endpoint's first replica: plain best fit
+            node = self.devices[i].node
+            rank = (
+                # Availability first: the first replicas go to different nodes...
+                int(nodes[node] > 0 and len(nodes) < _SPREAD_NODES),
+                per_device[i],  # ...and never two on one device while another has room;
+                int(not self._on_device[i]),  # then fill holes before opening a device,
+                nodes[node],  # spread over nodes among those,
+                free,  # and best fit.
+                i,
+            )
+            if best is None or rank < best:
+                best = rank
+            if best[:4] == (0, 0, 0, 0):
+                break  # nothing later can beat a clean, occupied device with less free memory
         if best is None:
             return None, self._no_room(req)
-        return [best[3]], ""
+        return [best[-1]], ""
 
     def _no_room(self, req: ReplicaRequest) -> str:
         for free, i in reversed(self._by_free):

@@ -40,6 +40,16 @@ UpdateStatus = Callable[[EndpointState], Awaitable[None]]
 MarkGood = Callable[[EndpointState], Awaitable[None]]
 
 
+def scale_down_order(live: list[Replica], placement: Placement) -> list[Replica]:
+    """Which replicas a scale-down removes first: those not serving yet (nothing to drain,
+    newest first), then the ready ones whose removal empties devices rather than punching holes
+    in many (`Placement.drain_order`), so that emptied devices can be given back."""
+    serving = {r.placement_id: r for r in live if r.state == "ready" and r.placement_id}
+    others = [r for r in live if r.state != "ready" or not r.placement_id]
+    others.sort(key=lambda r: (r.state == "ready", -r.started_at))
+    return others + [serving[i] for i in placement.drain_order(list(serving))]
+
+
 class ReplicaController:
     def __init__(
         self,
@@ -278,8 +288,7 @@ class ReplicaController:
             for _ in range(missing):
                 spawn(state, self.run(state, self.new_replica(state)))
         elif missing < 0:
-            # Newest first: a starting one costs nothing to drop, older ones hold warm caches.
-            for replica in sorted(live, key=lambda r: r.started_at, reverse=True)[:-missing]:
+            for replica in scale_down_order(live, self.placement)[:-missing]:
                 replica.state = "draining"
                 if replica.route is not None:
                     replica.route.ready = False
