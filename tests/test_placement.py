@@ -305,3 +305,20 @@ def test_scale_down_drops_starting_replicas_then_the_ones_that_empty_a_device() 
     assert order[0] == "d"
     on_cpu1 = [r for r in "abc" if names(placement.assignment(r) or []) == ["cpu:1"]]
     assert order[1] in on_cpu1 and sorted(order[1:]) == ["a", "b", "c"]
+
+
+def test_a_retry_avoids_the_device_where_the_load_failed_unless_nothing_else_fits() -> None:
+    placement = Placement(inventory("cpu:2x8GiB"))
+    first = placement.place([req("try-1", "chat", 3)])
+    failed = {d.qualified_name for d in first.assignments["try-1"]}
+    placement.release("try-1")
+    retry = ReplicaRequest("try-2", "chat", 3 * GiB, avoid=frozenset(failed))
+    where = {d.qualified_name for d in placement.place([retry]).assignments["try-2"]}
+    assert where and where.isdisjoint(failed)
+    # With the other device full, the avoided one is still better than unschedulable.
+    placement.release("try-2")
+    placement.place([ReplicaRequest("filler", "other", 7 * GiB, avoid=frozenset(failed))])
+    last = ReplicaRequest("try-3", "chat", 3 * GiB, avoid=frozenset(failed))
+    result = placement.place([last])
+    assert not result.unschedulable
+    assert {d.qualified_name for d in result.assignments["try-3"]} == failed

@@ -353,7 +353,7 @@ class EndpointManager:
         ref = f"{version.model_name}:{version.version}"
         state.rollout_from = state.row.version_id
         await asyncio.to_thread(self._write_version, state, version.version_id, ref)
-        state.failures = 0
+        state.clear_failures()
         state.next_restart_at = 0.0
         await self._set_status(state, "rolling_out", f"rolling out {ref}")
         return {
@@ -400,7 +400,7 @@ class EndpointManager:
             self._write_version, state, good, f"{version.model_name}:{version.version}"
         )
         state.rollout_from = None
-        state.failures = 0
+        state.clear_failures()
         state.next_restart_at = 0.0
         message = (
             f"version {failed_version} failed to load {self.settings.rollout_attempts} times "

@@ -7,9 +7,11 @@ device with the least free memory that still fits (best fit decreasing), so smal
 onto shared devices and empty devices stay free for big models. Replicas of one endpoint go to
 different nodes until they cover two (availability), never share a device while another device
 fits, and otherwise fill space on devices already in use before opening an empty one (an empty
-device is one that can be given back); spreading never makes a request unschedulable. Ties break by node, kind, then index, so placement is
-deterministic. On scale-down, `drain_order` names the replicas whose removal empties whole
-devices, since holes left in many devices keep them all provisioned.
+device is one that can be given back); spreading never makes a request unschedulable. A request
+may name devices to avoid (where its last load failed); they are used only if nothing else fits.
+Ties break by node, kind, then index, so placement is deterministic. On scale-down,
+`drain_order` names the replicas whose removal empties whole devices, since holes left in many
+devices keep them all provisioned.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import bisect
 import itertools
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from modelyard.control.devices import Device
 
@@ -66,6 +68,8 @@ class ReplicaRequest:
     memory_bytes: int
     device_count: int = 1
     kind: str | None = None  # only devices of this kind; None: any (one kind per replica)
+    # Devices (qualified names) to keep off if anything else fits, e.g. where a load just failed.
+    avoid: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0:
@@ -180,9 +184,9 @@ class Placement:
         # Largest footprint first; gangs before single devices of the same footprint because
         # they need several free devices on one node, which small replicas would fragment.
         for req in sorted(requests, key=lambda r: (-r.total_bytes, -r.device_count)):
-            chosen, reason = (
-                self._best_device(req) if req.device_count == 1 else self._best_gang(req)
-            )
+            chosen, reason = self._choose(req)
+            if chosen is None and req.avoid:  # the avoided devices are better than none
+                chosen, reason = self._choose(replace(req, avoid=frozenset()))
             if chosen is None:
                 result.unschedulable[req.replica_id] = reason
                 continue
@@ -227,13 +231,20 @@ class Placement:
             per_device[i] += 1
             nodes[self.devices[i].node] += 1
 
+    def _choose(self, req: ReplicaRequest) -> tuple[list[int] | None, str]:
+        return self._best_device(req) if req.device_count == 1 else self._best_gang(req)
+
     def _candidates(self, req: ReplicaRequest) -> Iterator[tuple[int, int]]:
         """(free, position) of every device with room for `req`, least free first."""
         by_free = self._by_free
         for k in range(bisect.bisect_left(by_free, (req.memory_bytes, -1)), len(by_free)):
             free, i = by_free[k]
-            if req.kind is None or self.devices[i].kind == req.kind:
-                yield free, i
+            device = self.devices[i]
+            if req.kind is not None and device.kind != req.kind:
+                continue
+            if req.avoid and device.qualified_name in req.avoid:
+                continue
+            yield free, i
 
     def _best_device(self, req: ReplicaRequest) -> tuple[list[int] | None, str]:
         nodes = self._endpoint_nodes.get(req.endpoint_id)

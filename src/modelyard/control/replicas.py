@@ -145,6 +145,9 @@ class ReplicaController:
             )
             if replica.handle is not None:
                 await self.backend.stop(replica.handle)
+            # The next attempt goes to another device if one fits (a bad device, or one whose
+            # memory something outside the platform took, should not fail every retry).
+            state.failed_devices.update(replica.devices)
             self.release(replica)
             if not any(r.state == "ready" for r in state.replicas):
                 await self.set_status(state, "failed", f"replica failed to start: {exc}")
@@ -161,7 +164,9 @@ class ReplicaController:
             on_cuda=any(d.kind == "cuda" for d in self.placement.devices),
             overhead=self.settings.replica_overhead_bytes,
         )
-        request = ReplicaRequest(replica.replica_id, state.row.id, need, count)
+        request = ReplicaRequest(
+            replica.replica_id, state.row.id, need, count, avoid=frozenset(state.failed_devices)
+        )
         result = self.placement.place([request])
         if replica.replica_id in result.unschedulable:
             why = result.unschedulable[replica.replica_id]
@@ -196,7 +201,7 @@ class ReplicaController:
             replica.state = "stopped"
             return
         replica.state = "ready"
-        state.failures = 0
+        state.clear_failures()
         if replica.version_id == state.row.version_id:
             state.rollout_from = None
             if replica.version_id != state.row.good_version_id:

@@ -62,6 +62,7 @@ class EndpointState:
     desired: int = 1
     restarts: int = 0
     failures: int = 0  # replica failures since one was last ready: the restart backoff
+    failed_devices: set[str] = field(default_factory=set)  # where loads failed since then
     next_restart_at: float = 0.0
     status: str = "provisioning"
     message: str | None = None
@@ -75,6 +76,11 @@ class EndpointState:
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=20))
 
     rollout_from: str | None = None  # the version a rollout in progress replaces
+
+    def clear_failures(self) -> None:
+        """A replica served, or the version changed: no backoff, every device is a candidate."""
+        self.failures = 0
+        self.failed_devices.clear()
 
     @property
     def live(self) -> list[Replica]:
