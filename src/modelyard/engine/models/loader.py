@@ -144,6 +144,6 @@ def load_model(
     model.load_state_dict(state, assign=True, strict=True)
     model.fuse_projections()
     model = model.to(device).eval()
-    if pack_cpu_linears and packing_available(device):
+    if pack_cpu_linears and packing_available(device, dtype):
         model.pack_for_cpu()
     return LoadedModel(model=model, config=cfg, folder=folder)

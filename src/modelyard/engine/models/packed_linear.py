@@ -8,6 +8,7 @@ model keeps plain `nn.Linear`.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -16,13 +17,31 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
-def packing_available(device: torch.device) -> bool:
+def packing_available(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can pack `dtype` weights here: the ops exist, and this CPU has the
+    instructions for the dtype (bf16 needs AVX-512 or AVX-NE-CONVERT; plain AVX2 has only fp32)."""
     return (
         device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and _packs(dtype)
     )
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    # oneDNN names what it lacks only when asked to pack, so ask once with a tiny matrix.
+    try:
+        weight = torch.zeros(16, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        torch.ops.mkldnn._linear_pointwise(
+            torch.zeros(1, 16, dtype=dtype), packed, None, "none", [], ""
+        )
+    except RuntimeError as exc:
+        log.info("no oneDNN weight packing for %s on this CPU: %s", dtype, exc)
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
