@@ -322,3 +322,13 @@ def test_a_retry_avoids_the_device_where_the_load_failed_unless_nothing_else_fit
     result = placement.place([last])
     assert not result.unschedulable
     assert {d.qualified_name for d in result.assignments["try-3"]} == failed
+
+
+def test_scale_down_among_equals_drops_the_newest_replica() -> None:
+    placement = Placement(inventory("cpu:1x8GiB"))
+    placement.place([req("old", "chat", 2), req("new", "chat", 2)])  # both on cpu:0
+    replicas = [
+        Replica("old", state="ready", placement_id="old", started_at=1.0),
+        Replica("new", state="ready", placement_id="new", started_at=2.0),
+    ]
+    assert [r.replica_id for r in scale_down_order(replicas, placement)] == ["new", "old"]

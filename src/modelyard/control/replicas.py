@@ -41,12 +41,14 @@ MarkGood = Callable[[EndpointState], Awaitable[None]]
 
 
 def scale_down_order(live: list[Replica], placement: Placement) -> list[Replica]:
-    """Which replicas a scale-down removes first: those not serving yet (nothing to drain,
-    newest first), then the ready ones whose removal empties devices rather than punching holes
-    in many (`Placement.drain_order`), so that emptied devices can be given back."""
-    serving = {r.placement_id: r for r in live if r.state == "ready" and r.placement_id}
-    others = [r for r in live if r.state != "ready" or not r.placement_id]
-    others.sort(key=lambda r: (r.state == "ready", -r.started_at))
+    """Which replicas a scale-down removes first: those not serving yet (nothing to drain),
+    then the ready ones whose removal empties devices rather than punching holes in many
+    (`Placement.drain_order`), so that emptied devices can be given back; newest first among
+    equals, since older replicas hold warmer prefix caches."""
+    newest_first = sorted(live, key=lambda r: -r.started_at)
+    serving = {r.placement_id: r for r in newest_first if r.state == "ready" and r.placement_id}
+    others = [r for r in newest_first if r.state != "ready" or not r.placement_id]
+    others.sort(key=lambda r: r.state == "ready")  # stable: newest first within each group
     return others + [serving[i] for i in placement.drain_order(list(serving))]
 
 
