@@ -132,6 +132,63 @@ def test_chat_through_the_gateway(tenant: Tenant) -> None:
     assert [m.id for m in tenant.client.models.list()] == ["tiny"]
 
 
+def test_sampling_defaults_fill_what_a_request_leaves_out(
+    admin: httpx.Client, models_dir: Path, tenant: Tenant
+) -> None:
+    bad = admin.post(
+        "/v1/models/deploy",
+        json={
+            "model_name": "tiny-hot",
+            "model_artifact": str(models_dir / "tiny"),
+            "sampling_defaults": {"temperature": 5},
+        },
+    )
+    assert (
+        bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_defaults.temperature"
+    )
+    endpoint_id = deploy(
+        admin,
+        "tiny-greedy",
+        str(models_dir / "tiny"),
+        public=True,
+        sampling_defaults={"temperature": 0},
+    )
+    try:
+        assert admin.get(f"/v1/endpoints/{endpoint_id}").json()["sampling_defaults"] == {
+            "temperature": 0.0
+        }
+        greedy = (
+            tenant.client.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=12, temperature=0
+            )
+            .choices[0]
+            .message.content
+        )
+        # Same weights, no temperature in the request: the endpoint's default makes it greedy.
+        defaulted = {
+            tenant.client.chat.completions.create(
+                model="tiny-greedy", messages=MESSAGES, max_tokens=12, seed=seed
+            )
+            .choices[0]
+            .message.content
+            for seed in range(3)
+        }
+        assert defaulted == {greedy}
+        # A request's own temperature wins over the default.
+        hot = {
+            tenant.client.chat.completions.create(
+                model="tiny-greedy", messages=MESSAGES, max_tokens=12, temperature=1.5, seed=seed
+            )
+            .choices[0]
+            .message.content
+            for seed in range(3)
+        }
+        assert hot - {greedy}
+    finally:
+        admin.delete(f"/v1/endpoints/{endpoint_id}")
+        wait_status(admin, endpoint_id, "gone")
+
+
 def test_keys_scopes_and_revocation(platform: PlatformProcess, tenant: Tenant) -> None:
     inference_only = platform.api(tenant.key["key"])
     r = inference_only.post("/v1/keys", json={"name": "x"})

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from modelyard.api.schemas import DeployRequest
+from modelyard.api.schemas import DeployRequest, SamplingDefaults
 from modelyard.batch.files import FileService
 from modelyard.batch.runner import BatchRunner
 from modelyard.batch.service import BatchService
@@ -46,6 +46,10 @@ from modelyard.store.artifacts import ArtifactStore
 from modelyard.store.db import Database
 
 log = logging.getLogger(__name__)
+
+# SmolLM2's model card samples at temperature 0.2, top_p 0.9; at the API's default temperature
+# of 1 the 135M model (here from a 4-bit GGUF) rambles in most answers.
+_BUNDLED_SAMPLING = {"smollm2": SamplingDefaults(temperature=0.2, top_p=0.9)}
 
 ADMIN_KEY_FILE = "admin_key"
 SYSTEM_TENANT = "system"
@@ -187,6 +191,7 @@ class Platform:
                 model_name=name,
                 model_artifact=name,
                 public=True,
+                sampling_defaults=_BUNDLED_SAMPLING.get(name, SamplingDefaults()),
             )
             result = await self.endpoints.deploy(admin, request)
             status = await self.endpoints.wait_ready(

@@ -34,6 +34,21 @@ class Scaling(BaseModel):
     scale_to_zero_after_idle_seconds: int = Field(300, ge=1)
 
 
+class SamplingDefaults(BaseModel):
+    """What a request gets for the sampling fields it leaves out, e.g. the temperature a small
+    model's card recommends; a request's own values always win."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+
+
 class DeployRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -50,6 +65,10 @@ class DeployRequest(BaseModel):
         default_factory=dict,
         description="Engine settings for the replicas (dtype, kv_cache_memory, max_num_seqs, "
         "max_model_len, max_tokens_cap, ...).",
+    )
+    sampling_defaults: SamplingDefaults = Field(
+        default_factory=SamplingDefaults,
+        description="Sampling values for chat and completion requests that leave them out.",
     )
     public: bool = Field(False, description="Visible to every tenant (platform admin only).")
 

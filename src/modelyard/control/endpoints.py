@@ -160,6 +160,7 @@ class EndpointManager:
             hardware=req.hardware.model_dump(),
             scaling=req.scaling.model_dump(),
             engine_options=req.engine,
+            sampling_defaults=req.sampling_defaults.model_dump(exclude_none=True),
             status="provisioning",
             status_message=None,
             created_at=repo.now(),
@@ -198,6 +199,7 @@ class EndpointManager:
             public=row.public,
             version_id=row.version_id,
             max_tokens_cap=max_tokens_cap,
+            sampling_defaults=row.sampling_defaults or {},
         )
         desired = max(1, int(row.hardware.get("min_replicas", 1)))
         state = EndpointState(
@@ -460,6 +462,7 @@ class EndpointManager:
             "hardware": row.hardware,
             "scaling": row.scaling,
             "engine": row.engine_options,
+            "sampling_defaults": row.sampling_defaults or {},
             "created_at": int(repo.as_utc(row.created_at).timestamp()),
             "endpoint_url": f"{base_url}/v1/models/{row.id}",
             "autoscaling": {

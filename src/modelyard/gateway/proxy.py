@@ -372,6 +372,7 @@ class Gateway:
         headers = {"x-request-id": call.request_id, **decision.headers()}
         if route.upstream_model:
             payload["model"] = route.upstream_model
+        _fill_sampling_defaults(payload, route, kind)
         route.arrive()
         cold = not route.ready_replicas and route.activate is not None
         try:
@@ -410,6 +411,7 @@ class Gateway:
         body = {**payload, "stream": False, "priority": BATCH_PRIORITY}
         if route.upstream_model:
             body["model"] = route.upstream_model
+        _fill_sampling_defaults(body, route, kind)
         call = _Call(
             principal=principal,
             route=route,
@@ -700,3 +702,12 @@ class Gateway:
         if not call.batch:
             await self.recorder.record(event)
         return event
+
+
+def _fill_sampling_defaults(payload: dict[str, Any], route: EndpointRoute, kind: str) -> None:
+    """The endpoint's sampling defaults, for the fields the request left out (or sent as null)."""
+    if kind == "embeddings":
+        return
+    for key, value in route.sampling_defaults.items():
+        if payload.get(key) is None:
+            payload[key] = value

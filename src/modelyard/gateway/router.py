@@ -43,6 +43,8 @@ class EndpointRoute:
     # The model's name on its replicas when it differs from the public one (the shared
     # encoder host knows each endpoint's model by the endpoint id).
     upstream_model: str | None = None
+    # Filled into chat and completion requests that leave these sampling fields out.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
     waiting: int = 0  # requests queued for admission at the gateway
     requests_total: int = 0
     last_request_at: float | None = None

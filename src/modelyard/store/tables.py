@@ -115,6 +115,7 @@ class Endpoint(Base):
     hardware: Mapped[dict[str, Any]]
     scaling: Mapped[dict[str, Any]]
     engine_options: Mapped[dict[str, Any]]
+    sampling_defaults: Mapped[dict[str, Any] | None]
     status: Mapped[str] = mapped_column(String(40))
     status_message: Mapped[str | None] = mapped_column(String(2000))
     created_at: Mapped[datetime]
