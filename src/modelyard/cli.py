@@ -19,7 +19,9 @@ def _setup_logging(level: str) -> None:
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # One line per health probe and proxied request is noise at INFO.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    quiet = max(logging.WARNING, logging.getLogger().level)
+    logging.getLogger("httpx").setLevel(quiet)
+    logging.getLogger("alembic.runtime.plugins").setLevel(quiet)  # a line per plugin, each start
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
