@@ -148,6 +148,12 @@ def test_small_models_share_one_host_process(platform: PlatformProcess) -> None:
     pids = {e["model_name"]: e["replicas"]["items"][0]["pid"] for e in endpoints}
     assert pids["minilm"] == pids["clf"] == pids["clf-onnx"]
     assert {e["kind"] for e in endpoints} == {"embedding", "classifier", "onnx-classifier"}
+    # The host holds its memory budget on one device, placed like any replica.
+    (device,) = {tuple(e["replicas"]["items"][0]["devices"]) for e in endpoints}
+    assert len(device) == 1
+    devices = {d["name"]: d for d in platform.api().get("/v1/devices").json()["data"]}
+    host = devices[device[0]]
+    assert len(host["replicas"]) == 1 and host["used_bytes"] > 0
 
 
 def test_private_encoder_endpoints_stay_private(
@@ -215,5 +221,8 @@ def test_a_killed_encoder_host_is_restarted_with_its_models(
     endpoint = admin.get(f"/v1/endpoints/{minilm['endpoint_id']}").json()
     assert endpoint["replicas"]["items"][0]["pid"] != old_pid
     assert endpoint["replicas"]["restarts"] >= 1
+    # The dead host's reservation was given back: one host, one reservation.
+    placed = [r for d in admin.get("/v1/devices").json()["data"] for r in d["replicas"]]
+    assert len(placed) == 1
     body = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}
     assert platform.api(key).post("/v2/models/clf/infer", json=body).status_code == 200

@@ -2,9 +2,11 @@
 
 Small models share a device instead of taking a process each: an encoder endpoint is a model
 registered in this host (under its endpoint id, so equal names of two tenants never meet),
-loaded on first use and evicted least-recently-used within `encoder_host_memory`. The pool
-starts the host on first need, re-registers every model if the host has to be restarted, and
-keeps each endpoint's route pointed at the host's current address.
+loaded on first use and evicted least-recently-used within `encoder_host_memory`. The host takes
+that budget (plus the per-process overhead) on one device through `Placement`, like any replica,
+and gives it back when it stops. The pool starts the host on first need, re-registers every
+model if the host has to be restarted, and keeps each endpoint's route pointed at the host's
+current address.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from modelyard.control.backends.base import (
     ReplicaStartError,
     wait_healthy,
 )
+from modelyard.control.placement import Placement, ReplicaRequest
 from modelyard.gateway.router import ReplicaRoute
 from modelyard.store import repository as repo
 
@@ -42,10 +45,13 @@ class _Model:
 
 
 class EncoderPool:
-    def __init__(self, settings: PlatformSettings, backend: Backend) -> None:
+    def __init__(self, settings: PlatformSettings, backend: Backend, placement: Placement) -> None:
         self.settings = settings
         self.backend = backend
+        self.placement = placement
         self.handle: ReplicaHandle | None = None
+        self.placement_id: str | None = None
+        self.devices: list[str] = []
         self.started_at: float | None = None
         self.restarts = 0
         self._models: dict[str, _Model] = {}
@@ -59,10 +65,37 @@ class EncoderPool:
     def alive(self) -> bool:
         return self.handle is not None and self.backend.alive(self.handle)
 
+    def _place(self, replica_id: str) -> dict[str, str]:
+        """Reserve the host's memory on a device; returns the env that pins it there."""
+        s = self.settings
+        need = s.encoder_host_memory + s.replica_overhead_bytes
+        result = self.placement.place([ReplicaRequest(replica_id, "encoder-host", need)])
+        if replica_id in result.unschedulable:
+            why = result.unschedulable[replica_id]
+            raise EncoderHostError(f"encoder host unschedulable: {why}")
+        self.placement_id = replica_id
+        devices = result.assignments[replica_id]
+        self.devices = [d.qualified_name for d in devices]
+        return {"CUDA_VISIBLE_DEVICES": str(devices[0].index)} if devices[0].kind == "cuda" else {}
+
+    def _release(self) -> None:
+        if self.placement_id is not None:
+            self.placement.release(self.placement_id)
+            self.placement_id = None
+            self.devices = []
+
+    async def _stop(self) -> None:
+        if self.handle is not None:
+            await self.backend.stop(self.handle)
+        self.handle = None
+        self._release()
+
     async def _start(self) -> None:
         s = self.settings
+        replica_id = repo.new_id("enc")
+        env = self._place(replica_id)
         spec = ReplicaSpec(
-            replica_id=repo.new_id("enc"),
+            replica_id=replica_id,
             endpoint_id="encoder-host",
             model_path=None,
             served_model_name="",
@@ -72,13 +105,18 @@ class EncoderPool:
                 "--max-batch-size", str(s.encoder_max_batch_size),
                 "--max-wait-ms", str(s.encoder_max_wait_ms),
             ),
+            engine_env=env,
         )  # fmt: skip
-        self.handle = await self.backend.start(spec)
-        self.started_at = time.time()
         try:
+            self.handle = await self.backend.start(spec)
+            self.started_at = time.time()
             await wait_healthy(self.backend, self.handle, self._http, s.replica_start_timeout_s)
         except ReplicaStartError as exc:
+            await self._stop()
             raise EncoderHostError(f"encoder host: {exc}") from exc
+        except BaseException:
+            await self._stop()
+            raise
 
     async def _put(self, name: str, path: Path) -> None:
         assert self.handle is not None
@@ -94,8 +132,7 @@ class EncoderPool:
             if self.handle is not None:
                 self.restarts += 1
                 log.warning("encoder host died; restarting it with %d models", len(self._models))
-                await self.backend.stop(self.handle)
-            self.handle = None
+            await self._stop()
             await self._start()
             for name, model in self._models.items():
                 await self._put(name, model.path)
@@ -121,8 +158,7 @@ class EncoderPool:
             assert self.handle is not None
             await self._http.delete(f"{self.handle.url}/admin/models/{name}")
             if not self._models:  # nothing left to serve: give the memory back
-                await self.backend.stop(self.handle)
-                self.handle = None
+                await self._stop()
 
     async def healthy(self) -> bool:
         if not self.alive():

@@ -53,11 +53,11 @@ class EndpointManager:
         self.backend = backend
         self.routing = routing
         self.endpoints: dict[str, EndpointState] = {}
-        self.encoders = EncoderPool(settings, backend)
         self.replicas = ReplicaController(
             settings, backend, routing, registry, lambda: self.endpoints,
             self._set_status, self._update_status, self._mark_good,
         )  # fmt: skip
+        self.encoders = EncoderPool(settings, backend, self.replicas.placement)
         self.node_cache = self.replicas.node_cache
         self.warm_pool = self.replicas.warm_pool
         self.history = TrafficHistory()
@@ -244,6 +244,7 @@ class EndpointManager:
             await self._set_status(state, "failed", f"the encoder host refused the model: {exc}")
             return
         replica.handle = self.encoders.handle
+        replica.devices = self.encoders.devices
         replica.state = "ready"
         replica.ready_after_s = time.time() - replica.started_at
         state.route.upstream_model = state.row.id
@@ -273,6 +274,7 @@ class EndpointManager:
         for state in live:
             for replica in state.replicas:
                 replica.handle = self.encoders.handle
+                replica.devices = self.encoders.devices
             state.restarts += self.encoders.restarts - restarts
             await self._set_status(state, "ready", None)
 
