@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from modelyard.control import devices as devices_module
-from modelyard.control.devices import Device, inventory
+from modelyard.control.devices import Device, inventory, pinning_env
 from modelyard.control.placement import (
     GiB,
     Placement,
@@ -332,3 +332,12 @@ def test_scale_down_among_equals_drops_the_newest_replica() -> None:
         Replica("new", state="ready", placement_id="new", started_at=2.0),
     ]
     assert [r.replica_id for r in scale_down_order(replicas, placement)] == ["new", "old"]
+
+
+def test_a_replica_is_pinned_to_the_cuda_devices_it_was_placed_on() -> None:
+    gpus = [Device("n1", i, "cuda", 80 * GiB) for i in range(4)]
+    placement = Placement(gpus)
+    placement.place([req("big", "other", 70)])  # cuda:0
+    pair = placement.place([req("tp", "chat", 60, count=2)]).assignments["tp"]
+    assert pinning_env(pair) == {"CUDA_VISIBLE_DEVICES": "1,2"}
+    assert pinning_env(inventory("cpu:2x8GiB")) == {}

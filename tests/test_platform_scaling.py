@@ -1,7 +1,8 @@
 """GPU economics on real worker processes: scale to zero and back (waiting, progress comments,
-202 + polling), autoscaling on load, admission control (429 + Retry-After, never a crash),
-and failures: a worker killed under 50 concurrent requests loses none, a stream that already
-sent tokens ends with a clean error event."""
+202 + polling), autoscaling on load, admission control (429 + Retry-After, never a crash), a
+warm pool replica taken over by a cold endpoint, and failures: a worker killed under 50
+concurrent requests loses none, a stream that already sent tokens ends with a clean error
+event."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from modelyard.registry_client import RegistryClient
 from tests.platform_harness import PlatformProcess, deploy, wait_status
 from tests.tiny_models import build_model
 
@@ -220,3 +222,35 @@ def test_a_stream_cut_by_a_dying_worker_ends_cleanly(
     error = json.loads(events[-2][len("data: ") :])
     assert error["error"]["code"] == "upstream_error"
     assert len(events) < 400  # it did not run to the end
+
+
+def test_a_cold_endpoint_takes_over_a_warm_pool_replica(
+    tmp_path: Path, tiny_dir: Path, cache_dir: Path
+) -> None:
+    platform = start(tmp_path / "data", MODELYARD_WARM_POOL=json.dumps({"tiny": 1}))
+    try:
+        RegistryClient(platform.url, platform.admin_key).push(tiny_dir, "tiny")
+        api = platform.api()
+
+        def idle() -> int:
+            return int(api.get("/health").json()["warm_pool_idle"].get("tiny", 0))
+
+        wait_for(lambda: idle() == 1, 120, "the warm pool to fill")
+        (warm_pid,) = platform.worker_pids()
+        placed = [r for d in api.get("/v1/devices").json()["data"] for r in d["replicas"]]
+        assert len(placed) == 1  # the idle replica holds its device memory like any other
+
+        ep = deploy(api, "pooled", "tiny", public=True)
+        view = endpoint(api, ep)
+        assert view["model_files_from"] == "warm pool"
+        (replica,) = view["replicas"]["items"]
+        assert replica["pid"] == warm_pid and replica["devices"]
+        reply = platform.openai().chat.completions.create(
+            model="pooled", messages=MESSAGES, max_tokens=4, temperature=0
+        )
+        assert reply.model == "pooled" and reply.usage.completion_tokens == 4
+        # The pool starts a replacement in the background.
+        wait_for(lambda: idle() == 1, 120, "the warm pool to refill")
+        assert len(platform.worker_pids()) == 2
+    finally:
+        platform.stop()

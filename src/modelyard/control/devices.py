@@ -102,3 +102,11 @@ def inventory(spec: str | None, node: str = "local") -> list[Device]:
                 for i in range(count)
             ]
     return [Device(node, 0, "cpu", int(_ram_bytes() * _CPU_SHARE_OF_RAM))]
+
+
+def pinning_env(devices: list[Device]) -> dict[str, str]:
+    """Environment that confines a replica's process to the devices it was placed on (CUDA
+    numbers its visible devices from 0; CPU "devices" are memory budgets, nothing to pin)."""
+    if devices and devices[0].kind == "cuda":
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d.index) for d in devices)}
+    return {}

@@ -27,6 +27,7 @@ from modelyard.control.backends.base import (
     ReplicaStartError,
     wait_healthy,
 )
+from modelyard.control.devices import pinning_env
 from modelyard.control.placement import Placement, ReplicaRequest
 from modelyard.gateway.router import ReplicaRoute
 from modelyard.store import repository as repo
@@ -76,7 +77,7 @@ class EncoderPool:
         self.placement_id = replica_id
         devices = result.assignments[replica_id]
         self.devices = [d.qualified_name for d in devices]
-        return {"CUDA_VISIBLE_DEVICES": str(devices[0].index)} if devices[0].kind == "cuda" else {}
+        return pinning_env(devices)
 
     def _release(self) -> None:
         if self.placement_id is not None:

@@ -19,7 +19,7 @@ import httpx
 
 from modelyard.config import PlatformSettings
 from modelyard.control.backends.base import Backend, ReplicaSpec, wait_healthy
-from modelyard.control.devices import inventory
+from modelyard.control.devices import inventory, pinning_env
 from modelyard.control.model_kind import LLM
 from modelyard.control.node_cache import NodeCache
 from modelyard.control.placement import Placement, ReplicaRequest
@@ -180,8 +180,7 @@ class ReplicaController:
         replica.devices = [d.qualified_name for d in devices]
         if count > 1:
             env["MODELYARD_TENSOR_PARALLEL_SIZE"] = str(count)
-        if devices[0].kind == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in devices)
+        env.update(pinning_env(devices))
         return True
 
     def _device_names(self, placement_id: str | None) -> list[str]:

@@ -16,6 +16,7 @@ import httpx
 
 from modelyard.config import EngineSettings, PlatformSettings
 from modelyard.control.backends.base import Backend, ReplicaHandle, ReplicaSpec, wait_healthy
+from modelyard.control.devices import pinning_env
 from modelyard.control.node_cache import NodeCache
 from modelyard.control.placement import Placement, ReplicaRequest
 from modelyard.control.registry import Registry, ResolvedVersion
@@ -99,15 +100,17 @@ class WarmPool:
                 endpoint_id="warm-pool",
                 model_path=entry.path,
                 served_model_name=f"warm-{slot.version.model_name}",
-                engine_env=self.engine_env,
+                engine_env={**self.engine_env, **pinning_env(result.assignments[replica_id])},
             )
-            handle = await self.backend.start(spec)
+            handle = None
             try:
+                handle = await self.backend.start(spec)
                 await wait_healthy(
                     self.backend, handle, self._http, self.settings.replica_start_timeout_s
                 )
             except Exception:
-                await self.backend.stop(handle)
+                if handle is not None:
+                    await self.backend.stop(handle)
                 self.placement.release(replica_id)
                 raise
             slot.idle.append(handle)
