@@ -35,6 +35,19 @@ class Tenant(Base):
     monthly_token_quota: Mapped[int | None] = mapped_column(BigInteger)
     is_system: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime]
+    # Service tier (free | standard | priority), set by the platform admin: orders the admission
+    # queue and the engine's priority under overload.
+    tier: Mapped[str] = mapped_column(String(20), default="standard", server_default="standard")
+    # Ceilings set by the platform admin; the tenant's own admins may only tighten within them.
+    # None: no ceiling.
+    max_rpm: Mapped[int | None] = mapped_column(Integer)
+    max_tpm: Mapped[int | None] = mapped_column(Integer)
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer)
+    max_concurrent_batch_items: Mapped[int | None] = mapped_column(Integer)
+    max_endpoints: Mapped[int | None] = mapped_column(Integer)
+    max_replicas: Mapped[int | None] = mapped_column(Integer)
+    # The tenant's own webhook signing secret (Standard Webhooks `whsec_…`), made on first use.
+    webhook_secret: Mapped[str | None] = mapped_column(String(100))
 
 
 class ApiKey(Base):
