@@ -13,6 +13,7 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 
 from modelyard.api.errors import APIError
 from modelyard.gateway.ratelimit import Limits
@@ -33,6 +34,23 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+class Tier(StrEnum):
+    """A tenant's service tier, set by the platform admin: under overload the lower tier waits
+    (or is refused) first, in the admission queue and in the engine."""
+
+    FREE = "free"
+    STANDARD = "standard"
+    PRIORITY = "priority"
+
+    @property
+    def rank(self) -> int:
+        """0 is served first: the engine priority of the tier's interactive requests."""
+        return _TIER_RANK[self]
+
+
+_TIER_RANK = {Tier.PRIORITY: 0, Tier.STANDARD: 1, Tier.FREE: 2}
+
+
 @dataclass(frozen=True)
 class Principal:
     key_id: str
@@ -43,6 +61,10 @@ class Principal:
     limits: Limits
     monthly_token_quota: int | None
     platform_admin: bool  # an admin key of the system tenant: operates the whole platform
+    tier: Tier = Tier.STANDARD
+    # The tenant's ceilings on work in flight (None: no ceiling), set by the platform admin.
+    max_concurrent_requests: int | None = None
+    max_concurrent_batch_items: int | None = None
 
     def require(self, scope: str) -> None:
         if scope not in self.scopes:
@@ -96,6 +118,9 @@ class Authenticator:
                 limits=Limits(rpm=key.rpm_limit, tpm=key.tpm_limit),
                 monthly_token_quota=tenant.monthly_token_quota,
                 platform_admin=tenant.is_system and "admin" in scopes,
+                tier=Tier(tenant.tier or Tier.STANDARD),
+                max_concurrent_requests=tenant.max_concurrent_requests,
+                max_concurrent_batch_items=tenant.max_concurrent_batch_items,
             )
 
     async def authenticate(self, authorization: str | None) -> Principal:
