@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random models, the bundled SmolLM2 converted once per run, and a real
-worker process serving it."""
+"""Shared fixtures: tiny random models, the bundled SmolLM2 converted once per run, a real
+worker process serving it, and `platform_env`, the platform modes users run (see
+`tests/databases.py`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,32 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.databases import (
+    PLATFORM_MODES,
+    platform_mode_env,
+    postgres_unreachable,
+    redis_unreachable,
+    services_required,
+)
 from tests.tiny_models import build_model
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With `CI` set, a missing PostgreSQL or Redis stops the run before any test is skipped."""
+    if not services_required():
+        return
+    reasons = [r for r in (postgres_unreachable(), redis_unreachable()) if r]
+    if reasons:
+        pytest.exit("CI is set and a required service is down: " + "; ".join(reasons), 3)
+
+
+@pytest.fixture(scope="module", params=PLATFORM_MODES)
+def platform_env(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """Environment for `PlatformProcess`, once per mode users run: `sqlite-memory` (the default
+    `modelyard serve`) and `postgres-redis` (a fresh PostgreSQL database and a private Redis
+    database number). Module-scoped, so a module's platform starts once per mode."""
+    with platform_mode_env(request.param) as env:
+        yield env
 
 
 @pytest.fixture(scope="session")

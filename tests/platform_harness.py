@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +143,75 @@ def usage_rows(api: httpx.Client, **params: Any) -> list[dict[str, str]]:
     r = api.get("/v1/usage/export", params=params)
     assert r.status_code == 200, r.text
     return list(csv.DictReader(io.StringIO(r.text)))
+
+
+def wait_usage(
+    api: httpx.Client,
+    predicate: Callable[[list[dict[str, str]]], bool],
+    timeout: float = 30.0,
+    **params: Any,
+) -> list[dict[str, str]]:
+    """Usage rows (the CSV export) once `predicate(rows)` holds: the writer is asynchronous, so
+    tests poll for the condition instead of sleeping a guessed time."""
+    deadline = time.monotonic() + timeout
+    rows = usage_rows(api, **params)
+    while not predicate(rows):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"usage never satisfied the condition; last rows: {rows}")
+        time.sleep(0.1)
+        rows = usage_rows(api, **params)
+    return rows
+
+
+def wait_request_ids(
+    api: httpx.Client, request_ids: list[str], timeout: float = 30.0, **params: Any
+) -> list[dict[str, str]]:
+    """Usage rows once every one of `request_ids` has its row."""
+    wanted = set(request_ids)
+
+    def done(rows: list[dict[str, str]]) -> bool:
+        return wanted <= {r["request_id"] for r in rows}
+
+    return wait_usage(api, done, timeout, **params)
+
+
+# ----- files and batches -----------------------------------------------------------------------
+
+
+def batch_line(custom_id: str, content: str = "Hello", max_tokens: int = 4, **body: Any) -> dict:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": body.pop("model", "tiny"),
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            **body,
+        },
+    }
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    return (
+        b"\n".join((x if isinstance(x, bytes) else json.dumps(x).encode()) for x in lines) + b"\n"
+    )
+
+
+def wait_batch(
+    client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 120.0
+) -> Any:
+    deadline = time.monotonic() + timeout
+    batch = client.batches.retrieve(batch_id)
+    while batch.status not in statuses:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"batch {batch_id} stuck in {batch.status}")
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch_id)
+    return batch
+
+
+def read_jsonl(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines() if x]
