@@ -172,6 +172,9 @@ class PlatformSettings(_Settings):
     )
     health_check_interval_s: float = 2.0
     auth_cache_ttl_s: float = Field(5.0, description="How long a key lookup is cached.")
+    metrics_token: str | None = Field(
+        None, description="Bearer token a Prometheus scraper may use for /metrics (or an admin key)."
+    )
     local_artifact_roots: list[Path] = Field(
         default_factory=list,
         description="Folders whose models any tenant admin may deploy by path (the platform "
