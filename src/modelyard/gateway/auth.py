@@ -2,7 +2,9 @@
 
 Keys are random (256 bits), shown once, stored only as their sha256; the lookup goes by hash
 and the final comparison is constant-time. Lookups are cached for a few seconds; revocation in
-this process invalidates the cache at once.
+this process invalidates the cache at once. The cache is bounded (least recently used first
+out), and unknown keys go to a smaller cache of their own, so a flood of random keys costs
+database lookups but neither memory nor the cached entries of real keys.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -93,11 +96,60 @@ def _unauthorized(message: str) -> APIError:
     return APIError(401, message, type="invalid_request_error", code="invalid_api_key")
 
 
+def _capped(key_limit: int | None, ceiling: int | None) -> int | None:
+    """A key's limit within its tenant's ceiling: a key may be tighter, never looser."""
+    if ceiling is None:
+        return key_limit
+    return ceiling if key_limit is None else min(key_limit, ceiling)
+
+
+class _LRU:
+    """A cache of key hash → (lookup, expiry) holding at most `size` entries."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[str, tuple[Principal | None, float]] = OrderedDict()
+
+    def get(self, key_hash: str, now: float) -> tuple[Principal | None] | None:
+        entry = self._entries.get(key_hash)
+        if entry is None:
+            return None
+        if entry[1] <= now:
+            del self._entries[key_hash]
+            return None
+        self._entries.move_to_end(key_hash)
+        return (entry[0],)
+
+    def put(self, key_hash: str, principal: Principal | None, expires: float) -> None:
+        self._entries[key_hash] = (principal, expires)
+        self._entries.move_to_end(key_hash)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class Authenticator:
-    def __init__(self, db: Database, cache_ttl_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        db: Database,
+        cache_ttl_s: float = 5.0,
+        cache_size: int = 10_000,
+        negative_cache_size: int = 1_000,
+    ) -> None:
         self.db = db
         self.cache_ttl_s = cache_ttl_s
-        self._cache: dict[str, tuple[Principal | None, float]] = {}
+        self._known = _LRU(cache_size)
+        self._unknown = _LRU(negative_cache_size)
+
+    @property
+    def cached(self) -> int:
+        """Entries in the caches (known and unknown keys together)."""
+        return len(self._known) + len(self._unknown)
 
     def _lookup(self, key_hash: str) -> Principal | None:
         with self.db.session() as s:
@@ -115,7 +167,10 @@ class Authenticator:
                 tenant_id=tenant.id,
                 tenant_name=tenant.name,
                 scopes=scopes,
-                limits=Limits(rpm=key.rpm_limit, tpm=key.tpm_limit),
+                limits=Limits(
+                    rpm=_capped(key.rpm_limit, tenant.max_rpm),
+                    tpm=_capped(key.tpm_limit, tenant.max_tpm),
+                ),
                 monthly_token_quota=tenant.monthly_token_quota,
                 platform_admin=tenant.is_system and "admin" in scopes,
                 tier=Tier(tenant.tier or Tier.STANDARD),
@@ -133,13 +188,14 @@ class Authenticator:
         if scheme.lower() != "bearer" or not key.strip():
             raise _unauthorized("The Authorization header must be 'Bearer YOUR_KEY'.")
         key_hash = hash_key(key.strip())
-        cached = self._cache.get(key_hash)
         now = time.monotonic()
-        if cached is not None and cached[1] > now:
+        cached = self._known.get(key_hash, now) or self._unknown.get(key_hash, now)
+        if cached is not None:
             principal = cached[0]
         else:
             principal = await asyncio.to_thread(self._lookup, key_hash)
-            self._cache[key_hash] = (principal, now + self.cache_ttl_s)
+            cache = self._unknown if principal is None else self._known
+            cache.put(key_hash, principal, now + self.cache_ttl_s)
         if principal is None:
             shown = key.strip()[:10] + "…" if len(key.strip()) > 10 else "…"
             raise _unauthorized(f"Incorrect API key provided: {shown}. It may have been revoked.")
@@ -147,4 +203,5 @@ class Authenticator:
 
     def invalidate(self) -> None:
         """Forget every cached lookup (after a key is revoked or its limits change)."""
-        self._cache.clear()
+        self._known.clear()
+        self._unknown.clear()

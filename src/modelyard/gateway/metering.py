@@ -1,9 +1,13 @@
 """Usage metering: one record per request id, written in the background, never twice.
 
 The gateway hands each finished request to `UsageRecorder.record`; the tenant's monthly token
-counter moves at once (quota checks see it), and a writer task inserts the rows in batches with
+counter is settled at once (from the tokens reserved at admission to the real count, so quota
+checks see it), and a writer task inserts the rows in batches with
 `ON CONFLICT (request_id) DO NOTHING`, so a retried or duplicated record cannot bill twice. A
 failed write is retried with backoff and the rows are kept; `stop()` flushes what is left.
+
+Settling a served request must not depend on its client staying connected: the gateway runs
+it in a task of the recorder's (`settle`), which a disconnect cannot cancel and `stop()` awaits.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
+from typing import Any, TypeVar
 
 from modelyard.gateway.ratelimit import QuotaCounter, month_of
 from modelyard.store import repository as repo
@@ -22,6 +28,7 @@ from modelyard.store.db import Database
 log = logging.getLogger(__name__)
 
 _SEEN_CAPACITY = 100_000
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,25 +67,42 @@ class UsageRecorder:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopping = False
+        self._settling: set[asyncio.Task[Any]] = set()
         self.written = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="usage-writer")
 
-    async def count(self, event: UsageEvent) -> bool:
-        """Move the tenant's quota counter for a request; False if it was counted already."""
+    def settle(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run a request's settlement (limits, quota, its usage record) in a task of its own:
+        awaited through `asyncio.shield`, a client's disconnect cancels the wait, not the work.
+        `stop()` waits for the ones still running."""
+        task = asyncio.create_task(work, name="usage-settle")
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return task
+
+    async def count(self, event: UsageEvent, reserved: int = 0) -> bool:
+        """Settle the tenant's quota counter for a request that held `reserved` tokens of it
+        since admission; False if the request was counted already (then only the
+        reservation is given back)."""
+        month = month_of(event.created_at)
         if event.request_id in self._seen:
-            return False  # the same request reported twice (e.g. retries): bill once
+            # The same request reported twice (e.g. retries): bill once.
+            if reserved:
+                await self.quota.add(event.tenant_id, month, -reserved)
+            return False
         self._seen[event.request_id] = None
         if len(self._seen) > _SEEN_CAPACITY:
             self._seen.popitem(last=False)
-        if event.total_tokens:
-            await self.quota.add(event.tenant_id, month_of(event.created_at), event.total_tokens)
+        if event.total_tokens != reserved:
+            await self.quota.add(event.tenant_id, month, event.total_tokens - reserved)
         return True
 
-    async def record(self, event: UsageEvent) -> None:
-        """Count the request and queue its row for the background writer."""
-        if not await self.count(event):
+    async def record(self, event: UsageEvent, reserved: int = 0) -> None:
+        """Count the request (settling `reserved` quota tokens) and queue its row for the
+        background writer."""
+        if not await self.count(event, reserved):
             return
         self._pending.append(event)
         if len(self._pending) >= 256:
@@ -116,6 +140,8 @@ class UsageRecorder:
                 backoff = min(backoff * 2, 5.0)
 
     async def stop(self) -> None:
+        while self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
         self._stopping = True
         self._wake.set()
         if self._task is not None:

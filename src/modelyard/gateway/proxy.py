@@ -31,6 +31,7 @@ from modelyard.gateway.async_results import AsyncResults
 from modelyard.gateway.auth import Authenticator, Principal
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.quota import ConcurrencyLimiter, concurrency_beside
 from modelyard.gateway.ratelimit import Decision, QuotaCounter, RateLimiter, month_of
 from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.store.repository import now
@@ -40,7 +41,10 @@ log = logging.getLogger(__name__)
 # Told how long a request has waited for a replica that is being started.
 Progress = Callable[[float], Awaitable[None]]
 
-BATCH_PRIORITY = 1  # the engine serves priority 0 (interactive) first
+# The engine serves lower priorities first: interactive requests get their tenant tier's rank
+# (0 priority, 1 standard, 2 free), batch items this plus the rank, after all interactive ones.
+# Whatever a client sends is overridden, so nobody jumps the queue.
+BATCH_PRIORITY_BASE = 3
 _NO_LIMITS = Decision(
     allowed=True,
     reason=None,
@@ -109,6 +113,10 @@ class _Call:
     status: str = "ok"
     status_code: int = 200
     batch: bool = False  # a batch item: no rate limits, metered as batch
+    quota_reserved: int = 0  # monthly quota tokens held since admission
+    slot: bool = False  # holds one of the tenant's concurrent-request slots
+    # The settlement (metering or refund), once started: runs to its end whatever the client does.
+    closing: asyncio.Task[UsageEvent | None] | None = None
 
 
 class Gateway:
@@ -121,11 +129,14 @@ class Gateway:
         routing: RoutingTable,
         recorder: UsageRecorder,
         metrics: GatewayMetrics,
+        slots: ConcurrencyLimiter | None = None,
     ) -> None:
         self.settings = settings
         self.auth = auth
         self.limiter = limiter
         self.quota = quota
+        # Tenants' requests in flight, kept where the quota is (Redis or this process).
+        self.slots = slots if slots is not None else concurrency_beside(quota)
         self.routing = routing
         self.recorder = recorder
         self.metrics = metrics
@@ -168,18 +179,53 @@ class Gateway:
             raise validation_error(exc.errors()) from exc
 
     async def _admit(
-        self, principal: Principal, payload: dict[str, Any], req: Any
-    ) -> tuple[EndpointRoute, int, Decision]:
+        self, principal: Principal, payload: dict[str, Any], req: Any, kind: str
+    ) -> _Call:
+        """Rate limits, then the quota reservation and a concurrency slot; all or nothing."""
         route = self._resolve(principal, req.model)
         reserved = self._reserve(route, payload, req)
         decision = await self._acquire(principal, req.model, reserved)
+        call = _Call(
+            principal=principal,
+            route=route,
+            kind=kind,
+            request_id=uuid.uuid4().hex,
+            reserved=reserved,
+            decision=decision,
+        )
         try:
-            await self._check_quota(principal)
-        except APIError as exc:
-            await self.limiter.reconcile(principal.key_id, principal.limits, reserved, 0)
-            exc.headers.update(decision.headers())
+            await self._hold(call)
+        except BaseException as exc:
+            await self._refund(call)
+            if isinstance(exc, APIError):
+                exc.headers.update(decision.headers())
             raise
-        return route, reserved, decision
+        return call
+
+    async def _hold(self, call: _Call) -> None:
+        """Reserve the request's tokens against the monthly quota (like TPM: settled to the
+        real count afterwards, given back on failure) and take a tenant concurrency slot."""
+        p = call.principal
+        if p.monthly_token_quota is not None:
+            before = await self.quota.reserve(
+                p.tenant_id, month_of(now()), call.reserved, p.monthly_token_quota
+            )
+            if before is None:
+                raise self._quota_exceeded(p, await self.quota.used(p.tenant_id, month_of(now())))
+            call.quota_reserved = call.reserved
+        if p.max_concurrent_requests is not None:
+            if not await self.slots.acquire(
+                _slot_scope(p), call.request_id, p.max_concurrent_requests
+            ):
+                self.metrics.limited.labels("concurrency").inc()
+                raise APIError(
+                    429,
+                    f"Too many requests in flight for your organization: the limit is "
+                    f"{p.max_concurrent_requests} concurrent requests. Retry when one finishes.",
+                    code="concurrency_limit_exceeded",
+                    headers={"retry-after": "1"},
+                )
+            call.slot = True
 
     def _reserve(self, route: EndpointRoute, payload: dict[str, Any], req: Any) -> int:
         """Tokens to hold against TPM until the real count is known."""
@@ -224,20 +270,15 @@ class Gateway:
             )
         return route
 
-    async def _check_quota(self, principal: Principal) -> None:
-        quota = principal.monthly_token_quota
-        if quota is None:
-            return
-        used = await self.quota.used(principal.tenant_id, month_of(now()))
-        if used >= quota:
-            self.metrics.limited.labels("quota").inc()
-            raise APIError(
-                429,
-                f"You exceeded your monthly token quota ({used} of {quota} tokens used). "
-                "Ask your administrator to raise it.",
-                type="insufficient_quota",
-                code="insufficient_quota",
-            )
+    def _quota_exceeded(self, principal: Principal, used: int) -> APIError:
+        self.metrics.limited.labels("quota").inc()
+        return APIError(
+            429,
+            f"You exceeded your monthly token quota ({used} of {principal.monthly_token_quota} "
+            "tokens used or reserved by requests in flight). Ask your administrator to raise it.",
+            type="insufficient_quota",
+            code="insufficient_quota",
+        )
 
     # ----- forwarding ------------------------------------------------------------------------
 
@@ -360,22 +401,17 @@ class Gateway:
         principal = await self.auth.authenticate(request.headers.get("authorization"))
         principal.require("inference")
         payload, req = self._parse(kind, await request.body())
-        route, reserved, decision = await self._admit(principal, payload, req)
-        call = _Call(
-            principal=principal,
-            route=route,
-            kind=kind,
-            request_id=uuid.uuid4().hex,
-            reserved=reserved,
-            decision=decision,
-        )
-        headers = {"x-request-id": call.request_id, **decision.headers()}
-        if route.upstream_model:
-            payload["model"] = route.upstream_model
-        _fill_sampling_defaults(payload, route, kind)
-        route.arrive()
-        cold = not route.ready_replicas and route.activate is not None
+        call = await self._admit(principal, payload, req, kind)
+        route = call.route
         try:
+            headers = {"x-request-id": call.request_id, **call.decision.headers()}
+            if route.upstream_model:
+                payload["model"] = route.upstream_model
+            _fill_sampling_defaults(payload, route, kind)
+            if kind != "embeddings":
+                payload["priority"] = principal.tier.rank
+            route.arrive()
+            cold = not route.ready_replicas and route.activate is not None
             if getattr(req, "stream", False):
                 wants_usage = bool(req.stream_options and req.stream_options.include_usage)
                 # Always ask for usage, so the stream can be billed; the client sees the usage
@@ -407,8 +443,9 @@ class Gateway:
         unknown model, quota, no replica)."""
         _, req = self._parse(kind, orjson.dumps(payload))
         route = self._resolve(principal, req.model)
-        await self._check_quota(principal)
-        body = {**payload, "stream": False, "priority": BATCH_PRIORITY}
+        body = {**payload, "stream": False}
+        if kind != "embeddings":
+            body["priority"] = BATCH_PRIORITY_BASE + principal.tier.rank
         if route.upstream_model:
             body["model"] = route.upstream_model
         _fill_sampling_defaults(body, route, kind)
@@ -421,18 +458,51 @@ class Gateway:
             decision=_NO_LIMITS,
             batch=True,
         )
-        status, content = await self._call_unary(call, orjson.dumps(body))
-        result = orjson.loads(content)
-        if route.upstream_model and isinstance(result, dict) and "model" in result:
-            result["model"] = route.model_name
-        if status != 200:
-            return status, result, None
-        self._take_usage(call, result.get("usage") or {})
-        return status, result, await self._finish(call)
+        if principal.monthly_token_quota is not None:
+            # Held while the item runs, so that concurrent items see each other's share; the
+            # runner counts the real use when it commits the item's result.
+            call.reserved = self._reserve(route, payload, req)
+            before = await self.quota.reserve(
+                principal.tenant_id, month_of(now()), call.reserved, principal.monthly_token_quota
+            )
+            if before is None:
+                raise self._quota_exceeded(
+                    principal, await self.quota.used(principal.tenant_id, month_of(now()))
+                )
+            call.quota_reserved = call.reserved
+        try:
+            status, content = await self._call_unary(call, orjson.dumps(body))
+            result = orjson.loads(content)
+            if route.upstream_model and isinstance(result, dict) and "model" in result:
+                result["model"] = route.model_name
+            if status != 200:
+                await self._refund(call)
+                return status, result, None
+            self._take_usage(call, result.get("usage") or {})
+            return status, result, await self._finish(call)
+        except BaseException:
+            await self._refund(call)
+            raise
 
     async def _refund(self, call: _Call) -> None:
-        p = call.principal
-        await self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0)
+        """Nothing was served: give back what admission held (TPM, quota, slot)."""
+        await self._close(call, served=False)
+
+    async def _finish(self, call: _Call) -> UsageEvent | None:
+        """Meter a served request: metrics, the TPM and quota settlement, its usage record.
+
+        None only if the request had been refunded already. A batch item's record is returned,
+        not queued: the runner commits it together with the item's result, so neither can
+        exist without the other.
+        """
+        return await self._close(call, served=True)
+
+    async def _close(self, call: _Call, served: bool) -> UsageEvent | None:
+        """Settle the request once, whichever of metering or refund comes first, in a task the
+        client's disconnect cannot cancel (awaiting it may be cancelled; the work goes on)."""
+        if call.closing is None:
+            call.closing = self.recorder.settle(self._settle(call, served))
+        return await asyncio.shield(call.closing)
 
     async def _call_unary(
         self, call: _Call, payload: bytes | None, path: str | None = None
@@ -492,14 +562,17 @@ class Gateway:
                 media_type="application/json",
             )
         decision = await self._acquire(principal, model, 0)
-        await self._check_quota(principal)
         call = _Call(principal, route, "oip.infer", uuid.uuid4().hex, 0, decision)
-        headers = {"x-request-id": call.request_id, **decision.headers()}
-        status, content = await self._call_unary(call, await request.body(), path)
-        if status == 200:
-            await self._finish(call)
-        else:
-            self.metrics.requests.labels(route.model_name, status).inc()
+        try:
+            await self._hold(call)
+            headers = {"x-request-id": call.request_id, **decision.headers()}
+            status, content = await self._call_unary(call, await request.body(), path)
+            if status == 200:
+                await self._finish(call)
+            else:
+                self.metrics.requests.labels(route.model_name, status).inc()
+        finally:
+            await self._refund(call)  # gives back what is held unless metered above
         return Response(
             self._rename(content, upstream, route.model_name),
             status_code=status,
@@ -664,12 +737,21 @@ class Gateway:
         details = usage.get("prompt_tokens_details") or {}
         call.cached_tokens = int(details.get("cached_tokens") or 0)
 
-    async def _finish(self, call: _Call) -> UsageEvent:
-        """Metrics, the TPM settlement and the usage record of a served request.
+    async def _settle(self, call: _Call, served: bool) -> UsageEvent | None:
+        p = call.principal
+        try:
+            if served:
+                return await self._meter(call)
+            if not call.batch:
+                await self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0)
+            if call.quota_reserved:
+                await self.quota.add(p.tenant_id, month_of(now()), -call.quota_reserved)
+            return None
+        finally:
+            if call.slot:
+                await self.slots.release(_slot_scope(p), call.request_id)
 
-        A batch item's record is returned, not queued: the runner commits it together with
-        the item's result, so neither can exist without the other.
-        """
+    async def _meter(self, call: _Call) -> UsageEvent:
         latency = time.perf_counter() - call.started
         model = call.route.model_name
         self.metrics.requests.labels(model, call.status_code).inc()
@@ -700,8 +782,15 @@ class Gateway:
             batch=call.batch,
         )
         if not call.batch:
-            await self.recorder.record(event)
+            await self.recorder.record(event, call.quota_reserved)
+        elif call.quota_reserved:
+            # The runner counts the item's real use once its result is committed.
+            await self.quota.add(p.tenant_id, month_of(event.created_at), -call.quota_reserved)
         return event
+
+
+def _slot_scope(principal: Principal) -> str:
+    return f"{principal.tenant_id}:requests"
 
 
 def _fill_sampling_defaults(payload: dict[str, Any], route: EndpointRoute, kind: str) -> None:

@@ -1,7 +1,7 @@
 """Admission control for the gateway: per-API-key requests-per-minute and tokens-per-minute limits
 kept as token buckets (in process memory for one gateway, or in Redis so that several gateways
-share them), the OpenAI-style rate-limit headers that report them, and per-tenant monthly token
-quota counters."""
+share them), and the OpenAI-style rate-limit headers that report them. (Monthly quotas and
+concurrency ceilings are in `quota.py`.)"""
 
 from __future__ import annotations
 
@@ -9,8 +9,15 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
+
+# The quota counters live in `quota.py`; re-exported because callers import them from here.
+from modelyard.gateway.quota import (
+    MemoryQuotaCounter,
+    QuotaCounter,
+    RedisQuotaCounter,
+    month_of,
+)
 
 if TYPE_CHECKING:
     # Only for annotations: redis is needed at run time only by whoever builds a Redis client.
@@ -22,7 +29,6 @@ _EPS = 1e-9
 # Redis keys outlive the moment their bucket is full again by this much, so a key that comes
 # back shortly after still finds its state while idle keys do not pile up.
 _IDLE_GRACE_MS = 120_000
-_QUOTA_TTL_S = 40 * 24 * 3600
 # Memory buckets that have refilled completely are forgotten every this many acquires.
 _SWEEP_EVERY = 1024
 
@@ -332,69 +338,15 @@ class RedisRateLimiter:
         return None
 
 
-class QuotaCounter(Protocol):
-    async def used(self, tenant_id: str, month: str) -> int:
-        """Tokens the tenant has used in `month` ("2026-11"); 0 if none recorded."""
-        ...
-
-    async def add(self, tenant_id: str, month: str, tokens: int) -> int:
-        """Add `tokens` to the month's total and return the new total."""
-        ...
-
-    async def seed(self, tenant_id: str, month: str, tokens: int) -> None:
-        """Set the month's total only if none is recorded yet (restoring from the ledger)."""
-        ...
-
-
-def month_of(ts: datetime) -> str:
-    """The quota month of a moment, like "2026-11", in UTC; a naive datetime is taken as UTC."""
-    if ts.tzinfo is not None:
-        ts = ts.astimezone(UTC)
-    return f"{ts.year:04d}-{ts.month:02d}"
-
-
-class MemoryQuotaCounter:
-    """Monthly token totals in this process, for a single gateway process."""
-
-    def __init__(self) -> None:
-        self._totals: dict[tuple[str, str], int] = {}
-
-    async def used(self, tenant_id: str, month: str) -> int:
-        return self._totals.get((tenant_id, month), 0)
-
-    async def add(self, tenant_id: str, month: str, tokens: int) -> int:
-        total = self._totals.get((tenant_id, month), 0) + tokens
-        self._totals[(tenant_id, month)] = total
-        return total
-
-    async def seed(self, tenant_id: str, month: str, tokens: int) -> None:
-        self._totals.setdefault((tenant_id, month), tokens)
-
-
-class RedisQuotaCounter:
-    """Monthly token totals in Redis, shared by every gateway process using the same prefix.
-
-    Keys expire ~40 days after their last write: past the end of their month, when nothing
-    reads them any more. The client is borrowed, not closed here."""
-
-    def __init__(self, redis: Redis, prefix: str = "modelyard:") -> None:
-        self._redis = redis
-        self._prefix = prefix
-
-    def _key(self, tenant_id: str, month: str) -> str:
-        return f"{self._prefix}quota:{tenant_id}:{month}"
-
-    async def used(self, tenant_id: str, month: str) -> int:
-        value = await self._redis.get(self._key(tenant_id, month))
-        return 0 if value is None else int(value)
-
-    async def add(self, tenant_id: str, month: str, tokens: int) -> int:
-        key = self._key(tenant_id, month)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.incrby(key, tokens)
-            pipe.expire(key, _QUOTA_TTL_S)
-            total, _ = await pipe.execute()
-        return int(total)
-
-    async def seed(self, tenant_id: str, month: str, tokens: int) -> None:
-        await self._redis.set(self._key(tenant_id, month), tokens, nx=True, ex=_QUOTA_TTL_S)
+__all__ = [
+    "Decision",
+    "Limits",
+    "MemoryQuotaCounter",
+    "MemoryRateLimiter",
+    "QuotaCounter",
+    "RateLimiter",
+    "RedisQuotaCounter",
+    "RedisRateLimiter",
+    "format_reset",
+    "month_of",
+]
