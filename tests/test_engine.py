@@ -103,13 +103,13 @@ def test_requests_that_can_never_run_are_rejected(tiny_llama: Path) -> None:
     # 512 bytes a token; 4 blocks of 16 tokens = 64 tokens of KV cache.
     engine = make_engine(tiny_llama, kv_cache_memory=512 * 16 * 4, max_tokens_cap=100)
     with pytest.raises(RequestRejected, match="KV cache"):
-        engine.add_request("big", PROMPT, greedy(40))
+        engine.check_request(PROMPT, greedy(40))
     with pytest.raises(RequestRejected, match="cap"):
-        engine.add_request("cap", PROMPT, greedy(101))
+        engine.check_request(PROMPT, greedy(101))
     with pytest.raises(RequestRejected, match="maximum context length"):
-        engine.add_request("long", [7] * 500, greedy(20))
+        engine.check_request([7] * 500, greedy(20))
     with pytest.raises(RequestRejected, match="empty"):
-        engine.add_request("empty", [], greedy(1))
+        engine.check_request([], greedy(1))
     with pytest.raises(RequestRejected, match="token ids"):
-        engine.add_request("vocab", [10**6], greedy(1))
+        engine.check_request([10**6], greedy(1))
     assert not engine.has_unfinished()

@@ -4,6 +4,11 @@ Unknown fields are ignored, as OpenAI's own server does, except those that ask f
 this server does not have (tools, response_format, logit_bias…): those get a clear 400.
 Extra knobs that vLLM users expect (top_k, min_p, repetition_penalty, stop_token_ids,
 ignore_eos, priority) are accepted as well.
+
+Every text field must be encodable as UTF-8: JSON can spell a lone surrogate (`"\udcff"`),
+which no tokenizer takes, so it is refused here with the field's name. Ranges that depend on
+the model (top_k and token ids against the vocabulary, lengths against the context) are checked
+by the engine's admission (`modelyard.engine.admission`), at the worker.
 """
 
 from __future__ import annotations
@@ -15,6 +20,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # A worker's stream says how many prompt tokens it holds, so a metering proxy can bill the
 # prompt of a stream whose client goes away before the final usage chunk.
 PROMPT_TOKENS_HEADER = "x-modelyard-prompt-tokens"
+
+
+def _check_text(value: str, where: str) -> str:
+    """Refuse text that cannot be encoded (a lone surrogate): tokenizers raise on it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{where} is not valid Unicode text: it holds a lone surrogate "
+            f"(U+{ord(value[exc.start]):04X}) at index {exc.start}"
+        ) from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -33,6 +50,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_is_text(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        if isinstance(value, str):
+            _check_text(value, "content")
+        elif value is not None:
+            for i, part in enumerate(value):
+                _check_text(part.text, f"content[{i}].text")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_text(cls, value: str | None) -> str | None:
+        return None if value is None else _check_text(value, "name")
 
     def text(self) -> str:
         if self.content is None:
@@ -59,7 +91,7 @@ class _SamplingFields(BaseModel):
     # Beyond OpenAI, as in vLLM.
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -71,8 +103,15 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
         if isinstance(value, str):
-            return [value]
+            value = [value]
+        for i, stop in enumerate(value or ()):
+            _check_text(stop, f"stop[{i}]")
         return value
+
+    @field_validator("model", "user")
+    @classmethod
+    def _is_text(cls, value: str | None) -> str | None:
+        return None if value is None else _check_text(value, "the value")
 
     def stop_list(self) -> tuple[str, ...]:
         return tuple(self.stop or ())  # type: ignore[arg-type]
@@ -105,6 +144,19 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_is_text(
+        cls, value: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(value, str):
+            _check_text(value, "prompt")
+        else:
+            for i, item in enumerate(value):
+                if isinstance(item, str):
+                    _check_text(item, f"prompt[{i}]")
+        return value
 
     def unsupported(self) -> str | None:
         if self.suffix:

@@ -3,6 +3,11 @@
 Requests and aborts enter through a thread-safe inbox that the loop drains before every step;
 outputs go back to each request's asyncio queue on the caller's event loop. Leaving the stream
 early (client disconnect, timeout) aborts the request and frees its blocks at the next step.
+
+Requests are checked by the caller (`LLMEngine.check_request`) before `generate`. A request
+that fails in a step gets `RequestFailed` and the loop goes on; a fatal error, or
+`MAX_CONSECUTIVE_FAILED_STEPS` steps in a row in which every request failed, stops the loop,
+fails every stream with `EngineDeadError` and calls `on_fatal` (the worker exits on it).
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from modelyard.engine.faults import MAX_CONSECUTIVE_FAILED_STEPS, is_fatal
 from modelyard.engine.llm_engine import LLMEngine, RequestOutput
 from modelyard.engine.sampling_params import SamplingParams
 
@@ -67,7 +73,10 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # set once the loop has stopped for good
+        self.consecutive_failed_steps = 0
+        # Called from the engine thread with the reason, once, when the engine dies.
+        self.on_fatal: Callable[[str], None] | None = None
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -121,19 +130,42 @@ class AsyncEngine:
                 return
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._drain(block=not self.engine.has_unfinished())
-            if not self.engine.has_unfinished():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:
-                log.exception("engine step failed; failing the requests in flight")
-                self.error = exc
-                self._fail_all(EngineDeadError(f"engine step failed: {exc}"))
-                return
-            for out in outputs:
-                self._deliver(out.request_id, out)
+        try:
+            while not self._stopping.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as exc:
+            self._die(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            if is_fatal(exc) or self.engine.failure is not None:
+                raise
+            # Not the fault of a known request (e.g. the scheduler): fail them all, go on.
+            log.exception("engine step failed; failing the requests in flight")
+            outputs = self.engine.fail_all(exc)
+        failed = sum(out.error is not None for out in outputs)
+        if failed and failed == len(outputs):
+            self.consecutive_failed_steps += 1
+            if self.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                raise RuntimeError(
+                    f"{self.consecutive_failed_steps} engine steps in a row failed every request"
+                )
+        elif outputs:
+            self.consecutive_failed_steps = 0
+        for out in outputs:
+            self._deliver(out.request_id, out.error or out)
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop stops for good: fail every stream, then tell the owner (the worker exits)."""
+        log.error("engine failed and stops: %r", exc, exc_info=exc)
+        self.error = exc
+        self._fail_all(EngineDeadError(f"engine step failed: {exc}"))
+        if self.on_fatal is not None:
+            self.on_fatal(str(exc))
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
@@ -145,7 +177,10 @@ class AsyncEngine:
         with self._lock:
             ids = list(self._streams)
         for request_id in ids:
-            self.engine.abort_request(request_id)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine is dead anyway; the stream must still hear of it
+                log.exception("abort of %s failed", request_id)
             self._deliver(request_id, exc)
 
     # ----- the API (event loop) --------------------------------------------------------------
@@ -160,11 +195,10 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; raises `RequestRejected` before anything is queued."""
+        """Stream the request's outputs. The request must have passed
+        `LLMEngine.check_request`; if it fails in a step this raises `RequestFailed`."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error or self.engine.failure}")
-        params.validate()
-        self.engine.check_request(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
@@ -190,7 +224,7 @@ class AsyncEngine:
                         f"no progress for {self.no_progress_timeout_s:g}s", "no_progress_timeout"
                     ) from None
                 if isinstance(item, BaseException):
-                    finished = True
+                    finished = True  # failed requests are already out of the engine
                     raise item
                 yield item
                 if item.finished:

@@ -2,6 +2,8 @@
 
 It keeps every request's sequences and detokenizers, applies the stop rules (EOS, stop token
 ids, stop strings, max_tokens, context length) and reports what each request gained this step.
+Requests are checked once before they get here (`modelyard.engine.admission`); a step that
+raises anyway fails only the requests that cause it and the engine goes on.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from pathlib import Path
 import torch
 
 from modelyard.config import EngineSettings
+from modelyard.engine.admission import EngineLimits, RequestRejected, check_request
 from modelyard.engine.detokenizer import IncrementalDetokenizer
-from modelyard.engine.kv_cache_manager import KVCacheManager, blocks_for
+from modelyard.engine.faults import RequestFailed, is_fatal
+from modelyard.engine.kv_cache_manager import KVCacheManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.config import ModelConfig
@@ -33,15 +37,9 @@ from modelyard.engine.tensor_parallel import (
 )
 from modelyard.engine.tokenizer import Tokenizer
 
+__all__ = ["LLMEngine", "RequestFailed", "RequestOutput", "RequestRejected", "SequenceDelta"]
+
 log = logging.getLogger(__name__)
-
-
-class RequestRejected(ValueError):
-    """A request that can never run on this engine (too long, empty, bad token ids)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -61,6 +59,7 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    error: RequestFailed | None = None  # the request failed in this step (finished is True)
 
 
 @dataclass
@@ -70,6 +69,7 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     generation_tokens: int = 0
     steps: int = 0
+    failed_steps: int = 0  # steps that raised (their requests were retried one by one)
     busy_seconds: float = 0.0
     requests_finished: dict[str, int] = field(default_factory=dict)
 
@@ -231,39 +231,26 @@ class LLMEngine:
     def default_max_tokens(self, prompt_len: int) -> int:
         return max(1, min(self.settings.max_tokens_cap, self.max_model_len - prompt_len))
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise `RequestRejected` for a request that can never be served here."""
-        self.check_prompt(prompt_token_ids)
-        self.check_lengths(len(prompt_token_ids), params)
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            max_tokens_cap=self.settings.max_tokens_cap,
+            block_size=self.kv.block_size,
+            num_blocks=self.kv.num_blocks,
+        )
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise RequestRejected("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_token_ids):
-            raise RequestRejected(f"token ids must be in [0, {vocab})", "prompt")
-
-    def check_lengths(self, n: int, params: SamplingParams) -> None:
-        if params.max_tokens > self.settings.max_tokens_cap:
-            raise RequestRejected(
-                f"max_tokens is {params.max_tokens}, above this server's cap of "
-                f"{self.settings.max_tokens_cap}",
-                "max_tokens",
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {n + params.max_tokens} tokens ({n} in the messages, "
-                f"{params.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion.",
-                "messages",
-            )
-        if blocks_for(n + params.max_tokens, self.kv.block_size) > self.kv.num_blocks:
-            raise RequestRejected(
-                f"the request needs {n + params.max_tokens} tokens of KV cache but this replica "
-                f"holds at most {self.token_capacity}; reduce the prompt or max_tokens",
-                "max_tokens",
-            )
+    def check_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        prompt_param: str = "prompt",
+    ) -> None:
+        """Raise `RequestRejected` for a request that can never be served here; a request
+        must pass this before `add_request`, which trusts it."""
+        check_request(self.limits, prompt_token_ids, params, priority, prompt_param)
 
     def add_request(
         self,
@@ -275,8 +262,6 @@ class LLMEngine:
     ) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        params.validate()
-        self.check_request(prompt_token_ids, params)
         arrival = time.monotonic() if arrival is None else arrival
         seqs: list[Sequence] = []
         for index in range(params.n):
@@ -336,30 +321,102 @@ class LLMEngine:
     # ----- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step. A step that raises is retried request by request: the requests that fail
+        alone are failed (an output with `error`, their blocks freed) and the others go on.
+        Fatal errors (`faults.is_fatal`) and failures outside the model and sampler propagate."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        inputs = self.runner.prepare(plan.scheduled)
-        logits = self.runner.execute(inputs)
-        token_ids, logprobs = self.sampler(logits, inputs.sampling_seqs)
+        try:
+            sampled = self._forward(plan.scheduled)
+            failed: dict[str, BaseException] = {}
+        except Exception as exc:
+            if is_fatal(exc):
+                raise
+            log.warning("engine step failed (%r); retrying its requests one by one", exc)
+            self.stats.failed_steps += 1
+            sampled, failed = self._isolate(plan.scheduled)
 
+        outputs = [self._fail(self._requests[rid], exc) for rid, exc in failed.items()]
         for seq, n in plan.scheduled:
+            if seq.request_id in failed:
+                continue
             if seq.prefilling:
                 self.stats.prompt_tokens += min(n, seq.prompt_len - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.kv.commit(seq)
 
-        touched: dict[str, _Request] = {}
-        for seq, token, lp in zip(inputs.sampling_seqs, token_ids, logprobs, strict=True):
-            req = self._requests[seq.request_id]
-            touched[req.request_id] = req
-            self._append_token(req, seq, token, lp)
-
-        outputs = [self._collect(req) for req in touched.values()]
+        by_request: dict[str, list[tuple[Sequence, int, TokenLogprob | None]]] = {}
+        for item in sampled:
+            by_request.setdefault(item[0].request_id, []).append(item)
+        for request_id, items in by_request.items():
+            req = self._requests[request_id]
+            try:
+                for seq, token, lp in items:
+                    self._append_token(req, seq, token, lp)
+                outputs.append(self._collect(req))
+            except Exception as exc:  # e.g. the detokenizer: this request's fault alone
+                if is_fatal(exc):
+                    raise
+                log.warning("request %s failed after sampling: %r", request_id, exc)
+                outputs.append(self._fail(req, exc))
         self.stats.steps += 1
         self.stats.busy_seconds += time.perf_counter() - started
         return outputs
+
+    def _forward(
+        self, scheduled: list[tuple[Sequence, int]]
+    ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """Run the model and the sampler; only the KV cache slots of this step are written, so
+        running the same sequences again writes the same values."""
+        inputs = self.runner.prepare(scheduled)
+        logits = self.runner.execute(inputs)
+        token_ids, logprobs = self.sampler(logits, inputs.sampling_seqs)
+        return list(zip(inputs.sampling_seqs, token_ids, logprobs, strict=True))
+
+    def _isolate(
+        self, scheduled: list[tuple[Sequence, int]]
+    ) -> tuple[list[tuple[Sequence, int, TokenLogprob | None]], dict[str, BaseException]]:
+        """Run each request of a failed step alone: what succeeds is kept, what fails again
+        is the request's own fault."""
+        groups: dict[str, list[tuple[Sequence, int]]] = {}
+        for seq, n in scheduled:
+            groups.setdefault(seq.request_id, []).append((seq, n))
+        sampled: list[tuple[Sequence, int, TokenLogprob | None]] = []
+        failed: dict[str, BaseException] = {}
+        for request_id, group in groups.items():
+            try:
+                sampled += self._forward(group)
+            except Exception as exc:
+                if is_fatal(exc):
+                    raise
+                log.warning("request %s failed in an engine step: %r", request_id, exc)
+                failed[request_id] = exc
+        return sampled, failed
+
+    def _fail(self, req: _Request, exc: BaseException) -> RequestOutput:
+        """Take a request out of the engine after its step failed; its blocks are freed."""
+        self._requests.pop(req.request_id, None)
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = FinishReason.ERROR
+                self.scheduler.remove(seq)
+        self._count_finished(FinishReason.ERROR)
+        leader = req.seqs[0]
+        return RequestOutput(
+            request_id=req.request_id,
+            deltas=[],
+            finished=True,
+            prompt_tokens=leader.prompt_len,
+            cached_tokens=leader.num_cached_tokens,
+            completion_tokens=sum(s.num_output_tokens for s in req.seqs),
+            error=RequestFailed(f"generation failed in the engine: {exc!r}"),
+        )
+
+    def fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        """Fail every request (a step failed where no request can be blamed)."""
+        return [self._fail(req, exc) for req in list(self._requests.values())]
 
     def _append_token(
         self, req: _Request, seq: Sequence, token: int, lp: TokenLogprob | None

@@ -21,6 +21,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # client went away, timeout, or shutdown
+    ERROR = "error"  # the engine step holding it failed (the engine went on)
 
 
 @dataclass

@@ -73,6 +73,7 @@ def create_app(
             "kv_cache_capacity_tokens": e.token_capacity,
             "max_model_len": e.max_model_len,
             "busy_seconds": round(e.stats.busy_seconds, 3),
+            "failed_steps": e.stats.failed_steps,
         }
         if engine.error is not None:
             body["error"] = str(engine.error)

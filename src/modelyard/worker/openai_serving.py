@@ -1,7 +1,11 @@
 """OpenAI chat and text completions over the `AsyncEngine`: prompts in, JSON or SSE out.
 
 One API request may fan out into several engine requests (a list of prompts); their outputs
-merge into one stream whose choice index is `prompt_index * n + sequence_index`.
+merge into one stream whose choice index is `prompt_index * n + sequence_index`. Each is
+checked once, here, before anything is queued (`modelyard.worker.admission`).
+
+Streams carry usage as OpenAI does: only in one last chunk with empty `choices`, and only
+when `stream_options.include_usage` asks for it (the gateway always asks, to bill).
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from modelyard.api.protocol import (
 )
 from modelyard.api.responses import JSONResponse
 from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
-from modelyard.engine.llm_engine import RequestOutput, RequestRejected
-from modelyard.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from modelyard.engine.faults import RequestFailed
+from modelyard.engine.llm_engine import RequestOutput
+from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.sequence import TokenLogprob
 from modelyard.engine.tokenizer import ChatTemplateError
+from modelyard.worker.admission import admit, check_choices
 from modelyard.worker.metrics import RequestTimer, WorkerMetrics
 
 MAX_PROMPTS = 64
@@ -106,45 +112,12 @@ class OpenAIServing:
                 f"'{unsupported}' is not supported by this server.", unsupported, "unsupported"
             )
 
-    def _params(
-        self, req: _SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None
-    ) -> SamplingParams:
-        params = SamplingParams(
-            n=req.n,
-            max_tokens=max_tokens or self.engine.engine.default_max_tokens(prompt_len),
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0,
-            presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty or 1.0,
-            seed=req.seed,
-            stop=req.stop_list(),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
-        )
-        try:
-            params.validate()
-            self.engine.engine.check_lengths(prompt_len, params)
-        except InvalidSamplingParams as exc:
-            raise bad_request(str(exc), exc.param, "invalid_value") from exc
-        except RequestRejected as exc:
-            raise bad_request(str(exc), exc.param, "context_length_exceeded") from exc
-        return params
-
-    def _check_prompt(self, prompt: list[int]) -> None:
-        try:
-            self.engine.engine.check_prompt(prompt)
-        except RequestRejected as exc:
-            raise bad_request(str(exc), exc.param, "invalid_prompt") from exc
-
     async def _merged(
         self, request_id: str, jobs: list[tuple[list[int], SamplingParams]], priority: int
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every engine request of this API request, as they come."""
+        # A client's x-request-id need not be unique; the engine's ids must be.
+        request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         if len(jobs) == 1:
             async for out in self.engine.generate(jobs[0][0], jobs[0][1], request_id, priority):
                 yield 0, out
@@ -190,8 +163,7 @@ class OpenAIServing:
             raise APIError(504, str(exc), code=exc.code) from exc
         if isinstance(exc, EngineDeadError):
             raise APIError(503, str(exc), code="engine_unavailable") from exc
-        if isinstance(exc, RequestRejected):
-            raise bad_request(str(exc), exc.param) from exc
+        raise APIError(500, str(exc), code="engine_error") from exc
 
     async def _collect(
         self,
@@ -215,7 +187,7 @@ class OpenAIServing:
                     c.num_tokens += len(d.token_ids)
                     if d.finish_reason is not None:
                         c.finish_reason = d.finish_reason.value
-        except (RequestTimeout, EngineDeadError, RequestRejected) as exc:
+        except (RequestTimeout, EngineDeadError, RequestFailed) as exc:
             self._raise_for(exc)
         timer.done()
         return choices, usage
@@ -248,11 +220,9 @@ class OpenAIServing:
     ) -> AsyncIterator[bytes]:
         timer = RequestTimer(self.metrics)
         usage = _Usage()
-        total = len(jobs) * n
-        finished = 0
         try:
             if role_chunk is not None:
-                for i in range(total):
+                for i in range(len(jobs) * n):
                     yield _sse({**base, "choices": [role_chunk(i)]})
             async for pi, out in self._merged(request_id, jobs, priority):
                 usage.add(pi, out)
@@ -265,16 +235,14 @@ class OpenAIServing:
                         yield _sse({**base, "choices": [chunk]})
                     if d.finish_reason is None:
                         continue
-                    # The finish gets a chunk of its own with an empty delta, as OpenAI sends it.
-                    finish = {**base, "choices": [choice_chunk(index, "", [], d.finish_reason)]}
-                    finished += 1
-                    if finished == total:
-                        finish["usage"] = usage.as_dict()
-                    yield _sse(finish)
+                    # The finish gets a chunk of its own with an empty delta, as OpenAI sends it;
+                    # usage never rides on it (clients that add up usage chunks count once).
+                    reason = d.finish_reason
+                    yield _sse({**base, "choices": [choice_chunk(index, "", [], reason)]})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": usage.as_dict()})
             timer.done()
-        except (RequestTimeout, EngineDeadError, RequestRejected) as exc:
+        except (RequestTimeout, EngineDeadError, RequestFailed) as exc:
             yield _sse(self._stream_error(exc))
         yield b"data: [DONE]\n\n"
 
@@ -299,11 +267,11 @@ class OpenAIServing:
             prompt = self.tokenizer.encode_chat(messages)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
-        self._check_prompt(prompt)
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        params = self._params(req, req.max_completion_tokens or req.max_tokens, len(prompt), k)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = admit(self.engine.engine, req, prompt, max_tokens, k, "messages")
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         jobs = [(prompt, params)]
         created = int(time.time())
@@ -379,8 +347,6 @@ class OpenAIServing:
             raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")
         if len(prompts) > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
-        for p in prompts:
-            self._check_prompt(p)
         return prompts
 
     def _completion_logprobs(self, logprobs: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
@@ -401,7 +367,9 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, request: Request) -> Any:
         self._check_model(req, req.unsupported())
         prompts = self._prompts(req.prompt)
-        jobs = [(p, self._params(req, req.max_tokens, len(p), req.logprobs)) for p in prompts]
+        check_choices(len(prompts), req.n)
+        engine = self.engine.engine
+        jobs = [(p, admit(engine, req, p, req.max_tokens, req.logprobs, "prompt")) for p in prompts]
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         created = int(time.time())
         response_id = f"cmpl-{request_id}"

@@ -1,4 +1,8 @@
-"""Start a worker process: load the engine, then serve it with uvicorn until SIGINT/SIGTERM."""
+"""Start a worker process: load the engine, then serve it with uvicorn until SIGINT/SIGTERM.
+
+A worker whose engine died (a fatal step error, steps that keep failing, a dead
+tensor-parallel rank) shuts itself down and exits non-zero, so the platform replaces it.
+"""
 
 from __future__ import annotations
 
@@ -43,14 +47,23 @@ def build_engine(model: str | Path, settings: EngineSettings) -> AsyncEngine:
     return AsyncEngine(engine, settings.request_timeout_s, settings.no_progress_timeout_s)
 
 
-# After a tensor-parallel rank died, how long a graceful shutdown may take before a hard exit.
+# After the engine died, how long a graceful shutdown may take before a hard exit.
 RANK_FAILURE_EXIT_S = 15.0
 
 
 def _exit_on_rank_failure(reason: str) -> None:
-    """A helper rank died (the others are already killed): shut the worker down so that the
-    platform replaces the replica, hard if the graceful path does not finish in time."""
-    log.error("tensor-parallel group failed (%s); the worker exits", reason)
+    """A helper rank died (the others are already killed): shut the worker down."""
+    _exit_on_failure(f"tensor-parallel group failed ({reason})")
+
+
+def _exit_on_engine_failure(reason: str) -> None:
+    _exit_on_failure(f"engine failed ({reason})")
+
+
+def _exit_on_failure(why: str) -> None:
+    """Shut the worker down so that the platform replaces the replica, hard if the graceful
+    path does not finish in time; `serve_worker` then exits non-zero."""
+    log.error("%s; the worker exits", why)
     hard_exit = threading.Timer(RANK_FAILURE_EXIT_S, os._exit, (1,))
     hard_exit.daemon = True
     hard_exit.start()
@@ -70,6 +83,7 @@ def serve_worker(
     leader = engine.engine.runner.leader
     if leader is not None:
         leader.on_failure = _exit_on_rank_failure
+    engine.on_fatal = _exit_on_engine_failure
     try:
         name = served_model_name or engine.engine.model_name
         app = create_app(engine, name)
@@ -77,5 +91,5 @@ def serve_worker(
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         engine.engine.close()  # the helper ranks, if uvicorn never ran the lifespan shutdown
-    if engine.engine.failure is not None:
+    if engine.engine.failure is not None or engine.error is not None:
         sys.exit(1)

@@ -1,0 +1,63 @@
+"""The worker's edge: turn an API request into checked engine requests, or a 400 naming the field.
+
+This is the one place a request is checked against the model (vocabulary, context window,
+caps, sampling ranges); the engine trusts what passes (`modelyard.engine.admission`).
+"""
+
+from __future__ import annotations
+
+from modelyard.api.errors import APIError, bad_request
+from modelyard.api.protocol import _SamplingFields
+from modelyard.engine.admission import RequestRejected
+from modelyard.engine.llm_engine import LLMEngine
+from modelyard.engine.sampling_params import MAX_N, SamplingParams
+
+# One API request may hold several prompts, each with n choices: this bounds their product.
+MAX_CHOICES = MAX_N
+
+
+def rejected(exc: RequestRejected) -> APIError:
+    return bad_request(str(exc), exc.param, exc.code)
+
+
+def admit(
+    engine: LLMEngine,
+    req: _SamplingFields,
+    prompt: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_param: str,
+) -> SamplingParams:
+    """The checked `SamplingParams` of one engine request of `req` over `prompt`."""
+    params = SamplingParams(
+        n=req.n,
+        max_tokens=max_tokens or engine.default_max_tokens(len(prompt)),
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        seed=req.seed,
+        stop=req.stop_list(),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    try:
+        engine.check_request(prompt, params, req.priority, prompt_param)
+    except RequestRejected as exc:
+        raise rejected(exc) from exc
+    return params
+
+
+def check_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES:
+        raise bad_request(
+            f"{num_prompts} prompts with n={n} ask for {num_prompts * n} choices; "
+            f"at most {MAX_CHOICES} are allowed per request",
+            "n",
+            "invalid_value",
+        )
