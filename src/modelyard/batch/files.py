@@ -107,6 +107,15 @@ class FileService:
     def content_path(self, tenant_id: str, file_id: str) -> Path:
         return self.store.path(self.get_row(tenant_id, file_id).sha256)
 
+    def find_content_path(self, tenant_id: str, file_id: str) -> Path | None:
+        """The file's bytes on disk, or None if the file was deleted or its bytes are gone."""
+        with self.db.session() as s:
+            f = s.get(File, file_id)
+            if f is None or f.tenant_id != tenant_id or f.deleted_at is not None:
+                return None
+            path = self.store.path(f.sha256)
+        return path if path.is_file() else None
+
     def list(
         self, tenant_id: str, purpose: str | None, limit: int, after: str | None
     ) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import select
@@ -16,13 +17,42 @@ from sqlalchemy import select
 from modelyard.api.errors import APIError
 from modelyard.batch.files import FileService
 from modelyard.batch.validation import ENDPOINTS
+from modelyard.batch.webhook_policy import WebhookPolicy, WebhookRefused
 from modelyard.gateway.auth import Principal
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Batch
 
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+class BatchStatus(StrEnum):
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+class ItemStatus(StrEnum):
+    PENDING = "pending"
+    DONE = "done"
+    ERROR = "error"
+
+
+ACTIVE = (
+    BatchStatus.VALIDATING,
+    BatchStatus.IN_PROGRESS,
+    BatchStatus.FINALIZING,
+    BatchStatus.CANCELLING,
+)
+TERMINAL = (
+    BatchStatus.COMPLETED,
+    BatchStatus.FAILED,
+    BatchStatus.EXPIRED,
+    BatchStatus.CANCELLED,
+)
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -73,9 +103,30 @@ def _not_found(batch_id: str) -> APIError:
 
 
 class BatchService:
-    def __init__(self, db: Database, files: FileService) -> None:
+    def __init__(
+        self, db: Database, files: FileService, webhooks: WebhookPolicy | None = None
+    ) -> None:
         self.db = db
         self.files = files
+        if webhooks is None:
+            # Until the platform passes its policy: the same settings `serve` reads (the CLI
+            # overrides none of the webhook ones).
+            from modelyard.config import PlatformSettings
+
+            webhooks = WebhookPolicy(PlatformSettings().batch_webhook_hosts)
+        self.webhooks = webhooks
+
+    def _check_webhook(self, metadata: dict[str, str] | None) -> None:
+        url = (metadata or {}).get("webhook_url")
+        if url is None:
+            return
+        try:
+            self.webhooks.check(url)
+        except WebhookRefused as exc:
+            raise APIError(
+                400, f"metadata.webhook_url is refused: {exc}", param="metadata.webhook_url",
+                code="invalid_webhook_url",
+            ) from exc  # fmt: skip
 
     def create(
         self,
@@ -91,6 +142,7 @@ class BatchService:
                 code="invalid_value",
             )  # fmt: skip
         window = parse_window(completion_window)
+        self._check_webhook(metadata)
         source = self.files.get_row(principal.tenant_id, input_file_id)
         if source.purpose != "batch":
             raise APIError(
@@ -105,7 +157,7 @@ class BatchService:
             endpoint=endpoint,
             input_file_id=input_file_id,
             completion_window=completion_window,
-            status="validating",
+            status=BatchStatus.VALIDATING,
             errors=None,
             output_file_id=None,
             error_file_id=None,
@@ -167,7 +219,7 @@ class BatchService:
                 raise APIError(
                     409, f"batch {batch_id} is already {b.status}", code="batch_not_cancellable"
                 )
-            if b.status != "cancelling":
-                b.status = "cancelling"
+            if b.status != BatchStatus.CANCELLING:
+                b.status = BatchStatus.CANCELLING
                 b.cancelling_at = repo.now()
             return batch_view(b)

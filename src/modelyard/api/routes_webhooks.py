@@ -1,0 +1,54 @@
+"""The tenant's webhook signing secret: read it (made on first use) and rotate it.
+
+Any key of the tenant with the `inference` or `admin` scope may read it: it only lets the tenant
+check webhooks sent to it, never sign another tenant's (each tenant has its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from modelyard.api.deps import get_platform, get_principal
+from modelyard.batch.webhook import tenant_secret
+from modelyard.gateway.auth import Principal
+from modelyard.platform import Platform
+
+router = APIRouter()
+
+
+async def _tenant_key(principal: Principal = Depends(get_principal)) -> Principal:
+    if "admin" not in principal.scopes:
+        principal.require("inference")
+    return principal
+
+
+def _view(principal: Principal, secret: str) -> dict[str, Any]:
+    return {
+        "object": "webhook.secret",
+        "tenant_id": principal.tenant_id,
+        "secret": secret,
+        "format": "standard-webhooks",
+    }
+
+
+@router.get("/v1/webhooks/secret")
+async def get_webhook_secret(
+    principal: Principal = Depends(_tenant_key),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    """The secret the tenant's batch webhooks are signed with (`whsec_…`, Standard Webhooks)."""
+    secret = await asyncio.to_thread(tenant_secret, platform.db, principal.tenant_id)
+    return _view(principal, secret)
+
+
+@router.post("/v1/webhooks/secret/rotate")
+async def rotate_webhook_secret(
+    principal: Principal = Depends(_tenant_key),
+    platform: Platform = Depends(get_platform),
+) -> dict[str, Any]:
+    """A new secret; webhooks sent from now on are signed with it only."""
+    secret = await asyncio.to_thread(tenant_secret, platform.db, principal.tenant_id, True)
+    return _view(principal, secret)

@@ -1,0 +1,149 @@
+"""One batch item: sent through the gateway (retried on transient failures) and its result
+and usage written once, never under a revoked key."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict
+from typing import Any
+
+from sqlalchemy import update
+
+from modelyard.api.errors import APIError
+from modelyard.batch.service import ItemStatus
+from modelyard.config import PlatformSettings
+from modelyard.gateway.auth import Principal, Tier
+from modelyard.gateway.metering import UsageEvent
+from modelyard.gateway.proxy import Gateway
+from modelyard.gateway.ratelimit import Limits
+from modelyard.store import repository as repo
+from modelyard.store.db import Database
+from modelyard.store.tables import ApiKey, Batch, BatchItem, Tenant
+
+log = logging.getLogger(__name__)
+
+# Failures worth another try: nothing reached a model, or the model's server broke.
+_TRANSIENT = {499, 500, 502, 503, 504}
+
+
+def load_principal(db: Database, batch: Batch) -> Principal:
+    """Who the batch's items run as: its key, with its tenant's tier and ceilings; no per-key
+    rate limits (the batch budget bounds batch work instead)."""
+    with db.session() as s:
+        key = s.get(ApiKey, batch.key_id)
+        tenant = s.get(Tenant, batch.tenant_id)
+        assert tenant is not None
+        return Principal(
+            key_id=batch.key_id,
+            key_name=key.name if key else "",
+            tenant_id=tenant.id,
+            tenant_name=tenant.name,
+            scopes=frozenset({"inference"}),
+            limits=Limits(None, None),
+            monthly_token_quota=tenant.monthly_token_quota,
+            platform_admin=False,
+            tier=Tier(tenant.tier or Tier.STANDARD),
+            max_concurrent_requests=tenant.max_concurrent_requests,
+            max_concurrent_batch_items=tenant.max_concurrent_batch_items,
+        )
+
+
+class ItemRunner:
+    def __init__(self, settings: PlatformSettings, db: Database, gateway: Gateway) -> None:
+        self.settings = settings
+        self.db = db
+        self.gateway = gateway
+
+    async def run(
+        self,
+        principal: Principal,
+        kind: str,
+        batch_id: str,
+        item_id: int,
+        custom_id: str,
+        body: dict[str, Any],
+        commits: set[asyncio.Task[None]],
+    ) -> None:
+        request_id = f"{batch_id}:{item_id}"
+        delay = 1.0
+        status, result = 500, {"error": {"message": "not run", "type": "server_error"}}
+        usage: UsageEvent | None = None
+        for attempt in range(self.settings.batch_item_attempts):
+            try:
+                status, result, usage = await self.gateway.run_internal(
+                    principal, kind, body, request_id
+                )
+            except APIError as exc:
+                status, result = exc.status, exc.body()
+            except Exception as exc:  # a bug must not stop the batch: the item records it
+                log.exception("batch %s item %s failed", batch_id, custom_id)
+                status = 500
+                result = {"error": {"message": repr(exc), "type": "server_error"}}
+            if status not in _TRANSIENT or attempt == self.settings.batch_item_attempts - 1:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+        commit = asyncio.create_task(
+            self._commit(principal.key_id, batch_id, item_id, request_id, status, result, usage)
+        )
+        commits.add(commit)
+        commit.add_done_callback(commits.discard)
+        await asyncio.shield(commit)
+
+    async def _commit(
+        self,
+        key_id: str,
+        batch_id: str,
+        item_id: int,
+        request_id: str,
+        status: int,
+        result: dict[str, Any],
+        usage: UsageEvent | None,
+    ) -> None:
+        first = await asyncio.to_thread(
+            self._record, key_id, batch_id, item_id, request_id, status, result, usage
+        )
+        if first and usage is not None:
+            await self.gateway.recorder.count(usage)
+
+    def _record(
+        self,
+        key_id: str,
+        batch_id: str,
+        item_id: int,
+        request_id: str,
+        status: int,
+        result: dict[str, Any],
+        usage: UsageEvent | None,
+    ) -> bool:
+        """Write the item's result and its usage row in one transaction; False if the item
+        had been recorded before, or the batch's key is revoked (then nothing is written)."""
+        ok = status == 200
+        error = None
+        if not ok:
+            err = result.get("error") if isinstance(result, dict) else None
+            err = err if isinstance(err, dict) else {"message": str(result)}
+            error = {"code": err.get("code") or err.get("type"), "message": err.get("message")}
+        with self.db.session() as s:
+            key = s.get(ApiKey, key_id)
+            if key is None or key.revoked_at is not None:
+                return False  # nothing is billed under a revoked key
+            changed = s.execute(
+                update(BatchItem)
+                .where(BatchItem.id == item_id, BatchItem.status == ItemStatus.PENDING)
+                .values(
+                    status=ItemStatus.DONE if ok else ItemStatus.ERROR,
+                    status_code=status,
+                    response=result,
+                    error=error,
+                    request_id=request_id,
+                    finished_at=repo.now(),
+                )
+            ).rowcount
+            if changed:
+                counter = Batch.completed if ok else Batch.failed
+                s.execute(update(Batch).where(Batch.id == batch_id).values({counter: counter + 1}))
+                if usage is not None:
+                    repo.insert_usage(s, [asdict(usage)])
+            return bool(changed)
