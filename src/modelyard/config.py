@@ -209,19 +209,24 @@ class PlatformSettings(_Settings):
         1.0, gt=0, description="Predicted requests in an hour that make an idle endpoint warm."
     )
     max_file_bytes: int = Field(parse_size("512MiB"), description="Largest Files API upload.")
-    batch_concurrency: int = Field(8, ge=1, description="Batch items in flight per batch.")
+    batch_concurrency: int = Field(
+        8, ge=1, description="Batch items in flight per tenant (unless the tenant's own ceiling)."
+    )
+    batch_max_concurrency: int = Field(
+        32, ge=1, description="Batch items in flight across all tenants of this gateway."
+    )
     batch_item_attempts: int = Field(4, ge=1, description="Tries of an item on transient errors.")
     batch_discount: float = Field(0.5, ge=0.0, le=1.0, description="Price cut on batch tokens.")
     batch_poll_interval_s: float = Field(0.5, gt=0, description="How often new batches are seen.")
-    batch_webhook_url: str | None = Field(None, description="Told when any batch ends.")
-    batch_webhook_secret: str | None = Field(
+    batch_webhook_url: str | None = Field(
         None,
-        description="HMAC-SHA256 key for webhook signatures (default: one generated into "
-        "the data dir on first start).",
+        description="Told when a batch of the system tenant ends (tenants' batches go only to "
+        "their own metadata.webhook_url), signed with the system tenant's webhook secret.",
     )
     batch_webhook_hosts: list[str] = Field(
-        default_factory=lambda: ["127.0.0.1", "localhost"],
-        description="Hosts a batch's own metadata.webhook_url may point at.",
+        default_factory=list,
+        description="host:port entries a batch's metadata.webhook_url may point at (port "
+        "default: the scheme's; *.domain or * for public addresses only); empty: none.",
     )
     worker_engine: dict[str, Any] = Field(
         default_factory=dict, description="Default engine settings for every worker."
