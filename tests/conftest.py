@@ -44,6 +44,12 @@ def platform_env(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
         yield env
 
 
+@pytest.fixture()
+def platform_mode(request: pytest.FixtureRequest, platform_env: dict[str, str]) -> str:
+    """The id of the mode `platform_env` is in for this test (for mode-specific xfails)."""
+    return str(request.node.callspec.params["platform_env"])
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One conversion cache for the whole run, shared with worker subprocesses."""
