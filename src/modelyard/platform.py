@@ -42,7 +42,7 @@ from modelyard.gateway.ratelimit import (
 )
 from modelyard.gateway.router import RoutingTable
 from modelyard.store import repository as repo
-from modelyard.store.artifacts import ArtifactStore
+from modelyard.store.artifacts import ArtifactStore, make_owner_only
 from modelyard.store.db import Database
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class Platform:
     def __init__(self, settings: PlatformSettings) -> None:
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        # Keys, usage and tenants' files live here: owner-only, also on installs made before.
+        settings.data_dir.chmod(0o700)
         self.db = Database(settings.resolved_database_url)
         self.store = ArtifactStore(settings.data_dir / "artifacts")
         self.registry = Registry(self.db, self.store)
@@ -99,6 +101,7 @@ class Platform:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.db.migrate)
+        await asyncio.to_thread(self._secure_files)
         await self._seed_quotas()
         self.bootstrap = await asyncio.to_thread(self._bootstrap_admin)
         self.recorder.start()
@@ -122,6 +125,15 @@ class Platform:
         if self._redis is not None:
             await self._redis.aclose()
         self.db.dispose()
+
+    def _secure_files(self) -> None:
+        """Owner-only files, also for installs made before (0644 database, 0444 blobs)."""
+        self.db.secure_file()
+        key_file = self.settings.data_dir / ADMIN_KEY_FILE
+        if key_file.exists():
+            key_file.chmod(0o600)
+        for folder in ("artifacts", "node-cache", "logs"):
+            make_owner_only(self.settings.data_dir / folder)
 
     async def _seed_quotas(self) -> None:
         now = datetime.now(UTC)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -17,10 +18,14 @@ from modelyard.api import (
     routes_endpoints,
     routes_inference,
     routes_registry,
+    routes_webhooks,
 )
-from modelyard.api.errors import install_error_handlers
+from modelyard.api.errors import APIError, install_error_handlers
 from modelyard.api.middleware import BodySizeLimit
 from modelyard.api.oip import install_oip_error_handlers
+from modelyard.api.openapi_edge import BEARER_ONLY, BEARER_OPTIONAL, install_openapi
+from modelyard.api.preauth import PreAuthenticate
+from modelyard.gateway.auth import Principal
 from modelyard.platform import Platform
 
 
@@ -46,11 +51,31 @@ def create_platform_app(platform: Platform) -> FastAPI:
             "/v1/files": platform.settings.max_file_bytes + 2**20,
         },
     )
+    # Outermost: a caller without a valid key (or the route's scope) is refused before any
+    # body is read, so a stranger's upload costs nothing.
+    app.add_middleware(PreAuthenticate, authenticate=platform.auth.authenticate)
     for module in (routes_inference, routes_endpoints, routes_registry, routes_admin, routes_batch):
         app.include_router(module.router)
+    app.include_router(routes_webhooks.router)
+    install_openapi(app)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def platform_admin(request: Request) -> Principal | None:
+        """The caller if it is the platform admin; None for no key or a bad or lesser one."""
+        authorization = request.headers.get("authorization")
+        if not authorization:
+            return None
+        try:
+            principal = await platform.auth.authenticate(authorization)
+        except APIError:
+            return None
+        return principal if principal.platform_admin else None
+
+    @app.get("/health", openapi_extra=BEARER_OPTIONAL)
+    async def health(request: Request) -> dict[str, Any]:
+        """Liveness for load balancers (no key needed); details only for the platform admin,
+        since endpoint ids and counts are other tenants' business."""
+        if await platform_admin(request) is None:
+            return {"status": "ok"}
         endpoints = platform.endpoints.endpoints.values()
         return {
             "status": "ok",
@@ -64,8 +89,10 @@ def create_platform_app(platform: Platform) -> FastAPI:
             },
         }
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    @app.get("/metrics", openapi_extra=BEARER_ONLY)
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics: for the platform admin key or the configured scrape token."""
+        await _require_scraper(request, platform)
         m = platform.metrics
         m.replicas.clear()
         for state in platform.endpoints.endpoints.values():
@@ -77,3 +104,17 @@ def create_platform_app(platform: Platform) -> FastAPI:
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _require_scraper(request: Request, platform: Platform) -> None:
+    authorization = request.headers.get("authorization") or ""
+    token = platform.settings.metrics_token
+    scheme, _, given = authorization.partition(" ")
+    if (
+        token
+        and scheme.lower() == "bearer"
+        and hmac.compare_digest(given.strip().encode(), token.encode())
+    ):
+        return
+    principal = await platform.auth.authenticate(authorization or None)
+    principal.require_platform_admin()

@@ -58,7 +58,8 @@ class BodySizeLimit:
                 return
         received = 0
         too_large = False
-        started = False
+        started = False  # the app's own response has begun
+        rejected = False  # our 413 has been sent
 
         async def limited_receive() -> Message:
             nonlocal received, too_large
@@ -70,8 +71,19 @@ class BodySizeLimit:
                     raise _TooLarge
             return message
 
+        async def reject() -> None:
+            nonlocal rejected
+            if not rejected:
+                rejected = True
+                await self._reject(send, limit)
+
         async def tracking_send(message: dict[str, Any]) -> None:
             nonlocal started
+            if too_large and not started:
+                # The app caught the overflow while parsing (FastAPI turns any failure to read
+                # a typed body into a 400): answer 413 instead of whatever it says.
+                await reject()
+                return
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
@@ -80,10 +92,10 @@ class BodySizeLimit:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await self._reject(send, limit)
+                await reject()
         except Exception:
             if too_large and not started:
-                await self._reject(send, limit)
+                await reject()
             else:
                 raise
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from modelyard.api.deps import get_platform, get_principal
+from modelyard.api.deps import get_inference, get_platform
 from modelyard.api.responses import JSONResponse
 from modelyard.gateway.auth import Principal
 from modelyard.platform import Platform
@@ -29,16 +29,11 @@ class BatchCreate(BaseModel):
     metadata: dict[str, str] | None = Field(None, max_length=16)
 
 
-async def _inference(principal: Principal = Depends(get_principal)) -> Principal:
-    principal.require("inference")
-    return principal
-
-
 @router.post("/v1/files")
 async def upload_file(
     file: UploadFile = File(...),
     purpose: str = Form(...),
-    principal: Principal = Depends(_inference),
+    principal: Principal = Depends(get_inference),
     platform: Platform = Depends(get_platform),
 ) -> dict[str, Any]:
     # The upload is spooled to a local temp file, then copied (and hashed) into the store.
@@ -59,7 +54,7 @@ async def list_files(
     purpose: str | None = None,
     limit: int = Query(100, ge=1, le=10_000),
     after: str | None = None,
-    principal: Principal = Depends(_inference),
+    principal: Principal = Depends(get_inference),
     platform: Platform = Depends(get_platform),
 ) -> dict[str, Any]:
     return await asyncio.to_thread(platform.files.list, principal.tenant_id, purpose, limit, after)
@@ -68,7 +63,7 @@ async def list_files(
 @router.get("/v1/files/{file_id}")
 async def get_file(
     file_id: str,
-    principal: Principal = Depends(_inference),
+    principal: Principal = Depends(get_inference),
     platform: Platform = Depends(get_platform),
 ) -> dict[str, Any]:
     return await asyncio.to_thread(platform.files.get, principal.tenant_id, file_id)
@@ -77,7 +72,7 @@ async def get_file(
 @router.get("/v1/files/{file_id}/content")
 async def file_content(
     file_id: str,
-    principal: Principal = Depends(_inference),
+    principal: Principal = Depends(get_inference),
     platform: Platform = Depends(get_platform),
 ) -> FileResponse:
     path = await asyncio.to_thread(platform.files.content_path, principal.tenant_id, file_id)
@@ -87,7 +82,7 @@ async def file_content(
 @router.delete("/v1/files/{file_id}")
 async def delete_file(
     file_id: str,
-    principal: Principal = Depends(_inference),
+    principal: Principal = Depends(get_inference),
     platform: Platform = Depends(get_platform),
 ) -> dict[str, Any]:
     return await asyncio.to_thread(platform.files.delete, principal.tenant_id, file_id)
@@ -96,7 +91,7 @@ async def delete_file(
 @router.post("/v1/batches")
 async def create_batch(
     body: BatchCreate,
-    principal: Principal = Depends(_inference),
+    principal: Principal = Depends(get_inference),
     platform: Platform = Depends(get_platform),
 ) -> JSONResponse:
     batch = await asyncio.to_thread(
@@ -114,7 +109,7 @@ async def create_batch(
 async def list_batches(
     limit: int = Query(20, ge=1, le=100),
     after: str | None = None,
-    principal: Principal = Depends(_inference),
+    principal: Principal = Depends(get_inference),
     platform: Platform = Depends(get_platform),
 ) -> dict[str, Any]:
     return await asyncio.to_thread(platform.batches.list, principal.tenant_id, limit, after)
@@ -123,7 +118,7 @@ async def list_batches(
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(
     batch_id: str,
-    principal: Principal = Depends(_inference),
+    principal: Principal = Depends(get_inference),
     platform: Platform = Depends(get_platform),
 ) -> dict[str, Any]:
     return await asyncio.to_thread(platform.batches.get, principal.tenant_id, batch_id)
@@ -132,7 +127,7 @@ async def get_batch(
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(
     batch_id: str,
-    principal: Principal = Depends(_inference),
+    principal: Principal = Depends(get_inference),
     platform: Platform = Depends(get_platform),
 ) -> dict[str, Any]:
     return await asyncio.to_thread(platform.batches.cancel, principal.tenant_id, batch_id)

@@ -8,7 +8,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from modelyard.api.deps import get_platform, get_principal
+from modelyard.api.embeddings import EmbeddingRequest
 from modelyard.api.errors import APIError
+from modelyard.api.oip import InferRequest
+from modelyard.api.openapi_edge import BEARER_ONLY, json_body
+from modelyard.api.protocol import ChatCompletionRequest, CompletionRequest
 from modelyard.gateway.auth import Principal
 from modelyard.gateway.router import EndpointRoute
 from modelyard.platform import Platform
@@ -16,12 +20,12 @@ from modelyard.platform import Platform
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Response:
     return await get_platform(request).gateway.handle(request, "chat.completions")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request) -> Response:
     return await get_platform(request).gateway.handle(request, "completions")
 
@@ -36,7 +40,7 @@ async def async_result(
     return platform.gateway.async_results.get(principal.tenant_id, request_id)
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
 async def embeddings(request: Request) -> Response:
     return await get_platform(request).gateway.handle(request, "embeddings")
 
@@ -51,20 +55,20 @@ async def oip_health() -> dict[str, Any]:
     return {}
 
 
-@router.get("/v2/models/{model}")
-@router.get("/v2/models/{model}/versions/{version}")
+@router.get("/v2/models/{model}", openapi_extra=BEARER_ONLY)
+@router.get("/v2/models/{model}/versions/{version}", openapi_extra=BEARER_ONLY)
 async def oip_metadata(model: str, request: Request, version: str | None = None) -> Response:
     return await get_platform(request).gateway.handle_oip(request, model, "")
 
 
-@router.get("/v2/models/{model}/ready")
-@router.get("/v2/models/{model}/versions/{version}/ready")
+@router.get("/v2/models/{model}/ready", openapi_extra=BEARER_ONLY)
+@router.get("/v2/models/{model}/versions/{version}/ready", openapi_extra=BEARER_ONLY)
 async def oip_ready(model: str, request: Request, version: str | None = None) -> Response:
     return await get_platform(request).gateway.handle_oip(request, model, "ready")
 
 
-@router.post("/v2/models/{model}/infer")
-@router.post("/v2/models/{model}/versions/{version}/infer")
+@router.post("/v2/models/{model}/infer", openapi_extra=json_body(InferRequest))
+@router.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=json_body(InferRequest))
 async def oip_infer(model: str, request: Request, version: str | None = None) -> Response:
     return await get_platform(request).gateway.handle_oip(request, model, "infer")
 

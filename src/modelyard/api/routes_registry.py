@@ -23,6 +23,14 @@ from modelyard.store.artifacts import ArtifactError, IntegrityError, check_sha25
 
 router = APIRouter()
 
+# The blob is streamed from the raw request, so its body is declared by hand.
+_BLOB_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
 
 def _sha(value: str) -> str:
     try:
@@ -41,7 +49,7 @@ async def blob_exists(
     return Response(status_code=200 if owned else 404)
 
 
-@router.put("/v1/blobs/{sha256}", status_code=201)
+@router.put("/v1/blobs/{sha256}", status_code=201, openapi_extra=_BLOB_BODY)
 async def upload_blob(
     sha256: str,
     request: Request,

@@ -18,6 +18,9 @@ from pathlib import Path, PurePosixPath
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 22
+# Blobs are immutable and owner-only: other users of the host must not read tenants' models
+# or files.
+BLOB_MODE = 0o400
 
 
 class ArtifactError(ValueError):
@@ -82,7 +85,7 @@ class ArtifactStore:
             raise IntegrityError(f"content hashes to {actual}, not {expected}")
         dest = self.path(actual)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(tmp_path, 0o444)
+        os.chmod(tmp_path, BLOB_MODE)
         os.replace(tmp_path, dest)
 
     async def put_stream(
@@ -132,6 +135,16 @@ class ArtifactStore:
         actual = hash_file(self.path(sha256))
         if actual != sha256:
             raise IntegrityError(f"blob {sha256} is corrupted on disk (it hashes to {actual})")
+
+
+def make_owner_only(root: Path) -> None:
+    """Strip the group and other permission bits from every file and folder under `root`."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames):
+            path = os.path.join(dirpath, name)
+            mode = os.lstat(path).st_mode
+            if mode & 0o077 and not os.path.islink(path):
+                os.chmod(path, mode & 0o700)
 
 
 def scan_folder(root: Path) -> Iterable[tuple[str, Path]]:

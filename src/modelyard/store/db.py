@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
@@ -62,6 +63,17 @@ class Database:
 
     def migrate(self) -> None:
         migrate(self.engine)
+
+    def secure_file(self) -> None:
+        """Make a SQLite database (and its WAL and shared-memory files) owner-only, 0600: it
+        holds key hashes, usage and every tenant's data. SQLite creates the WAL files with the
+        database file's mode, so fixing the file at start covers later ones too."""
+        path = self.engine.url.database
+        if self.dialect != "sqlite" or not path or path == ":memory:":
+            return
+        for name in (path, f"{path}-wal", f"{path}-shm"):
+            with suppress(FileNotFoundError):
+                os.chmod(name, 0o600)
 
     @contextmanager
     def session(self) -> Iterator[Session]:

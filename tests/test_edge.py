@@ -1,0 +1,192 @@
+"""The HTTP edge of `modelyard serve`, against a real server process: no work before
+authentication (a stranger's upload is refused before its body is read), nothing told to
+strangers (`/health`, `/metrics`), 413 for every body over the limit however it is framed, and
+the data directory private on disk (also for an install made before, fixed at start)."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.platform_harness import PlatformProcess, create_key, create_tenant
+
+MAX_BODY = 64 * 1024
+METRICS_TOKEN = "scrape-token-for-tests"
+UPLOAD = 40 * 10**6  # the 40 MB upload of the issue
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlatformProcess]:
+    env = {
+        "MODELYARD_MAX_BODY_BYTES": str(MAX_BODY),
+        "MODELYARD_METRICS_TOKEN": METRICS_TOKEN,
+    }
+    p = PlatformProcess(tmp_path_factory.mktemp("edge"), env).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def admin(platform: PlatformProcess) -> httpx.Client:
+    return platform.api()
+
+
+@pytest.fixture(scope="module")
+def tenant_keys(admin: httpx.Client) -> dict[str, str]:
+    """A tenant's inference-only key and its admin-only key."""
+    tenant_id = create_tenant(admin, f"edge-{time.time_ns()}")
+    return {
+        "inference": create_key(admin, tenant_id, scopes=["inference"])["key"],
+        "admin": create_key(admin, tenant_id, scopes=["admin"])["key"],
+    }
+
+
+def _upload_head(port: int, path: str, key: str, length: int) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Authorization: Bearer {key}\r\n"
+        "Content-Type: multipart/form-data; boundary=xyz\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+        '--xyz\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
+    ).encode()
+
+
+def _send_until_answered(port: int, head: bytes, total: int) -> tuple[int, int]:
+    """Send `head`, then body bytes up to `total`, until the server answers: (status, body
+    bytes sent by then). A server that reads the body before refusing answers only at the end.
+    """
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        sock.sendall(head)
+        sent = 0
+        chunk = b"x" * 65536
+        sock.setblocking(False)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            readable, writable, _ = select.select([sock], [sock] if sent < total else [], [], 1)
+            if readable:
+                break
+            if writable:
+                with contextlib.suppress(BlockingIOError):
+                    sent += sock.send(chunk[: total - sent])
+        sock.setblocking(True)
+        sock.settimeout(30)
+        data = b""
+        while b"\r\n" not in data:
+            part = sock.recv(4096)
+            if not part:
+                break
+            data += part
+    assert data.startswith(b"HTTP/1.1 "), data
+    return int(data.split(b" ")[1]), sent
+
+
+def test_a_strangers_upload_is_refused_before_its_body_is_read(platform: PlatformProcess) -> None:
+    head = _upload_head(platform.port, "/v1/files", "sk-my-not-a-real-key", UPLOAD)
+    status, sent = _send_until_answered(platform.port, head, UPLOAD)
+    assert status == 401
+    # Answered while most of the body was still unsent: the server never read it.
+    assert sent < UPLOAD // 4, f"{sent} of {UPLOAD} bytes were sent before the 401"
+
+
+def test_a_key_without_the_scope_is_refused_before_the_body_is_read(
+    platform: PlatformProcess, tenant_keys: dict[str, str]
+) -> None:
+    head = _upload_head(platform.port, "/v1/files", tenant_keys["admin"], UPLOAD)
+    status, sent = _send_until_answered(platform.port, head, UPLOAD)
+    assert status == 403
+    assert sent < UPLOAD // 4, f"{sent} of {UPLOAD} bytes were sent before the 403"
+
+
+def test_health_tells_strangers_only_the_status(
+    platform: PlatformProcess, admin: httpx.Client, tenant_keys: dict[str, str]
+) -> None:
+    assert httpx.get(f"{platform.url}/health").json() == {"status": "ok"}
+    tenant = platform.api(tenant_keys["admin"])
+    assert tenant.get("/health").json() == {"status": "ok"}
+    bad = httpx.get(f"{platform.url}/health", headers={"authorization": "Bearer sk-my-nope"})
+    assert bad.status_code == 200 and bad.json() == {"status": "ok"}
+    details = admin.get("/health").json()
+    assert details["status"] == "ok" and "endpoints" in details
+
+
+def test_metrics_need_the_platform_admin_or_the_scrape_token(
+    platform: PlatformProcess, admin: httpx.Client, tenant_keys: dict[str, str]
+) -> None:
+    r = httpx.get(f"{platform.url}/metrics")
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert platform.api(tenant_keys["admin"]).get("/metrics").status_code == 403
+    wrong = httpx.get(f"{platform.url}/metrics", headers={"authorization": "Bearer scrape-tok"})
+    assert wrong.status_code == 401
+    assert admin.get("/metrics").status_code == 200
+    scraped = httpx.get(
+        f"{platform.url}/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"}
+    )
+    assert scraped.status_code == 200
+    assert "modelyard" in scraped.text
+
+
+def _chunks(total: int) -> Iterator[bytes]:
+    yield b'{"name": "'
+    sent = 0
+    while sent < total:
+        yield b"x" * 4096
+        sent += 4096
+    yield b'"}'
+
+
+@pytest.mark.parametrize("path", ["/v1/tenants", "/v1/keys", "/v1/batches", "/v1/chat/completions"])
+def test_a_chunked_body_over_the_limit_is_413(admin: httpx.Client, path: str) -> None:
+    # A generator body is sent chunked (no Content-Length), so only the streamed count can stop it.
+    r = admin.post(
+        path, content=_chunks(2 * MAX_BODY), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _blobs(data_dir: Path) -> list[Path]:
+    return [p for p in (data_dir / "artifacts" / "blobs").rglob("*") if p.is_file()]
+
+
+def test_the_data_dir_is_private_and_is_made_so_at_start(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    p = PlatformProcess(data_dir).start()
+    try:
+        r = p.openai().files.create(file=("a.jsonl", b'{"a": 1}\n'), purpose="batch")
+        assert r.id
+    finally:
+        p.stop()
+    assert _mode(data_dir) == 0o700
+    assert _mode(data_dir / "modelyard.db") == 0o600
+    assert _mode(data_dir / "admin_key") == 0o600
+    blobs = _blobs(data_dir)
+    assert blobs and all(_mode(b) == 0o400 for b in blobs)
+
+    # An install made before: world-readable everything. The next start makes it private.
+    data_dir.chmod(0o755)
+    (data_dir / "modelyard.db").chmod(0o644)
+    (data_dir / "admin_key").chmod(0o644)
+    for b in blobs:
+        b.chmod(0o444)
+    p = PlatformProcess(data_dir).start()
+    p.stop()
+    assert _mode(data_dir) == 0o700
+    assert _mode(data_dir / "modelyard.db") == 0o600
+    assert _mode(data_dir / "admin_key") == 0o600
+    assert all(_mode(b) == 0o400 for b in blobs)
