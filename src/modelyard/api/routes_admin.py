@@ -1,7 +1,8 @@
 """Tenants, API keys and usage: the administrative API.
 
-The platform admin (an admin key of the system tenant) manages every tenant; a tenant's admin
-key manages its own keys and reads its own usage; nothing here crosses tenants otherwise.
+The platform admin (an admin key of the system tenant) manages every tenant, including its tier,
+quota and ceilings; a tenant's admin key manages its own keys, within those ceilings, and reads
+its own usage; nothing here crosses tenants otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from sqlalchemy.exc import IntegrityError
 from modelyard.api.deps import get_admin, get_platform
 from modelyard.api.errors import APIError
 from modelyard.api.responses import JSONResponse
-from modelyard.api.schemas import KeyCreate, KeyUpdate, TenantCreate, TenantUpdate
+from modelyard.api.schemas import (
+    TENANT_CEILINGS,
+    KeyCreate,
+    KeyUpdate,
+    TenantCreate,
+    TenantUpdate,
+)
 from modelyard.control.usage import parse_time, summarize, to_csv
 from modelyard.gateway.auth import Principal, generate_key
 from modelyard.platform import Platform
@@ -32,6 +39,8 @@ def tenant_view(t: Tenant) -> dict[str, Any]:
         "object": "tenant",
         "name": t.name,
         "monthly_token_quota": t.monthly_token_quota,
+        "tier": t.tier,
+        **{name: getattr(t, name) for name in TENANT_CEILINGS},
         "system": t.is_system,
         "created_at": int(repo.as_utc(t.created_at).timestamp()),
     }
@@ -56,6 +65,30 @@ def _not_found(what: str, ident: str) -> APIError:
     return APIError(404, f"{what} {ident!r} not found", code="not_found")
 
 
+_KEY_CEILINGS = {"rpm_limit": "max_rpm", "tpm_limit": "max_tpm"}
+
+
+def _within_ceiling(tenant: Tenant, field: str, value: int | None, default: bool) -> int | None:
+    """A key limit checked against its tenant's ceiling: no limit (None) means the ceiling
+    when `default` (a new key), else it is refused like a value above the ceiling."""
+    ceiling_name = _KEY_CEILINGS[field]
+    ceiling: int | None = getattr(tenant, ceiling_name)
+    if ceiling is None:
+        return value
+    if value is None and default:
+        return ceiling
+    if value is None or value > ceiling:
+        shown = "unlimited" if value is None else str(value)
+        raise APIError(
+            403,
+            f"{field} {shown} is above this organization's ceiling {ceiling_name}={ceiling}; "
+            "keys can only be tightened within it (the platform administrator sets ceilings).",
+            param=field,
+            code="above_tenant_ceiling",
+        )
+    return value
+
+
 # ----- tenants --------------------------------------------------------------------------------
 
 
@@ -68,9 +101,13 @@ async def create_tenant(
     principal.require_platform_admin()
 
     def create() -> dict[str, Any]:
+        ceilings = {name: getattr(body, name) for name in TENANT_CEILINGS}
         try:
             with platform.db.session() as s:
-                return tenant_view(repo.create_tenant(s, body.name, body.monthly_token_quota))
+                tenant = repo.create_tenant(
+                    s, body.name, body.monthly_token_quota, tier=body.tier, **ceilings
+                )
+                return tenant_view(tenant)
         except IntegrityError as exc:
             raise APIError(409, f"tenant {body.name!r} exists", code="tenant_exists") from exc
 
@@ -125,8 +162,11 @@ async def update_tenant(
             t = repo.get_tenant(s, tenant_id)
             if t is None:
                 raise _not_found("tenant", tenant_id)
-            if "monthly_token_quota" in body.model_fields_set:
-                t.monthly_token_quota = body.monthly_token_quota
+            for name in ("monthly_token_quota", *TENANT_CEILINGS):
+                if name in body.model_fields_set:
+                    setattr(t, name, getattr(body, name))
+            if body.tier is not None:
+                t.tier = body.tier
             return tenant_view(t)
 
     result = await asyncio.to_thread(update)
@@ -151,7 +191,8 @@ async def create_key(
 
     def create() -> dict[str, Any]:
         with platform.db.session() as s:
-            if repo.get_tenant(s, tenant_id) is None:
+            tenant = repo.get_tenant(s, tenant_id)
+            if tenant is None:
                 raise _not_found("tenant", tenant_id)
             row = repo.add_key(
                 s,
@@ -160,8 +201,8 @@ async def create_key(
                 key_hash,
                 prefix,
                 list(body.scopes),
-                body.rpm_limit,
-                body.tpm_limit,
+                _within_ceiling(tenant, "rpm_limit", body.rpm_limit, default=True),
+                _within_ceiling(tenant, "tpm_limit", body.tpm_limit, default=True),
             )
             return {**key_view(row), "key": key}
 
@@ -211,11 +252,14 @@ async def update_key(
             k = repo.get_key(s, principal.tenant_filter(), key_id)
             if k is None:
                 raise _not_found("key", key_id)
-            for field in ("name", "rpm_limit", "tpm_limit"):
+            if "name" in body.model_fields_set and body.name is not None:
+                k.name = body.name
+            for field in _KEY_CEILINGS:
                 if field in body.model_fields_set:
-                    if field == "name" and body.name is None:
-                        continue
-                    setattr(k, field, getattr(body, field))
+                    tenant = repo.get_tenant(s, k.tenant_id)
+                    assert tenant is not None
+                    value = _within_ceiling(tenant, field, getattr(body, field), default=False)
+                    setattr(k, field, value)
             return key_view(k)
 
     result = await asyncio.to_thread(update)

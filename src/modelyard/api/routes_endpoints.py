@@ -2,18 +2,52 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections import defaultdict
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from modelyard.api.deps import base_url, get_admin, get_platform, get_principal
+from modelyard.api.errors import APIError
 from modelyard.api.responses import JSONResponse
 from modelyard.api.schemas import DeployRequest
 from modelyard.gateway.auth import Principal
 from modelyard.platform import Platform
+from modelyard.store import repository as repo
 
 router = APIRouter()
+
+# One deploy at a time per tenant in this process, so that two concurrent deploys cannot both
+# pass the ceiling check.
+_deploying: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+
+def _check_ceilings(platform: Platform, tenant_id: str, replicas: int) -> None:
+    """Refuse a deploy that would take the tenant past its max_endpoints or max_replicas."""
+    with platform.db.session() as s:
+        tenant = repo.get_tenant(s, tenant_id)
+        if tenant is None or (tenant.max_endpoints is None and tenant.max_replicas is None):
+            return
+        endpoints, held = repo.deployed_capacity(s, tenant_id)
+        if tenant.max_endpoints is not None and endpoints + 1 > tenant.max_endpoints:
+            raise APIError(
+                403,
+                f"This organization has {endpoints} live endpoints, at its ceiling "
+                f"max_endpoints={tenant.max_endpoints}; delete one or ask the platform "
+                "administrator to raise the ceiling.",
+                code="tenant_ceiling_reached",
+            )
+        if tenant.max_replicas is not None and held + replicas > tenant.max_replicas:
+            raise APIError(
+                403,
+                f"hardware.max_replicas {replicas} with the {held} replicas this organization's "
+                f"endpoints may already scale to exceeds its ceiling "
+                f"max_replicas={tenant.max_replicas}.",
+                param="hardware.max_replicas",
+                code="tenant_ceiling_reached",
+            )
 
 
 @router.post("/v1/models/deploy", status_code=202)
@@ -23,7 +57,11 @@ async def deploy(
     principal: Principal = Depends(get_admin),
     platform: Platform = Depends(get_platform),
 ) -> JSONResponse:
-    result = await platform.endpoints.deploy(principal, body)
+    async with _deploying[principal.tenant_id]:
+        await asyncio.to_thread(
+            _check_ceilings, platform, principal.tenant_id, body.hardware.max_replicas
+        )
+        result = await platform.endpoints.deploy(principal, body)
     result["endpoint_url"] = f"{base_url(request)}/v1/models/{result['endpoint_id']}"
     return JSONResponse(result, status_code=202)
 

@@ -73,17 +73,51 @@ class DeployRequest(BaseModel):
     public: bool = Field(False, description="Visible to every tenant (platform admin only).")
 
 
-class TenantCreate(BaseModel):
+TierName = Literal["free", "standard", "priority"]
+# What the platform admin sets on a tenant and nobody else may change; None: no ceiling.
+TENANT_CEILINGS = (
+    "max_rpm",
+    "max_tpm",
+    "max_concurrent_requests",
+    "max_concurrent_batch_items",
+    "max_endpoints",
+    "max_replicas",
+)
+
+
+class TenantCeilings(BaseModel):
+    """The platform admin's limits on a tenant: its keys' rpm and tpm, work in flight, and
+    what it may deploy. Its own admins can only tighten within them."""
+
+    max_rpm: int | None = Field(None, ge=1, description="Ceiling on each key's rpm_limit.")
+    max_tpm: int | None = Field(None, ge=1, description="Ceiling on each key's tpm_limit.")
+    max_concurrent_requests: int | None = Field(
+        None, ge=1, description="Interactive requests in flight for the whole tenant."
+    )
+    max_concurrent_batch_items: int | None = Field(
+        None, ge=1, description="Batch items in flight for the whole tenant."
+    )
+    max_endpoints: int | None = Field(None, ge=0, description="Live endpoints.")
+    max_replicas: int | None = Field(
+        None, ge=0, description="Sum of the live endpoints' hardware.max_replicas."
+    )
+
+
+class TenantCreate(TenantCeilings):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200)
     monthly_token_quota: int | None = Field(None, ge=0)
+    tier: TierName = Field(
+        "standard", description="Service tier: under overload, free waits first, priority last."
+    )
 
 
-class TenantUpdate(BaseModel):
+class TenantUpdate(TenantCeilings):
     model_config = ConfigDict(extra="forbid")
 
     monthly_token_quota: int | None = Field(None, ge=0)
+    tier: TierName | None = Field(None, description="free, standard or priority.")
 
 
 class KeyCreate(BaseModel):

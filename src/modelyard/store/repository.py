@@ -45,14 +45,22 @@ def as_utc(ts: datetime) -> datetime:
 
 
 def create_tenant(
-    s: Session, name: str, monthly_token_quota: int | None, is_system: bool = False
+    s: Session,
+    name: str,
+    monthly_token_quota: int | None,
+    is_system: bool = False,
+    tier: str = "standard",
+    **ceilings: int | None,
 ) -> Tenant:
+    """A new tenant; `ceilings` are `Tenant` columns such as max_rpm or max_endpoints."""
     tenant = Tenant(
         id=new_id("tn"),
         name=name,
         monthly_token_quota=monthly_token_quota,
         is_system=is_system,
         created_at=now(),
+        tier=tier,
+        **ceilings,
     )
     s.add(tenant)
     s.flush()
@@ -202,6 +210,13 @@ def live_endpoints(s: Session, tenant_id: str | None = None) -> Sequence[Endpoin
     if tenant_id is not None:
         q = q.where(Endpoint.tenant_id == tenant_id)
     return s.scalars(q).all()
+
+
+def deployed_capacity(s: Session, tenant_id: str) -> tuple[int, int]:
+    """A tenant's live endpoints and the replicas they may scale to (hardware.max_replicas)."""
+    endpoints = live_endpoints(s, tenant_id)
+    replicas = sum(int((ep.hardware or {}).get("max_replicas", 1)) for ep in endpoints)
+    return len(endpoints), replicas
 
 
 def get_endpoint(s: Session, tenant_id: str | None, endpoint_id: str) -> Endpoint | None:
