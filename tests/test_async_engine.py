@@ -1,4 +1,5 @@
-"""AsyncEngine: streams, abort on early exit, request and no-progress timeouts."""
+"""AsyncEngine: streams, abort on early exit, request and no-progress timeouts, and failures: a
+request that breaks a step fails alone, a fatal or repeating failure stops the engine."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from modelyard.engine.async_engine import AsyncEngine, RequestTimeout
+from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
+from modelyard.engine.faults import MAX_CONSECUTIVE_FAILED_STEPS, RequestFailed
 from modelyard.engine.sampling_params import SamplingParams
 from tests.parity import make_engine
 
@@ -84,5 +86,93 @@ async def test_no_progress_timeout_when_stuck_waiting(tiny_llama: Path) -> None:
                 pass
         assert info.value.code == "no_progress_timeout"
         await first.aclose()
+    finally:
+        engine.shutdown()
+
+
+# ----- failures: a bad request fails alone; a broken engine stops and says so ------------------
+
+
+async def collect(engine: AsyncEngine, prompt: list[int], p: SamplingParams) -> int:
+    n = 0
+    async for out in engine.generate(prompt, p):
+        n += sum(len(d.token_ids) for d in out.deltas)
+    return n
+
+
+async def test_a_failing_request_fails_alone_and_the_engine_keeps_serving(
+    tiny_llama: Path,
+) -> None:
+    core = make_engine(tiny_llama)
+    engine = AsyncEngine(core)
+    deaths: list[str] = []
+    engine.on_fatal = deaths.append
+    engine.start()
+    try:
+        # `generate` trusts its caller (the worker checks first): top_k past the vocabulary
+        # reaches the sampler, as any request did before admission checked it.
+        poison = SamplingParams(max_tokens=5, top_k=100_000)
+        results = await asyncio.gather(
+            collect(engine, list(range(10, 30)), params(30)),
+            collect(engine, list(range(50, 60)), poison),
+            collect(engine, list(range(70, 90)), params(30)),
+            return_exceptions=True,
+        )
+        assert results[0] == 30 and results[2] == 30
+        assert isinstance(results[1], RequestFailed)
+        assert engine.healthy and not deaths
+        assert await collect(engine, [5, 6, 7], params(8)) == 8
+        assert core.kv.pool.num_free == core.kv.num_blocks
+    finally:
+        engine.shutdown()
+
+
+async def test_a_fatal_error_stops_the_engine_and_calls_on_fatal(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = make_engine(tiny_llama)
+    engine = AsyncEngine(core)
+    deaths: list[str] = []
+    engine.on_fatal = deaths.append
+    engine.start()
+    try:
+        assert await collect(engine, [5, 6, 7], params(4)) == 4
+
+        def out_of_memory(inputs: object) -> None:
+            raise MemoryError("injected")
+
+        monkeypatch.setattr(core.runner, "execute", out_of_memory)
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [5, 6, 7], params(4))
+        await wait_until(lambda: bool(deaths))
+        assert not engine.healthy and isinstance(engine.error, MemoryError)
+        with pytest.raises(EngineDeadError, match="not running"):
+            await collect(engine, [5, 6, 7], params(4))
+    finally:
+        engine.shutdown()
+
+
+async def test_steps_that_keep_failing_stop_the_engine(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = make_engine(tiny_llama)
+    engine = AsyncEngine(core)
+    deaths: list[str] = []
+    engine.on_fatal = deaths.append
+    engine.start()
+    try:
+
+        def broken(inputs: object) -> None:
+            raise RuntimeError("injected: the model is broken for everyone")
+
+        monkeypatch.setattr(core.runner, "execute", broken)
+        for _ in range(MAX_CONSECUTIVE_FAILED_STEPS - 1):
+            with pytest.raises(RequestFailed):
+                await collect(engine, [5, 6, 7], params(4))
+            assert engine.healthy
+        with pytest.raises(EngineDeadError):
+            await collect(engine, [5, 6, 7], params(4))
+        await wait_until(lambda: bool(deaths))
+        assert "in a row" in deaths[0] and not engine.healthy
     finally:
         engine.shutdown()

@@ -113,3 +113,49 @@ def test_requests_that_can_never_run_are_rejected(tiny_llama: Path) -> None:
     with pytest.raises(RequestRejected, match="token ids"):
         engine.check_request([10**6], greedy(1))
     assert not engine.has_unfinished()
+
+
+# ----- a step that fails fails only its own requests ---------------------------------------------
+
+
+def test_a_request_that_breaks_the_sampler_fails_alone(engine: LLMEngine) -> None:
+    # Forced past admission (which refuses top_k above the vocabulary): the sampler's topk
+    # raises in a step shared with innocent requests, which must not notice.
+    engine.add_request("ok-1", PROMPT, greedy(6, ignore_eos=True))
+    engine.add_request("poison", PROMPT[:20], SamplingParams(max_tokens=6, top_k=100_000))
+    engine.add_request("ok-2", PROMPT[5:], SamplingParams(max_tokens=6, seed=1, ignore_eos=True))
+    outs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    (failed,) = outs["poison"]
+    assert failed.finished and failed.error is not None and "k out of range" in str(failed.error)
+    for rid in ("ok-1", "ok-2"):
+        assert outs[rid][-1].finished and outs[rid][-1].error is None
+        assert sum(len(d.token_ids) for o in outs[rid] for d in o.deltas) == 6
+    assert engine.stats.failed_steps == 1
+    assert engine.stats.requests_finished == {"error": 1, "length": 2}
+    assert engine.kv.pool.num_free == engine.kv.num_blocks and engine.num_running == 0
+    # Later requests run as before, and give what a fresh engine gives.
+    assert run(engine, PROMPT, greedy(6, ignore_eos=True), "after")["usage"].completion_tokens == 6
+
+
+def test_a_fault_after_sampling_fails_only_that_request(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Injected: the detokenizer of one request raises (state mutated half-way through an update).
+    engine.add_request("ok", PROMPT, greedy(5, ignore_eos=True))
+    engine.add_request("bad", PROMPT, greedy(5, ignore_eos=True))
+    detok = engine._requests["bad"].detoks[0]
+
+    def broken(token_id: int) -> None:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    monkeypatch.setattr(detok, "add_token", broken)
+    outs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert outs["bad"][-1].error is not None and outs["ok"][-1].error is None
+    assert sum(len(d.token_ids) for o in outs["ok"] for d in o.deltas) == 5
+    assert engine.kv.pool.num_free == engine.kv.num_blocks

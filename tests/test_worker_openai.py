@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import orjson
 import pytest
 
-from tests.conftest import WorkerProcess
+from tests.conftest import WorkerProcess, free_port
 
 MODEL = "smollm2"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -65,6 +69,7 @@ def test_chat_stream_through_the_client(client: openai.OpenAI) -> None:
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finish) == 1 and finish[0].choices[0].finish_reason == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert [c for c in chunks if c.usage] == [chunks[-1]]  # usage once, never on the finish
     non_stream = client.chat.completions.create(
         model=MODEL, messages=FRANCE, max_tokens=30, temperature=0
     )
@@ -89,10 +94,9 @@ def test_sse_wire_format_is_exactly_the_spec_shape(url: str) -> None:
         "stop",
         "length",
     )
-    assert 0 < last["usage"]["completion_tokens"] <= 12
+    assert not any("usage" in o for o in objs)  # not asked for: OpenAI sends none
     content = [o for o in objs[1:-1] if o["choices"][0]["delta"].get("content")]
-    assert len(content) >= last["usage"]["completion_tokens"] - 1  # one chunk per token
-    assert set(last["usage"]) >= {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert 0 < len(content) <= 12  # one chunk per token
 
 
 def test_completions_with_prompt_list_and_n(client: openai.OpenAI) -> None:
@@ -308,3 +312,184 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=100_000)
     assert info.value.body["param"] == "max_tokens"
+
+
+# ----- streams report usage once, only when asked (issue 10, item 10) ---------------------------
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_stream_usage_appears_once_and_only_when_asked(
+    client: openai.OpenAI, include_usage: bool
+) -> None:
+    options = {"include_usage": include_usage}
+    chat = list(
+        client.chat.completions.create(
+            model=MODEL, messages=FRANCE, max_tokens=8, stream=True, stream_options=options
+        )
+    )
+    completion = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=["One, two,", "A, B,"],
+            n=2,
+            max_tokens=4,
+            stream=True,
+            stream_options=options,
+        )
+    )
+    for chunks in (chat, completion):
+        with_usage = [c for c in chunks if c.usage is not None]
+        if include_usage:
+            assert with_usage == [chunks[-1]] and chunks[-1].choices == []
+            assert chunks[-1].usage.completion_tokens > 0
+        else:
+            assert with_usage == []
+    assert completion[-1].usage is None or completion[-1].usage.completion_tokens == 16
+
+
+# ----- the engine survives any request (issue 10, items 1 and 12) -------------------------------
+
+
+def test_top_k_above_the_vocabulary_is_a_400_and_the_engine_keeps_serving(url: str) -> None:
+    body = {"model": MODEL, "messages": FRANCE, "max_tokens": 5, "top_k": 100_000}
+    for stream in (False, True):
+        r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = error_of(r)
+        assert err["param"] == "top_k" and "49152" in err["message"]
+    ok = {**body, "top_k": 49152}
+    assert httpx.post(f"{url}/v1/chat/completions", json=ok, timeout=60).status_code == 200
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+CHAT = {"model": MODEL, "messages": FRANCE, "max_tokens": 2}
+TEXT = {"model": MODEL, "prompt": "One, two,", "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("chat", {"top_k": -2}, "top_k"),
+        ("chat", {"stop_token_ids": [49152]}, "stop_token_ids"),
+        ("chat", {"stop_token_ids": [-1]}, "stop_token_ids"),
+        ("chat", {"stop": ["x"] * 17}, "stop"),
+        ("chat", {"stop": ["y" * 257]}, "stop"),
+        ("chat", {"stop": ""}, "stop"),
+        ("chat", {"priority": 10}, "priority"),
+        ("chat", {"seed": 2**64}, "seed"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"min_p": 1.5}, "min_p"),
+        ("chat", {"repetition_penalty": 1000}, "repetition_penalty"),
+        ("chat", {"max_tokens": 10**30}, "max_tokens"),
+        ("chat", {"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ("text", {"prompt": [[1, 2]] * 5, "n": 30}, "n"),
+        ("text", {"prompt": [[]]}, "prompt"),
+        ("text", {"prompt": [0, 49152]}, "prompt"),
+        ("text", {"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_out_of_range_fields_are_a_400_naming_them(
+    url: str, route: str, body: dict, param: str
+) -> None:
+    path, base = ("chat/completions", CHAT) if route == "chat" else ("completions", TEXT)
+    r = httpx.post(f"{url}/v1/{path}", json={**base, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["type"] == "invalid_request_error" and err["param"].startswith(param), err
+
+
+def test_non_finite_numbers_are_a_400(url: str) -> None:
+    # Python's JSON parser takes these literals; none of them may reach the sampler.
+    for field in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "min_p"):
+        for literal in (b"NaN", b"Infinity", b"-Infinity"):
+            raw = b'{"model":"smollm2","prompt":"a","max_tokens":2,"%s":%s}' % (
+                field.encode(),
+                literal,
+            )
+            r = httpx.post(
+                f"{url}/v1/completions", content=raw, headers={"content-type": "application/json"}
+            )
+            assert r.status_code == 400, (field, literal, r.text)
+            assert error_of(r)["param"] == field
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        (
+            "chat/completions",
+            b'"messages":[{"role":"user","content":"\\u0000\\udcff"}]',
+            "messages.0.content",
+        ),
+        (
+            "chat/completions",
+            b'"messages":[{"role":"user","content":[{"type":"text","text":"\\ud800"}]}]',
+            "messages.0.content",
+        ),
+        (
+            "chat/completions",
+            b'"messages":[{"role":"user","content":"hi","name":"\\udfff"}]',
+            "messages.0.name",
+        ),
+        (
+            "chat/completions",
+            b'"messages":[{"role":"user","content":"hi"}],"stop":["\\udcff"]',
+            "stop",
+        ),
+        (
+            "chat/completions",
+            b'"messages":[{"role":"user","content":"hi"}],"user":"\\udcff"',
+            "user",
+        ),
+        ("completions", b'"prompt":"a\\udcff"', "prompt"),
+        ("completions", b'"prompt":["ok","\\ud83d"]', "prompt"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_the_field(
+    url: str, path: str, raw: bytes, param: str
+) -> None:
+    body = b'{"model":"smollm2","max_tokens":2,' + raw + b"}"
+    r = httpx.post(f"{url}/v1/{path}", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == param and "surrogate" in err["message"], err
+    model = b'{"model":"\\udcff","prompt":"a"}'
+    r = httpx.post(
+        f"{url}/v1/completions", content=model, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and error_of(r)["param"] == "model"
+
+
+# ----- a worker whose engine dies exits non-zero ------------------------------------------------
+
+_DYING_WORKER = """
+import sys
+from modelyard.engine.model_runner import ModelRunner
+
+def out_of_memory(self, inputs):
+    raise MemoryError("injected")
+
+ModelRunner.execute = out_of_memory
+from modelyard.cli import app
+app(sys.argv[1:])
+"""
+
+
+def test_a_worker_whose_engine_dies_exits_non_zero(tiny_llama: Path) -> None:
+    # A real worker process whose model runner raises MemoryError, as a broken device would.
+    worker = WorkerProcess.__new__(WorkerProcess)
+    worker.port = free_port()
+    worker.url = f"http://127.0.0.1:{worker.port}"
+    worker.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by worker.stop()
+    cmd = [sys.executable, "-c", _DYING_WORKER, "worker", "--model", str(tiny_llama)]
+    cmd += ["--port", str(worker.port), "--log-level", "warning"]
+    worker.proc = subprocess.Popen(cmd, stdout=worker.log, stderr=subprocess.STDOUT)
+    try:
+        worker.wait_ready()
+        body = {"model": tiny_llama.name, "prompt": "hello", "max_tokens": 3}
+        r = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and error_of(r)["code"] == "engine_unavailable"
+        assert worker.proc.wait(timeout=30) == 1
+    finally:
+        worker.stop()

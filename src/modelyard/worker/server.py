@@ -48,26 +48,25 @@ def build_engine(model: str | Path, settings: EngineSettings) -> AsyncEngine:
 
 
 # After the engine died, how long a graceful shutdown may take before a hard exit.
-RANK_FAILURE_EXIT_S = 15.0
+FAILURE_EXIT_S = 15.0
 
 
-def _exit_on_rank_failure(reason: str) -> None:
-    """A helper rank died (the others are already killed): shut the worker down."""
-    _exit_on_failure(f"tensor-parallel group failed ({reason})")
+class _ExitOnFailure:
+    """Stops the server when the engine dies: uvicorn finishes its graceful shutdown (no
+    signal, which uvicorn would raise again on the way out and so hide the exit code), and a
+    timer exits hard if that does not finish in time; `serve_worker` then exits non-zero."""
 
+    def __init__(self) -> None:
+        self.server: uvicorn.Server | None = None
 
-def _exit_on_engine_failure(reason: str) -> None:
-    _exit_on_failure(f"engine failed ({reason})")
-
-
-def _exit_on_failure(why: str) -> None:
-    """Shut the worker down so that the platform replaces the replica, hard if the graceful
-    path does not finish in time; `serve_worker` then exits non-zero."""
-    log.error("%s; the worker exits", why)
-    hard_exit = threading.Timer(RANK_FAILURE_EXIT_S, os._exit, (1,))
-    hard_exit.daemon = True
-    hard_exit.start()
-    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+    def __call__(self, why: str) -> None:
+        log.error("%s; the worker exits", why)
+        hard_exit = threading.Timer(FAILURE_EXIT_S, os._exit, (1,))
+        hard_exit.daemon = True
+        hard_exit.start()
+        if self.server is None:
+            os._exit(1)
+        self.server.should_exit = True
 
 
 def serve_worker(
@@ -80,15 +79,22 @@ def serve_worker(
 ) -> None:
     die_with_parent()
     engine = build_engine(model, settings)
+    exit_on_failure = _ExitOnFailure()
     leader = engine.engine.runner.leader
     if leader is not None:
-        leader.on_failure = _exit_on_rank_failure
-    engine.on_fatal = _exit_on_engine_failure
+        leader.on_failure = lambda reason: exit_on_failure(
+            f"tensor-parallel group failed ({reason})"
+        )
+    engine.on_fatal = lambda reason: exit_on_failure(f"engine failed ({reason})")
     try:
         name = served_model_name or engine.engine.model_name
         app = create_app(engine, name)
         log.info("serving model %r on http://%s:%d/v1", name, host, port)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+        )
+        exit_on_failure.server = uvicorn.Server(config)
+        exit_on_failure.server.run()
     finally:
         engine.engine.close()  # the helper ranks, if uvicorn never ran the lifespan shutdown
     if engine.engine.failure is not None or engine.error is not None:
