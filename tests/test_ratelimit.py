@@ -12,6 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from modelyard.gateway.quota import (
+    ConcurrencyLimiter,
+    MemoryConcurrencyLimiter,
+    RedisConcurrencyLimiter,
+)
 from modelyard.gateway.ratelimit import (
     Decision,
     Limits,
@@ -129,6 +134,17 @@ async def quota(request: pytest.FixtureRequest) -> AsyncIterator[QuotaCounter]:
         env: RedisEnv = request.getfixturevalue("redis_env")
         client = env.connect()
         yield RedisQuotaCounter(client, prefix=env.prefix)
+        await client.aclose()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def slots(request: pytest.FixtureRequest) -> AsyncIterator[ConcurrencyLimiter]:
+    if request.param == "memory":
+        yield MemoryConcurrencyLimiter()
+    else:
+        env: RedisEnv = request.getfixturevalue("redis_env")
+        client = env.connect()
+        yield RedisConcurrencyLimiter(client, prefix=env.prefix)
         await client.aclose()
 
 
@@ -439,6 +455,58 @@ async def test_redis_quota_keys_and_expiry(redis_env: RedisEnv) -> None:
             assert await client.get(name) == value
             ttl: Any = await client.ttl(name)
             assert 39 * 86_400 < ttl <= 40 * 86_400
+    finally:
+        await client.aclose()
+
+
+async def test_quota_reservations_let_a_burst_overshoot_by_at_most_one(
+    quota: QuotaCounter,
+) -> None:
+    """Forty concurrent reservations of 30 tokens against a quota of 100: each is admitted only
+    while the total (reservations included) is below the quota, so four get in (0, 30, 60,
+    90) and the total ends at 120, one reservation past the quota."""
+    results = await asyncio.gather(*(quota.reserve("t", "2026-01", 30, 100) for _ in range(40)))
+    admitted = sorted(r for r in results if r is not None)
+    assert admitted == [0, 30, 60, 90]
+    assert await quota.used("t", "2026-01") == 120
+    # Settling to the real use and refunding move the total back; then there is room again.
+    await quota.add("t", "2026-01", 5 - 30)  # one used 5 of its 30
+    for _ in range(3):
+        await quota.add("t", "2026-01", -30)  # three failed
+    assert await quota.used("t", "2026-01") == 5
+    assert await quota.reserve("t", "2026-01", 30, 100) == 5
+    # A tenant at its quota is refused, even for a request reserving nothing.
+    await quota.add("t", "2026-01", 65)
+    assert await quota.reserve("t", "2026-01", 0, 100) is None
+    assert await quota.used("t", "2026-01") == 100
+
+
+async def test_concurrency_slots(slots: ConcurrencyLimiter) -> None:
+    scope = f"tn-{uuid.uuid4().hex[:6]}:requests"
+    taken = await asyncio.gather(*(slots.acquire(scope, f"r{i}", 3) for i in range(10)))
+    assert sum(taken) == 3 and await slots.held(scope) == 3
+    holders = [f"r{i}" for i, ok in enumerate(taken) if ok]
+    assert not await slots.acquire(scope, "late", 3)
+    await slots.release(scope, holders[0])
+    await slots.release(scope, "never-held")  # nothing happens
+    assert await slots.held(scope) == 2
+    assert await slots.acquire(scope, "late", 3)
+    # Scopes are separate.
+    assert await slots.acquire(scope + "x", "r0", 1)
+    for slot in [*holders[1:], "late"]:
+        await slots.release(scope, slot)
+    assert await slots.held(scope) == 0
+
+
+async def test_redis_slots_of_a_dead_gateway_expire(redis_env: RedisEnv) -> None:
+    client = redis_env.connect()
+    try:
+        slots = RedisConcurrencyLimiter(client, prefix=redis_env.prefix, lease_s=0.3)
+        assert await slots.acquire("s", "a", 1)
+        assert not await slots.acquire("s", "b", 1)
+        await asyncio.sleep(0.4)  # "a" is never released: its gateway died
+        assert await slots.acquire("s", "b", 1)
+        assert await slots.held("s") == 1
     finally:
         await client.aclose()
 
