@@ -5,17 +5,26 @@ ceilings bind the tenant's own admins, keys, requests in flight and deploys."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from modelyard.api.errors import APIError
+from modelyard.gateway.auth import Authenticator, generate_key
+from modelyard.gateway.metering import UsageEvent, UsageRecorder
+from modelyard.gateway.quota import MemoryQuotaCounter, month_of
 from modelyard.registry_client import RegistryClient
+from modelyard.store import repository as repo
+from modelyard.store.db import Database, sqlite_url
 from tests.platform_harness import (
     PlatformProcess,
     create_key,
@@ -286,3 +295,68 @@ def test_clients_cannot_pick_their_engine_priority(
     assert r.status_code == 400, r.text
     r = t.http.post("/v1/chat/completions", json=chat(2, priority=0))
     assert r.status_code == 200, r.text
+
+
+# ----- in process: the auth cache and the settlement of a request --------------------------------
+
+
+@pytest.fixture()
+def database(tmp_path: Path) -> Iterator[Database]:
+    db = Database(sqlite_url(tmp_path / "auth.db"))
+    db.migrate()
+    try:
+        yield db
+    finally:
+        db.dispose()
+
+
+async def test_random_bad_keys_leave_the_auth_cache_bounded(database: Database) -> None:
+    """Each unknown key used to stay cached forever; now they share a small bounded cache and
+    do not push real keys out."""
+    with database.session() as s:
+        tenant = repo.create_tenant(s, "acme", None)
+        key, key_hash, prefix = generate_key()
+        repo.add_key(s, tenant.id, "k", key_hash, prefix, ["inference"], None, None)
+    auth = Authenticator(database, cache_ttl_s=60.0, cache_size=100, negative_cache_size=50)
+    principal = await auth.authenticate(f"Bearer {key}")
+    for _ in range(10_000):
+        with pytest.raises(APIError) as info:
+            await auth.authenticate(f"Bearer sk-my-{secrets.token_urlsafe(32)}")
+        assert info.value.status == 401
+    assert auth.cached <= 100 + 50
+    # The real key is still cached: revoked behind the cache's back, it still authenticates.
+    with database.session() as s:
+        row = repo.key_by_hash(s, key_hash)
+        assert row is not None
+        row.revoked_at = repo.now()
+    assert await auth.authenticate(f"Bearer {key}") == principal
+
+
+async def test_a_cancelled_settlement_still_records_the_request(database: Database) -> None:
+    """The recorder runs a settlement in a task of its own: cancelling whoever awaits it (a
+    client that disconnected) neither cancels the quota update nor loses the usage row."""
+    quota = MemoryQuotaCounter()
+    recorder = UsageRecorder(database, quota)
+    recorder.start()
+    gate = asyncio.Event()
+    event = UsageEvent("req-1", "tn-1", "key-1", None, "tiny", None, "chat.completions",
+                       10, 20, 0, 5.0, None, 200, "client_disconnected")  # fmt: skip
+
+    async def settle() -> None:
+        await gate.wait()  # a slow Redis round trip
+        await recorder.record(event, reserved=50)
+
+    async def client() -> None:
+        await asyncio.shield(recorder.settle(settle()))
+
+    waiting = asyncio.create_task(client())
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    gate.set()
+    await recorder.stop()
+    assert await quota.used("tn-1", month_of(event.created_at)) == 30 - 50  # settled: -20
+    with database.session() as s:
+        (row,) = repo.usage_rows(s, "tn-1", event.created_at - timedelta(1), repo.now())
+    assert (row.request_id, row.completion_tokens) == ("req-1", 20)
