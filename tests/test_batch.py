@@ -1,12 +1,22 @@
 """Batch inference end to end: the official `openai` client's files and batches calls against
-`modelyard serve`, line validation, a kill -9 and restart in the middle of a batch, cancel,
-expiry, the signed completion webhook, and metering once per item."""
+`modelyard serve` in both platform modes (SQLite + memory, PostgreSQL + Redis), line validation,
+a kill -9 and restart in the middle of a batch, cancel, expiry, a revoked key stopping its batch,
+the signed completion webhook (allowlist, no redirects, per-tenant Standard Webhooks secret,
+checked with independent verifiers), and metering once per item.
+
+The runner's own dispatch rules (the batch budget shared per tenant and capped globally, batch
+items yielding to interactive traffic, no item sent twice when a pass fails, a deleted input file)
+are tested in process at the end, with the real runner, database and files, and a stand-in for
+the gateway that counts what is in flight (the property under test is what the runner sends, and
+a deterministic count needs the stand-in)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import io
 import json
+import logging
 import signal
 import threading
 import time
@@ -14,35 +24,43 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from sqlalchemy import select
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from modelyard.batch.files import FileService
+from modelyard.batch.runner import BatchRunner
+from modelyard.batch.service import BatchService
 from modelyard.batch.validation import BatchFileInvalid, validate_file
-from modelyard.batch.webhook import SIGNATURE_HEADER, verify
-from tests.platform_harness import PlatformProcess, create_key, create_tenant, deploy, usage_rows
+from modelyard.batch.webhook_policy import WebhookPolicy
+from modelyard.config import PlatformSettings
+from modelyard.gateway.auth import Principal
+from modelyard.gateway.metering import UsageEvent
+from modelyard.gateway.ratelimit import Limits
+from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.store import repository as repo
+from modelyard.store.artifacts import ArtifactStore
+from modelyard.store.db import Database
+from modelyard.store.tables import Batch, BatchItem, UsageRecord
+from tests.databases import platform_mode_env
+from tests.platform_harness import (
+    PlatformProcess,
+    batch_line,
+    create_key,
+    create_tenant,
+    deploy,
+    jsonl,
+    read_jsonl,
+    usage_rows,
+    wait_batch,
+    wait_usage,
+)
 from tests.tiny_models import build_model
 
 ENGINE = json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"})
-
-
-def line(custom_id: str, content: str = "Hello", max_tokens: int = 4, **body: Any) -> dict:
-    return {
-        "custom_id": custom_id,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": "tiny",
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens,
-            **body,
-        },
-    }
-
-
-def jsonl(lines: list[Any]) -> bytes:
-    return (
-        b"\n".join((x if isinstance(x, bytes) else json.dumps(x).encode()) for x in lines) + b"\n"
-    )
+line = batch_line
 
 
 # ----- validation, no server ------------------------------------------------------------------
@@ -83,22 +101,68 @@ def test_bad_lines_are_set_aside_and_a_wholly_bad_file_fails(tmp_path: Path) -> 
 # ----- end to end -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model(tmp_path_factory.mktemp("m") / "tiny", "llama")
+class Hook(http.server.ThreadingHTTPServer):
+    """A webhook receiver on 127.0.0.1 that records each request and answers `status`."""
+
+    def __init__(self, status: int = 204, location: str | None = None) -> None:
+        self.status = status
+        self.location = location
+        self.received: list[tuple[dict[str, str], bytes]] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                outer.received.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                self.send_response(outer.status)
+                if outer.location:
+                    self.send_header("location", outer.location)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    def wait(self, n: int = 1, timeout: float = 30.0) -> list[tuple[dict[str, str], bytes]]:
+        deadline = time.monotonic() + timeout
+        while len(self.received) < n:
+            assert time.monotonic() < deadline, f"{n} webhooks never came: {self.received}"
+            time.sleep(0.05)
+        return self.received
 
 
-class Setup:
-    def __init__(self, platform: PlatformProcess, tiny_dir: Path) -> None:
-        self.platform = platform
-        admin = platform.api()
-        if not admin.get("/v1/endpoints").json()["data"]:
-            deploy(admin, "tiny", str(tiny_dir), public=True)
-        tenant = create_tenant(admin, f"batch-{time.time_ns()}")
-        self.tenant = tenant
-        self.key = create_key(admin, tenant)["key"]
-        self.client = platform.openai(self.key)
-        self.admin = admin
+class Hooks:
+    """The receivers a platform knows: `ok` and `redirect` are allowlisted, `elsewhere` (where
+    `redirect` points) is not, `operator` is the platform-wide `batch_webhook_url`."""
+
+    def __init__(self) -> None:
+        self.ok = Hook()
+        self.elsewhere = Hook()
+        self.redirect = Hook(307, location=f"http://localhost:{self.elsewhere.port}/stolen")
+        self.operator = Hook()
+        self.all = (self.ok, self.elsewhere, self.redirect, self.operator)
+
+    def env(self) -> dict[str, str]:
+        allowed = [f"127.0.0.1:{self.ok.port}", f"127.0.0.1:{self.redirect.port}"]
+        return {
+            "MODELYARD_BATCH_WEBHOOK_HOSTS": json.dumps(allowed),
+            "MODELYARD_BATCH_WEBHOOK_URL": self.operator.url,
+        }
+
+    def close(self) -> None:
+        for hook in self.all:
+            hook.shutdown()
+            hook.server_close()
 
 
 def start(data_dir: Path, **env: str) -> PlatformProcess:
@@ -110,29 +174,50 @@ def start(data_dir: Path, **env: str) -> PlatformProcess:
     return PlatformProcess(data_dir, {**base, **env}).start()
 
 
-@pytest.fixture()
-def setup(tmp_path: Path, tiny_dir: Path, cache_dir: Path) -> Iterator[Setup]:
-    p = start(tmp_path / "data")
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("m") / "tiny", "llama")
+
+
+@pytest.fixture(scope="module")
+def hooks() -> Iterator[Hooks]:
+    made = Hooks()
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def platform(
+    platform_env: dict[str, str],
+    hooks: Hooks,
+    tiny_dir: Path,
+    cache_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[PlatformProcess]:
+    """One platform per mode for the module's tests (each test has its own tenant)."""
+    p = start(tmp_path_factory.mktemp("data"), **platform_env, **hooks.env())
     try:
-        yield Setup(p, tiny_dir)
+        deploy(p.api(), "tiny", str(tiny_dir), public=True)
+        yield p
     finally:
         p.stop()
 
 
-def wait_batch(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in statuses:
-            return batch
-        time.sleep(0.2)
-    raise AssertionError(f"batch {batch_id} stuck in {batch.status}")
+class Setup:
+    def __init__(self, platform: PlatformProcess) -> None:
+        self.platform = platform
+        admin = platform.api()
+        tenant = create_tenant(admin, f"batch-{time.time_ns()}")
+        self.tenant = tenant
+        created = create_key(admin, tenant)
+        self.key, self.key_id = created["key"], created["id"]
+        self.client = platform.openai(self.key)
+        self.admin = admin
 
 
-def read_jsonl(client: openai.OpenAI, file_id: str | None) -> list[dict]:
-    if file_id is None:
-        return []
-    return [json.loads(x) for x in client.files.content(file_id).text.splitlines() if x]
+@pytest.fixture()
+def setup(platform: PlatformProcess) -> Setup:
+    return Setup(platform)
 
 
 def test_files_api_and_isolation(setup: Setup) -> None:
@@ -143,7 +228,8 @@ def test_files_api_and_isolation(setup: Setup) -> None:
     assert c.files.retrieve(created.id).filename == "in.jsonl"
     assert c.files.content(created.id).content == data
     assert created.id in [f.id for f in c.files.list(purpose="batch")]
-    other = setup.platform.openai(create_key(setup.admin, create_tenant(setup.admin, "o2"))["key"])
+    other_tenant = create_tenant(setup.admin, f"o2-{time.time_ns()}")
+    other = setup.platform.openai(create_key(setup.admin, other_tenant)["key"])
     with pytest.raises(openai.NotFoundError):
         other.files.retrieve(created.id)
     with pytest.raises(openai.NotFoundError):
@@ -187,8 +273,7 @@ def test_batch_with_bad_lines_completes_and_bills_each_item_once(setup: Setup) -
     assert codes["unknown-model"] == "model_not_found"
     assert codes["line-41"] == "invalid_json_line"
     assert codes["bad-url"] == "mismatched_url" and "duplicate_custom_id" in codes.values()
-    time.sleep(0.3)
-    rows = usage_rows(setup.admin, tenant_id=setup.tenant)
+    rows = wait_usage(setup.admin, lambda r: len(r) >= 40, tenant_id=setup.tenant)
     assert len(rows) == 40 and all(r["batch"] == "1" for r in rows)
     assert len({r["request_id"] for r in rows}) == 40
     billed = {r["request_id"]: int(r["completion_tokens"]) for r in rows}
@@ -196,45 +281,6 @@ def test_batch_with_bad_lines_completes_and_bills_each_item_once(setup: Setup) -
                                        for o in out)  # fmt: skip
     listed = c.batches.list(limit=5)
     assert listed.data[0].id == batch.id
-
-
-def test_kill_and_restart_mid_batch_loses_and_repeats_nothing(
-    tmp_path: Path, tiny_dir: Path, cache_dir: Path
-) -> None:
-    data = tmp_path / "data"
-    first = start(data)
-    try:
-        s = Setup(first, tiny_dir)
-        lines = [line(f"item-{i}", f"Tell me about {i}", max_tokens=24) for i in range(200)]
-        lines.insert(50, b"{broken")
-        upload = s.client.files.create(
-            file=("big.jsonl", io.BytesIO(jsonl(lines))), purpose="batch"
-        )
-        batch = s.client.batches.create(
-            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
-        deadline = time.monotonic() + 120
-        while s.client.batches.retrieve(batch.id).request_counts.completed < 30:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-    finally:
-        first.stop(signal.SIGKILL)
-    second = start(data)
-    try:
-        client = second.openai(s.key)
-        assert client.batches.retrieve(batch.id).status == "in_progress"
-        done = wait_batch(client, batch.id, {"completed"}, timeout=240)
-        out = read_jsonl(client, done.output_file_id)
-        err = read_jsonl(client, done.error_file_id)
-        ids = [o["custom_id"] for o in out] + [e["custom_id"] for e in err]
-        assert len(ids) == len(set(ids)) == 201  # every line exactly once
-        assert sorted(o["custom_id"] for o in out) == sorted(f"item-{i}" for i in range(200))
-        assert done.request_counts.completed == 200 and done.request_counts.failed == 1
-        time.sleep(0.3)
-        rows = usage_rows(second.api(), tenant_id=s.tenant)
-        assert len(rows) == len({r["request_id"] for r in rows}) == 200
-    finally:
-        second.stop()
 
 
 def test_cancel_keeps_finished_items(setup: Setup) -> None:
@@ -272,49 +318,376 @@ def test_expiry_keeps_partial_results(setup: Setup) -> None:
     assert done.expired_at
 
 
-def test_signed_webhook_on_completion(tmp_path: Path, tiny_dir: Path, cache_dir: Path) -> None:
-    received: list[tuple[bytes, str]] = []
+def test_kill_and_restart_mid_batch_loses_and_repeats_nothing(
+    request: pytest.FixtureRequest,
+    platform_env: dict[str, str],
+    tiny_dir: Path,
+    cache_dir: Path,
+    tmp_path: Path,
+) -> None:
+    # Its own platform and (in the PostgreSQL mode) its own database: the module's platform
+    # must not pick up this batch while this one is down.
+    mode = request.node.callspec.params["platform_env"]
+    with platform_mode_env(mode) as env:
+        data = tmp_path / "data"
+        first = start(data, **env)
+        try:
+            s = Setup(first)
+            deploy(s.admin, "tiny", str(tiny_dir), public=True)
+            lines = [line(f"item-{i}", f"Tell me about {i}", max_tokens=24) for i in range(200)]
+            lines.insert(50, b"{broken")
+            upload = s.client.files.create(
+                file=("big.jsonl", io.BytesIO(jsonl(lines))), purpose="batch"
+            )
+            batch = s.client.batches.create(
+                input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            deadline = time.monotonic() + 120
+            while s.client.batches.retrieve(batch.id).request_counts.completed < 30:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        finally:
+            first.stop(signal.SIGKILL)
+        second = start(data, **env)
+        try:
+            client = second.openai(s.key)
+            assert client.batches.retrieve(batch.id).status == "in_progress"
+            done = wait_batch(client, batch.id, {"completed"}, timeout=240)
+            out = read_jsonl(client, done.output_file_id)
+            err = read_jsonl(client, done.error_file_id)
+            ids = [o["custom_id"] for o in out] + [e["custom_id"] for e in err]
+            assert len(ids) == len(set(ids)) == 201  # every line exactly once
+            assert sorted(o["custom_id"] for o in out) == sorted(f"item-{i}" for i in range(200))
+            assert done.request_counts.completed == 200 and done.request_counts.failed == 1
+            rows = wait_usage(second.api(), lambda r: len(r) >= 200, tenant_id=s.tenant)
+            assert len(rows) == len({r["request_id"] for r in rows}) == 200
+        finally:
+            second.stop()
 
-    class Hook(http.server.BaseHTTPRequestHandler):
-        calls = 0
 
-        def do_POST(self) -> None:
-            Hook.calls += 1
-            body = self.rfile.read(int(self.headers["content-length"]))
-            if Hook.calls == 1:  # the first try fails: the sender must retry
-                self.send_response(500)
-            else:
-                received.append((body, self.headers[SIGNATURE_HEADER]))
-                self.send_response(204)
-            self.end_headers()
+def test_revoking_the_key_stops_its_batch_and_its_billing(setup: Setup) -> None:
+    c = setup.client
+    reader = setup.platform.openai(create_key(setup.admin, setup.tenant, name="reader")["key"])
+    lines = [line(f"r-{i}", max_tokens=40, ignore_eos=True) for i in range(200)]
+    upload = c.files.create(file=("r.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = c.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while reader.batches.retrieve(batch.id).request_counts.completed < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert setup.admin.delete(f"/v1/keys/{setup.key_id}").status_code == 200
+    done = wait_batch(reader, batch.id, {"cancelled", "completed", "failed"}, timeout=60)
+    assert done.status == "cancelled"
+    assert done.errors is not None and done.errors.data[0].code == "api_key_revoked"
+    out = read_jsonl(reader, done.output_file_id)
+    assert 3 <= len(out) == done.request_counts.completed < 200
+    # Billed exactly the items that finished, and nothing after.
+    rows = wait_usage(setup.admin, lambda r: len(r) >= len(out), tenant_id=setup.tenant)
+    assert {r["request_id"] for r in rows} == {o["response"]["request_id"] for o in out}
+    time.sleep(1.0)  # a runner still sending would bill more within this
+    assert len(usage_rows(setup.admin, tenant_id=setup.tenant)) == len(out)
+    assert reader.batches.retrieve(batch.id).request_counts.completed == len(out)
 
-        def log_message(self, *args: Any) -> None:
-            pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    p = start(tmp_path / "data")
-    try:
-        s = Setup(p, tiny_dir)
-        upload = s.client.files.create(
-            file=("w.jsonl", io.BytesIO(jsonl([line("w1"), line("w2")]))), purpose="batch"
-        )
-        url = f"http://127.0.0.1:{server.server_address[1]}/hook"
-        batch = s.client.batches.create(
-            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
-            metadata={"webhook_url": url},
+def _secret(platform: PlatformProcess, key: str | None = None) -> str:
+    r = platform.api(key).get("/v1/webhooks/secret")
+    assert r.status_code == 200, r.text
+    return str(r.json()["secret"])
+
+
+def _verified(secret: str, received: tuple[dict[str, str], bytes]) -> dict[str, Any]:
+    """The event, checked by both independent verifiers (never by modelyard's own code)."""
+    headers, body = received
+    payload: dict[str, Any] = Webhook(secret).verify(body, headers)
+    unwrapped = openai.OpenAI(api_key="unused", webhook_secret=secret).webhooks.unwrap(
+        body, headers
+    )
+    assert unwrapped.data.id == payload["data"]["id"] and unwrapped.type == payload["type"]
+    return payload
+
+
+def _run(client: openai.OpenAI, metadata: dict[str, str] | None = None) -> str:
+    upload = client.files.create(
+        file=("w.jsonl", io.BytesIO(jsonl([line("w1"), line("w2")]))), purpose="batch"
+    )
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h",
+        metadata=metadata,
+    )  # fmt: skip
+    wait_batch(client, batch.id, {"completed"})
+    return batch.id
+
+
+def _event_for(hook: Hook, batch_id: str, timeout: float = 30.0) -> tuple[dict[str, str], bytes]:
+    deadline = time.monotonic() + timeout
+    while True:
+        for received in list(hook.received):
+            if json.loads(received[1])["data"]["id"] == batch_id:
+                return received
+        assert time.monotonic() < deadline, f"no webhook for {batch_id}: {hook.received}"
+        time.sleep(0.05)
+
+
+def test_webhooks_go_only_where_allowed_signed_with_the_tenants_secret(
+    setup: Setup, hooks: Hooks
+) -> None:
+    p, c = setup.platform, setup.client
+    upload = c.files.create(file=("w.jsonl", io.BytesIO(jsonl([line("w")]))), purpose="batch")
+    refused = [
+        hooks.elsewhere.url,  # another loopback port
+        f"http://localhost:{hooks.ok.port}/hook",  # the allowed port, but not the allowed host
+        f"http://10.0.0.1:{hooks.ok.port}/hook",  # private; refused before any connection
+        "http://169.254.169.254/latest/meta-data",
+        "file:///etc/passwd",
+    ]
+    for url in refused:
+        with pytest.raises(openai.BadRequestError) as info:
+            c.batches.create(
+                input_file_id=upload.id, endpoint="/v1/chat/completions",
+                completion_window="24h", metadata={"webhook_url": url},
+            )  # fmt: skip
+        assert info.value.body["param"] == "metadata.webhook_url"  # type: ignore[index]
+
+    # Delivered to the allowlisted receiver, verifiable with the secret the tenant can read.
+    secret = _secret(p, setup.key)
+    assert secret.startswith("whsec_") and secret != _secret(p)  # not the system tenant's
+    first = _run(c, {"webhook_url": hooks.ok.url})
+    got = _event_for(hooks.ok, first)
+    event = _verified(secret, got)
+    assert event["type"] == "batch.completed" and event["data"]["status"] == "completed"
+    with pytest.raises(WebhookVerificationError):
+        Webhook(_secret(p)).verify(got[1], got[0])  # another tenant's secret does not verify
+
+    # A 307 is not followed: the receiver it points to hears nothing.
+    before = len(hooks.redirect.received)
+    _run(c, {"webhook_url": hooks.redirect.url})
+    hooks.redirect.wait(before + 1)
+
+    # Rotation: later webhooks are signed with the new secret only.
+    rotated = setup.platform.api(setup.key).post("/v1/webhooks/secret/rotate").json()["secret"]
+    assert rotated != secret and _secret(p, setup.key) == rotated
+    third = _run(c, {"webhook_url": hooks.ok.url})
+    got = _event_for(hooks.ok, third)
+    assert _verified(rotated, got)["data"]["id"] == third
+    with pytest.raises(WebhookVerificationError):
+        Webhook(secret).verify(got[1], got[0])
+
+    # The operator's URL hears of the system tenant's batches only, signed with its secret.
+    _run(c)  # a tenant batch without its own URL: told to nobody
+    system = _run(p.openai())
+    got = hooks.operator.wait()[-1]
+    assert _verified(_secret(p), got)["data"]["id"] == system
+    assert all(json.loads(b)["data"]["id"] == system for _, b in hooks.operator.received)
+    assert hooks.elsewhere.received == []
+
+
+def test_webhook_secret_needs_a_key_of_the_tenant(setup: Setup) -> None:
+    anonymous = httpx.get(f"{setup.platform.url}/v1/webhooks/secret")
+    assert anonymous.status_code == 401
+    other = create_key(setup.admin, create_tenant(setup.admin, f"w-{time.time_ns()}"))["key"]
+    assert _secret(setup.platform, other) != _secret(setup.platform, setup.key)
+
+
+# ----- the runner's dispatch, in process ------------------------------------------------------
+
+
+class CountingGateway:
+    """Stands in for the gateway under the real runner: answers each item after `hold_s` (or
+    when `gate` opens) and records how many items were in flight, per tenant and in all, and
+    whether one item was ever sent while it was still in flight."""
+
+    def __init__(self, routing: RoutingTable, hold_s: float = 0.05) -> None:
+        self.routing = routing
+        self.recorder = self
+        self.hold_s = hold_s
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.in_flight: dict[str, set[str]] = {}
+        self.peak: dict[str, int] = {}
+        self.peak_all = 0
+        self.sent: list[str] = []
+        self.twice: list[str] = []
+
+    async def count(self, usage: UsageEvent, reserved: int = 0) -> bool:
+        return True
+
+    async def run_internal(
+        self, principal: Principal, kind: str, payload: dict[str, Any], request_id: str
+    ) -> tuple[int, dict[str, Any], UsageEvent | None]:
+        tenant = self.in_flight.setdefault(principal.tenant_id, set())
+        if any(request_id in ids for ids in self.in_flight.values()):
+            self.twice.append(request_id)
+        tenant.add(request_id)
+        self.sent.append(request_id)
+        self.peak[principal.tenant_id] = max(self.peak.get(principal.tenant_id, 0), len(tenant))
+        self.peak_all = max(self.peak_all, sum(len(v) for v in self.in_flight.values()))
+        try:
+            await self.gate.wait()
+            await asyncio.sleep(self.hold_s)
+        finally:
+            tenant.discard(request_id)
+        usage = UsageEvent(
+            request_id=request_id, tenant_id=principal.tenant_id, key_id=principal.key_id,
+            endpoint_id=None, model="tiny", version_id=None, kind=kind, prompt_tokens=3,
+            completion_tokens=2, cached_tokens=0, latency_ms=1.0, ttft_ms=None,
+            status_code=200, status="ok", batch=True,
         )  # fmt: skip
-        wait_batch(s.client, batch.id, {"completed"})
-        deadline = time.monotonic() + 20
-        while not received and time.monotonic() < deadline:
-            time.sleep(0.1)
-        body, signature = received[0]
-        secret = (p.data_dir / "webhook_secret").read_text().strip()
-        assert verify(secret, body, signature)
-        assert not verify("wrong-secret", body, signature)
-        payload = json.loads(body)
-        assert payload["id"] == batch.id and payload["status"] == "completed"
-        assert Hook.calls == 2
+        return 200, {"object": "chat.completion", "usage": {"total_tokens": 5}}, usage
+
+
+class Runner:
+    """The real `BatchRunner` on a real SQLite database and file store."""
+
+    def __init__(self, tmp: Path, **settings: Any) -> None:
+        self.db = Database(f"sqlite:///{tmp / 'db.sqlite'}")
+        self.db.migrate()
+        self.files = FileService(self.db, ArtifactStore(tmp / "artifacts"), 1 << 30)
+        self.batches = BatchService(self.db, self.files, WebhookPolicy([]))
+        self.routing = RoutingTable()
+        self.gateway = CountingGateway(self.routing)
+        base = {"data_dir": tmp, "batch_poll_interval_s": 0.05, **settings}
+        self.runner = BatchRunner(
+            PlatformSettings(**base),
+            self.db,
+            self.files,
+            self.gateway,  # type: ignore[arg-type]
+        )
+        self.tmp = tmp
+
+    def tenant(self, name: str, **ceilings: Any) -> Principal:
+        with self.db.session() as s:
+            t = repo.create_tenant(s, name, None, **ceilings)
+            k = repo.add_key(s, t.id, "k", f"hash-{name}", "sk-", ["inference"], None, None)
+            return Principal(k.id, "k", t.id, name, frozenset({"inference"}), Limits(None, None),
+                             None, False)  # fmt: skip
+
+    def batch(self, who: Principal, n: int) -> str:
+        source = self.tmp / f"in-{time.time_ns()}.jsonl"
+        source.write_bytes(jsonl([line(f"i-{i}") for i in range(n)]))
+        f = self.files.create_from_path(who.tenant_id, source, "in.jsonl", "batch")
+        created = self.batches.create(who, f["id"], "/v1/chat/completions", "24h", None)
+        return str(created["id"])
+
+    def status(self, batch_id: str) -> dict[str, Any]:
+        return self.batches.get(self._tenant_of(batch_id), batch_id)
+
+    def _tenant_of(self, batch_id: str) -> str:
+        with self.db.session() as s:
+            b = s.get(Batch, batch_id)
+            assert b is not None
+            return b.tenant_id
+
+    async def until(self, batch_ids: list[str], statuses: set[str], within_s: float = 30) -> None:
+        deadline = time.monotonic() + within_s
+        while True:
+            views = [await asyncio.to_thread(self.status, b) for b in batch_ids]
+            if all(v["status"] in statuses for v in views):
+                return
+            assert time.monotonic() < deadline, [v["status"] for v in views]
+            await asyncio.sleep(0.05)
+
+    def items(self, batch_id: str) -> list[BatchItem]:
+        with self.db.session() as s:
+            return list(s.scalars(select(BatchItem).where(BatchItem.batch_id == batch_id)))
+
+    def usage(self) -> list[str]:
+        with self.db.session() as s:
+            return list(s.scalars(select(UsageRecord.request_id)))
+
+
+async def test_batches_of_a_tenant_share_one_budget_under_a_global_cap(tmp_path: Path) -> None:
+    r = Runner(tmp_path, batch_concurrency=3, batch_max_concurrency=5)
+    busy = r.tenant("busy")  # the platform default: 3
+    capped = r.tenant("capped", max_concurrent_batch_items=1)
+    third = r.tenant("third")
+    batches = [r.batch(busy, 12) for _ in range(3)] + [r.batch(capped, 6), r.batch(third, 12)]
+    r.runner.start()
+    try:
+        await r.until(batches, {"completed"})
     finally:
-        p.stop()
-        server.shutdown()
+        await r.runner.stop()
+    g = r.gateway
+    assert g.peak[busy.tenant_id] == 3  # three batches, one budget
+    assert g.peak[capped.tenant_id] == 1
+    assert g.peak_all <= 5
+    assert sorted(g.sent) == sorted(set(g.sent)) and len(g.sent) == 3 * 12 + 6 + 12
+
+
+async def test_batch_items_wait_while_interactive_requests_fill_the_endpoint(
+    tmp_path: Path,
+) -> None:
+    r = Runner(tmp_path)
+    who = r.tenant("t")
+    replica = ReplicaRoute("r1", "http://127.0.0.1:1", max_concurrency=2, outstanding=2)
+    route = EndpointRoute(
+        endpoint_id="ep-1", tenant_id=who.tenant_id, model_name="tiny", public=False,
+        version_id=None, max_tokens_cap=64, replicas=[replica],
+    )  # fmt: skip
+    r.routing.put(route)
+    batch = r.batch(who, 4)
+    r.runner.start()
+    try:
+        await r.until([batch], {"in_progress"})
+        await asyncio.sleep(0.5)
+        assert r.gateway.sent == []  # the replica is full of interactive requests
+        replica.outstanding = 0  # they finished
+        await r.until([batch], {"completed"})
+    finally:
+        await r.runner.stop()
+    assert len(r.gateway.sent) == 4
+
+
+async def test_a_failing_pass_never_sends_an_item_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    r = Runner(tmp_path, batch_concurrency=4)
+    r.gateway.hold_s = 0.3
+    who = r.tenant("t")
+    batch = r.batch(who, 16)
+    runner = r.runner
+    calls, raised = 0, False
+    real = runner._stop_reason
+
+    def flaky(batch_id: str) -> Any:
+        nonlocal calls, raised
+        calls += 1
+        if not raised and any(r.gateway.in_flight.values()):  # mid-loop, items in flight
+            raised = True
+            raise RuntimeError("database went away")
+        return real(batch_id)
+
+    monkeypatch.setattr(runner, "_stop_reason", flaky)
+    runner.start()
+    try:
+        await r.until([batch], {"completed"})
+    finally:
+        await runner.stop()
+    assert raised
+    assert r.gateway.twice == []
+    items = r.items(batch)
+    assert len(items) == 16 and all(i.status == "done" for i in items)
+    assert sorted(r.usage()) == sorted({f"{batch}:{i.id}" for i in items})
+
+
+async def test_a_deleted_input_file_fails_the_batch_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    r = Runner(tmp_path)
+    who = r.tenant("t")
+    batch = r.batch(who, 3)
+    file_id = r.status(batch)["input_file_id"]
+    r.files.delete(who.tenant_id, file_id)
+    caplog.set_level(logging.WARNING, logger="modelyard.batch")
+    r.runner.start()
+    try:
+        await r.until([batch], {"failed"}, within_s=10)
+        await asyncio.sleep(0.5)  # a few more polls: the batch is not looked at again
+    finally:
+        await r.runner.stop()
+    view = r.status(batch)
+    assert view["errors"]["data"][0]["code"] == "input_file_missing"
+    assert view["failed_at"] is not None
+    assert [rec for rec in caplog.records if rec.exc_info] == []
+    assert r.gateway.sent == []
