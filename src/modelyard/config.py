@@ -171,6 +171,15 @@ class PlatformSettings(_Settings):
         3, ge=1, description="Failed loads of a new version before falling back to the last good."
     )
     health_check_interval_s: float = 2.0
+    health_probe_timeout_s: float = Field(
+        2.0, gt=0, description="A replica's /health that does not answer in this long failed."
+    )
+    replica_health_failures: int = Field(
+        3,
+        ge=1,
+        description="Failed health probes in a row after which a replica is killed and replaced "
+        "(one failed probe already takes it out of routing).",
+    )
     auth_cache_ttl_s: float = Field(5.0, description="How long a key lookup is cached.")
     metrics_token: str | None = Field(
         None, description="Bearer token a Prometheus scraper may use for /metrics (or an admin key)."

@@ -2,7 +2,9 @@
 
 The database holds what should exist (the endpoint rows); this manager holds what does exist
 (replica processes via a backend) and reconciles the two in a loop: dead replicas are replaced,
-unhealthy ones leave the routing table until they answer again, and each endpoint's autoscaler
+unhealthy ones leave the routing table until they answer again (and are replaced if they do not),
+an endpoint with no replica serving says so and why, and the gateway is told when waiting will
+not bring one (so requests fail fast instead of hanging), and each endpoint's autoscaler
 sets how many replicas it should have (down to zero when idle; a request for an endpoint at
 zero activates it at once). On start it re-provisions every live endpoint in the database.
 """
@@ -26,7 +28,14 @@ from modelyard.control.prewarm import TrafficHistory
 from modelyard.control.registry import Registry, ResolvedVersion
 from modelyard.control.replicas import ReplicaController
 from modelyard.control.scaling import LoadTracker, Scaler
-from modelyard.control.state import EndpointState, Replica, engine_env, spawn
+from modelyard.control.state import (
+    EndpointState,
+    EndpointStatus,
+    Replica,
+    ReplicaState,
+    engine_env,
+    spawn,
+)
 from modelyard.gateway.auth import Principal
 from modelyard.gateway.router import EndpointRoute, RoutingTable
 from modelyard.store import repository as repo
@@ -77,7 +86,7 @@ class EndpointManager:
                 return list(repo.live_endpoints(s))
 
         for row in await asyncio.to_thread(load):
-            if row.status == "draining":  # interrupted delete: finish it
+            if row.status == EndpointStatus.DRAINING.value:  # interrupted delete: finish it
                 await asyncio.to_thread(self._mark_deleted, row.id)
                 continue
             self._adopt(row)
@@ -161,7 +170,7 @@ class EndpointManager:
             scaling=req.scaling.model_dump(),
             engine_options=req.engine,
             sampling_defaults=req.sampling_defaults.model_dump(exclude_none=True),
-            status="provisioning",
+            status=EndpointStatus.PROVISIONING.value,
             status_message=None,
             created_at=repo.now(),
             deleted_at=None,
@@ -223,7 +232,8 @@ class EndpointManager:
                     state.model_path = await self.replicas.fetch_model(state)
             state.kind = await asyncio.to_thread(detect, state.model_path)
         except Exception as exc:
-            await self._set_status(state, "failed", f"cannot prepare the model files: {exc}")
+            why = f"cannot prepare the model files: {exc}"
+            await self._set_status(state, EndpointStatus.FAILED, why)
             return
         if state.kind != LLM:
             await self._provision_encoder(state)
@@ -240,23 +250,25 @@ class EndpointManager:
         try:
             replica.route = await self.encoders.register(state.row.id, state.model_path)
         except Exception as exc:
-            replica.state, replica.error = "failed", str(exc)
-            await self._set_status(state, "failed", f"the encoder host refused the model: {exc}")
+            replica.state, replica.error = ReplicaState.FAILED, str(exc)
+            why = f"the encoder host refused the model: {exc}"
+            await self._set_status(state, EndpointStatus.FAILED, why)
             return
         replica.handle = self.encoders.handle
         replica.devices = self.encoders.devices
-        replica.state = "ready"
+        replica.state = ReplicaState.READY
         replica.ready_after_s = time.time() - replica.started_at
         state.route.upstream_model = state.row.id
         state.route.replicas = [replica.route]
         self.routing.generation += 1
-        await self._set_status(state, "ready", None)
+        await self._set_status(state, EndpointStatus.READY, None)
 
     async def _reconcile_encoders(self) -> None:
         live = [
             s
             for s in self.endpoints.values()
-            if s.kind not in (None, LLM) and s.status in ("ready", "degraded")
+            if s.kind not in (None, LLM)
+            and s.status in (EndpointStatus.READY, EndpointStatus.DEGRADED)
         ]
         if not live or await self.encoders.healthy():
             return
@@ -269,29 +281,52 @@ class EndpointManager:
         except Exception as exc:
             log.warning("encoder host restart failed: %s", exc)
             for state in live:
-                await self._set_status(state, "degraded", f"encoder host down: {exc}")
+                await self._set_status(state, EndpointStatus.DEGRADED, f"encoder host down: {exc}")
             return
         for state in live:
             for replica in state.replicas:
                 replica.handle = self.encoders.handle
                 replica.devices = self.encoders.devices
             state.restarts += self.encoders.restarts - restarts
-            await self._set_status(state, "ready", None)
+            await self._set_status(state, EndpointStatus.READY, None)
 
-    async def _set_status(self, state: EndpointState, status: str, message: str | None) -> None:
-        if state.status == status and state.message == message:
+    async def _set_status(
+        self, state: EndpointState, status: EndpointStatus, message: str | None
+    ) -> None:
+        if state.status is status and state.message == message:
+            self._publish_availability(state)
             return
-        if state.status in ("draining", "deleted"):
+        if state.status in (EndpointStatus.DRAINING, EndpointStatus.DELETED):
             return
         state.status, state.message = status, message
+        self._publish_availability(state)
 
         def write() -> None:
             with self.db.session() as s:
                 row = s.get(Endpoint, state.row.id)
                 if row is not None and row.deleted_at is None:
-                    row.status, row.status_message = status, message
+                    row.status, row.status_message = status.value, message
 
         await asyncio.to_thread(write)
+
+    def _publish_availability(self, state: EndpointState) -> None:
+        """Tell the gateway whether waiting can bring a replica: while none serves and the
+        endpoint failed, has no room, or lost its replicas (a replacement is starting), requests
+        get a 503 at once. The reason is for tenants: the details (errors, addresses) stay in
+        the endpoint's status, which only its owner reads."""
+        route = state.route
+        reason: str | None = None
+        retry_after = 10
+        if not state.serving:
+            if state.status is EndpointStatus.FAILED:
+                reason, retry_after = "its model failed to start", 30
+            elif state.status is EndpointStatus.UNSCHEDULABLE:
+                reason, retry_after = "no device has room for it", 30
+            elif state.status is EndpointStatus.DEGRADED:
+                reason = "no replica is serving it right now; it is being replaced"
+        if (reason, retry_after) != (route.unavailable, route.retry_after_s):
+            route.unavailable, route.retry_after_s = reason, retry_after
+            self.routing.changed(route)  # wakes requests waiting for a replica
 
     # ----- health and repair -----------------------------------------------------------------
 
@@ -313,7 +348,9 @@ class EndpointManager:
                     log.exception("reconciling endpoint %s failed", state.row.id)
 
     async def _reconcile(self, state: EndpointState) -> None:
-        if state.status in ("draining", "deleted") or state.model_path is None:
+        if state.status in (EndpointStatus.DRAINING, EndpointStatus.DELETED):
+            return
+        if state.model_path is None:
             return
         if state.kind != LLM:
             return  # encoder endpoints live and die with the shared host
@@ -325,14 +362,16 @@ class EndpointManager:
 
     def _activate(self, state: EndpointState) -> None:
         """A request for an endpoint with no replica serving: have one started now."""
-        if state.status in ("draining", "deleted", "failed") or state.kind not in (None, LLM):
+        closed = (EndpointStatus.DRAINING, EndpointStatus.DELETED, EndpointStatus.FAILED)
+        if state.status in closed or state.kind not in (None, LLM):
             return
         if state.autoscaler is not None:
             state.autoscaler.mark_active(time.monotonic())
         if state.live or state.model_path is None:
             return  # one is starting already (or the endpoint is still being provisioned)
         state.desired = max(state.desired, 1)
-        state.status, state.message = "provisioning", "scaling from zero"
+        state.status, state.message = EndpointStatus.PROVISIONING, "scaling from zero"
+        self._publish_availability(state)
         spawn(state, self.replicas.run(state, self.replicas.new_replica(state)))
 
     # ----- versions ----------------------------------------------------------------------------
@@ -359,10 +398,11 @@ class EndpointManager:
         await asyncio.to_thread(self._write_version, state, version.version_id, ref)
         state.clear_failures()
         state.next_restart_at = 0.0
-        await self._set_status(state, "rolling_out", f"rolling out {ref}")
+        state.fell_back = False
+        await self._set_status(state, EndpointStatus.ROLLING_OUT, f"rolling out {ref}")
         return {
             "endpoint_id": endpoint_id,
-            "status": "rolling_out",
+            "status": EndpointStatus.ROLLING_OUT,
             "version_id": version.version_id,
         }
 
@@ -395,7 +435,7 @@ class EndpointManager:
             good is None
             or good == failed_version
             or state.failures < self.settings.rollout_attempts
-            or any(r.state == "ready" for r in state.current)
+            or any(r.state is ReplicaState.READY for r in state.current)
         ):
             return
         version = await asyncio.to_thread(self.registry.by_id, good)
@@ -411,28 +451,53 @@ class EndpointManager:
             f"({why[:300]}); serving the last good version {version.model_name}:{version.version}"
         )
         log.warning("endpoint %s: %s", state.row.id, message)
-        state.status = "rolling_back"
-        await self._set_status(state, "degraded", message)
+        state.status = EndpointStatus.ROLLING_BACK
+        state.fell_back = True
+        await self._set_status(state, EndpointStatus.DEGRADED, message)
 
     async def _update_status(self, state: EndpointState) -> None:
-        """ready = every desired replica serves; before that provisioning, after it degraded;
-        scaled_to_zero when the autoscaler wants none and none runs."""
-        if state.status == "degraded" and state.message and "last good version" in state.message:
+        """ready = every desired replica serves; before that provisioning; after it degraded,
+        with why (fewer serve than desired, or none while a replacement starts); failed and
+        unschedulable stay until a replica serves; scaled_to_zero when the autoscaler wants
+        none and none runs."""
+        if state.fell_back and state.status is EndpointStatus.DEGRADED:
+            self._publish_availability(state)
             return  # stays reported until the next rollout
         if state.rollout_from is not None:
+            self._publish_availability(state)
             return  # rolling_out until the new version serves or falls back
-        ready = sum(r.state == "ready" for r in state.current)
-        running = [r for r in state.replicas if r.state not in ("failed", "stopped")]
+        ready = sum(r.state is ReplicaState.READY for r in state.current)
+        gone = (ReplicaState.FAILED, ReplicaState.STOPPED)
+        running = [r for r in state.replicas if r.state not in gone]
+        served = state.status in (EndpointStatus.READY, EndpointStatus.DEGRADED)
+        why = self._why_degraded(state)
         if state.desired == 0 and not running:  # draining ones too must be gone
-            await self._set_status(state, "scaled_to_zero", None)
+            await self._set_status(state, EndpointStatus.SCALED_TO_ZERO, None)
         elif ready >= state.desired:
-            await self._set_status(state, "ready", None)
-        elif state.status in ("ready", "degraded") and ready:
-            await self._set_status(state, "degraded", f"{ready} of {state.desired} replicas ready")
-        elif state.status == "provisioning":
+            await self._set_status(state, EndpointStatus.READY, None)
+        elif served and ready:
+            message = f"{ready} of {state.desired} replicas ready" + (f": {why}" if why else "")
+            await self._set_status(state, EndpointStatus.DEGRADED, message)
+        elif served:  # it served, and now no replica does
+            message = f"no replica serving ({why or 'replicas lost'}); replacing it"
+            await self._set_status(state, EndpointStatus.DEGRADED, message)
+        elif state.status is EndpointStatus.SCALED_TO_ZERO:  # the autoscaler woke it
+            await self._set_status(state, EndpointStatus.PROVISIONING, "scaling from zero")
+        elif state.status is EndpointStatus.PROVISIONING:
             await self._set_status(
-                state, "provisioning", f"{ready} of {state.desired} replicas ready"
+                state, EndpointStatus.PROVISIONING, f"{ready} of {state.desired} replicas ready"
             )
+        else:  # failed or unschedulable: kept, with their reason, until a replica serves
+            self._publish_availability(state)
+
+    @staticmethod
+    def _why_degraded(state: EndpointState) -> str | None:
+        """The failure behind missing replicas: a benched replica's, else the last one since a
+        replica last came up (older ones are history, not the reason)."""
+        for replica in state.replicas:
+            if replica.state is ReplicaState.UNHEALTHY and replica.error:
+                return replica.error
+        return state.last_error if state.failures else None
 
     # ----- read and delete -------------------------------------------------------------------
 
@@ -479,10 +544,10 @@ class EndpointManager:
             },
             "replicas": {
                 "desired": state.desired,
-                "ready": sum(r.state == "ready" for r in state.replicas),
+                "ready": state.serving,
                 "restarts": state.restarts,
                 "last_error": state.last_error,
-                "items": [r.view() for r in state.replicas if r.state != "stopped"],
+                "items": [r.view() for r in state.replicas if r.state is not ReplicaState.STOPPED],
             },
         }
 
@@ -499,13 +564,13 @@ class EndpointManager:
     async def delete(self, principal: Principal, endpoint_id: str) -> dict[str, Any]:
         principal.require("admin")
         state = self._get(principal, endpoint_id)
-        if state.status == "draining":
-            return {"endpoint_id": endpoint_id, "status": "draining"}
-        await self._set_status(state, "draining", None)
-        state.status = "draining"
+        if state.status is EndpointStatus.DRAINING:
+            return {"endpoint_id": endpoint_id, "status": EndpointStatus.DRAINING}
+        await self._set_status(state, EndpointStatus.DRAINING, None)
+        state.status = EndpointStatus.DRAINING
         self.routing.remove(endpoint_id)  # no new requests from here on
         spawn(state, self._drain_and_stop(state))
-        return {"endpoint_id": endpoint_id, "status": "draining"}
+        return {"endpoint_id": endpoint_id, "status": EndpointStatus.DRAINING}
 
     async def _drain_and_stop(self, state: EndpointState) -> None:
         deadline = time.monotonic() + self.settings.replica_drain_timeout_s
@@ -523,9 +588,9 @@ class EndpointManager:
                     await self.backend.stop(replica.handle)
                 self.replicas.release(replica)
         for replica in state.replicas:
-            replica.state = "stopped"
+            replica.state = ReplicaState.STOPPED
         await asyncio.to_thread(self._mark_deleted, state.row.id)
-        state.status = "deleted"
+        state.status = EndpointStatus.DELETED
         self.endpoints.pop(state.row.id, None)
 
     def _mark_deleted(self, endpoint_id: str) -> None:
@@ -533,7 +598,7 @@ class EndpointManager:
             row = s.get(Endpoint, endpoint_id)
             if row is not None:
                 row.deleted_at = repo.now()
-                row.status = "deleted"
+                row.status = EndpointStatus.DELETED.value
 
     async def wait_ready(self, endpoint_id: str, timeout_s: float) -> str:
         """For tests and bootstrap: wait until the endpoint is ready or failed."""
@@ -542,7 +607,7 @@ class EndpointManager:
             state = self.endpoints.get(endpoint_id)
             if state is None:
                 return "deleted"
-            if state.status in ("ready", "failed"):
+            if state.status in (EndpointStatus.READY, EndpointStatus.FAILED):
                 return state.status
             await asyncio.sleep(0.1)
         return "timeout"

@@ -2,9 +2,11 @@
 
 A replica starts from a warm-pool worker of its version when there is one, else from this node's
 cache of the model files; it joins the routing table once healthy, with its admission limit from
-its KV capacity. Every tick its health is probed: a dead one leaves routing and is replaced
-(with backoff), one failing three probes is benched until it answers. `converge` starts or drains
-replicas until the live ones match what the autoscaler wants.
+its KV capacity. Every tick its health is probed: one whose process exited leaves routing and is
+replaced (with backoff); one whose probe fails (an error answer, no answer in time, refused)
+leaves routing until a probe passes, and after `replica_health_failures` failed probes in a row
+it is killed and replaced, so a hung or broken engine does not hold its slot for ever.
+`converge` starts or drains replicas until the live ones match what the autoscaler wants.
 """
 
 from __future__ import annotations
@@ -25,17 +27,19 @@ from modelyard.control.node_cache import NodeCache
 from modelyard.control.placement import Placement, ReplicaRequest
 from modelyard.control.registry import Registry
 from modelyard.control.sizing import replica_bytes_per_device
-from modelyard.control.state import EndpointState, Replica, spawn
+from modelyard.control.state import EndpointState, EndpointStatus, Replica, ReplicaState, spawn
 from modelyard.control.warm_pool import WarmPool
 from modelyard.gateway.router import ReplicaRoute, RoutingTable
 from modelyard.store import repository as repo
 
 log = logging.getLogger(__name__)
 
-_HEALTH_FAILURES_BEFORE_UNHEALTHY = 3
 _MAX_RESTART_BACKOFF_S = 60.0
+# A replica being replaced for failing its probes gets this long to exit on SIGTERM before
+# SIGKILL: it is broken or hung, there is nothing to drain.
+_BROKEN_STOP_TIMEOUT_S = 1.0
 
-SetStatus = Callable[[EndpointState, str, str | None], Awaitable[None]]
+SetStatus = Callable[[EndpointState, EndpointStatus, str | None], Awaitable[None]]
 UpdateStatus = Callable[[EndpointState], Awaitable[None]]
 MarkGood = Callable[[EndpointState], Awaitable[None]]
 
@@ -46,9 +50,10 @@ def scale_down_order(live: list[Replica], placement: Placement) -> list[Replica]
     (`Placement.drain_order`), so that emptied devices can be given back; newest first among
     equals, since older replicas hold warmer prefix caches."""
     newest_first = sorted(live, key=lambda r: -r.started_at)
-    serving = {r.placement_id: r for r in newest_first if r.state == "ready" and r.placement_id}
-    others = [r for r in newest_first if r.state != "ready" or not r.placement_id]
-    others.sort(key=lambda r: r.state == "ready")  # stable: newest first within each group
+    ready = ReplicaState.READY
+    serving = {r.placement_id: r for r in newest_first if r.state is ready and r.placement_id}
+    others = [r for r in newest_first if r.state is not ready or not r.placement_id]
+    others.sort(key=lambda r: r.state is ready)  # stable: newest first within each group
     return others + [serving[i] for i in placement.drain_order(list(serving))]
 
 
@@ -79,7 +84,7 @@ class ReplicaController:
         self.warm_pool = WarmPool(
             settings, backend, registry, self.node_cache, self.default_engine_env(), self.placement
         )
-        self._http = httpx.AsyncClient(timeout=2.0)
+        self._http = httpx.AsyncClient(timeout=settings.health_probe_timeout_s)
 
     async def close(self) -> None:
         await self.warm_pool.stop()
@@ -107,14 +112,35 @@ class ReplicaController:
         return entry.path
 
     async def run(self, state: EndpointState, replica: Replica) -> None:
+        """Start `replica` and have it serve; any failure on the way fails it (never left
+        `starting`), and the endpoint with it while no other replica serves."""
+        try:
+            await self._run(state, replica)
+        except Exception as exc:
+            log.exception("replica %s of %s failed to start", replica.replica_id, state.row.id)
+            await self._start_failed(state, replica, exc)
+
+    async def _start_failed(self, state: EndpointState, replica: Replica, exc: Exception) -> None:
+        replica.state = ReplicaState.FAILED
+        state.failures += 1
+        replica.error = state.last_error = str(exc)
+        log.warning("replica %s of %s failed to start: %s", replica.replica_id, state.row.id, exc)
+        if replica.handle is not None:
+            await self.backend.stop(replica.handle)
+        # The next attempt goes to another device if one fits (a bad device, or one whose
+        # memory something outside the platform took, should not fail every retry).
+        state.failed_devices.update(replica.devices)
+        self.release(replica)
+        if not state.serving:
+            await self.set_status(state, EndpointStatus.FAILED, f"replica failed to start: {exc}")
+
+    async def _run(self, state: EndpointState, replica: Replica) -> None:
         assert state.model_path is not None
         if state.row.version_id is not None and state.kind == LLM:
             try:
                 state.model_path = await self.fetch_model(state)
             except Exception as exc:
-                replica.state, replica.error = "failed", f"cannot fetch the model: {exc}"
-                state.failures += 1
-                return
+                raise RuntimeError(f"cannot fetch the model: {exc}") from exc
         if state.kind == LLM and not state.engine_env:
             taken = await self.warm_pool.take(state.row.version_id, state.row.model_name)
             if taken is not None:  # a preloaded replica of this version: no load at all
@@ -139,20 +165,7 @@ class ReplicaController:
                 self.backend, replica.handle, self._http, self.settings.replica_start_timeout_s
             )
         except Exception as exc:
-            replica.state = "failed"
-            state.failures += 1
-            replica.error = state.last_error = str(exc)
-            log.warning(
-                "replica %s of %s failed to start: %s", replica.replica_id, state.row.id, exc
-            )
-            if replica.handle is not None:
-                await self.backend.stop(replica.handle)
-            # The next attempt goes to another device if one fits (a bad device, or one whose
-            # memory something outside the platform took, should not fail every retry).
-            state.failed_devices.update(replica.devices)
-            self.release(replica)
-            if not any(r.state == "ready" for r in state.replicas):
-                await self.set_status(state, "failed", f"replica failed to start: {exc}")
+            await self._start_failed(state, replica, exc)
             return
         await self.serve(state, replica)
 
@@ -172,8 +185,8 @@ class ReplicaController:
         result = self.placement.place([request])
         if replica.replica_id in result.unschedulable:
             why = result.unschedulable[replica.replica_id]
-            replica.state, replica.error = "failed", f"unschedulable: {why}"
-            spawn(state, self.set_status(state, "unschedulable", why))
+            replica.state, replica.error = ReplicaState.FAILED, f"unschedulable: {why}"
+            spawn(state, self.set_status(state, EndpointStatus.UNSCHEDULABLE, why))
             return False
         devices = result.assignments[replica.replica_id]
         replica.placement_id = replica.replica_id
@@ -196,12 +209,12 @@ class ReplicaController:
     async def serve(self, state: EndpointState, replica: Replica) -> None:
         """A started, healthy replica joins its endpoint's routing."""
         assert replica.handle is not None
-        if replica.state == "draining":  # scaled down while it was starting
+        if replica.state is ReplicaState.DRAINING:  # scaled down while it was starting
             await self.backend.stop(replica.handle)
             self.release(replica)
-            replica.state = "stopped"
+            replica.state = ReplicaState.STOPPED
             return
-        replica.state = "ready"
+        replica.state = ReplicaState.READY
         state.clear_failures()
         if replica.version_id == state.row.version_id:
             state.rollout_from = None
@@ -221,22 +234,31 @@ class ReplicaController:
         )
         return env
 
-    async def probe(self, replica: Replica) -> bool:
-        """Health check; keeps the replica's load report and sets its admission limit."""
+    async def probe(self, replica: Replica) -> str | None:
+        """Health check; keeps the replica's load report and sets its admission limit. None if
+        healthy, else what failed (for the endpoint's status; no addresses in it)."""
         assert replica.handle is not None
         try:
             r = await self._http.get(replica.handle.url + "/health")
-        except httpx.HTTPError:
-            return False
+        except httpx.TimeoutException:
+            return (
+                f"did not answer its health check within {self.settings.health_probe_timeout_s:g}s"
+            )
+        except httpx.HTTPError as exc:
+            return f"health check failed ({type(exc).__name__})"
         if r.status_code != 200:
-            return False
+            try:
+                error = r.json().get("error")
+            except ValueError:
+                error = None
+            return f"health check answered {r.status_code}" + (f": {error}" if error else "")
         replica.load = r.json()
         capacity = int(replica.load.get("kv_cache_capacity_tokens") or 0)
         if replica.route is not None and capacity:
             # The spec's admission formula: KV memory / the KV one request needs on average.
             per_request = self.settings.admission_tokens_per_request
             replica.route.max_concurrency = max(1, capacity // per_request)
-        return True
+        return None
 
     def drop_route(self, state: EndpointState, replica: Replica) -> None:
         if replica.route is not None and replica.route in state.route.replicas:
@@ -244,44 +266,69 @@ class ReplicaController:
             self.routing.changed(state.route)
 
     async def check_health(self, state: EndpointState) -> None:
-        """Probe every serving replica: the dead leave, the failing are benched, the rest report
-        their load."""
+        """Probe every serving replica: the dead leave and are replaced, a failing one leaves
+        routing at once and is killed and replaced after `replica_health_failures` failures in
+        a row, the rest report their load."""
         for replica in list(state.replicas):
-            if replica.state not in ("ready", "unhealthy") or replica.handle is None:
+            if replica.state not in (ReplicaState.READY, ReplicaState.UNHEALTHY):
+                continue
+            if replica.handle is None:
                 continue
             if not self.backend.alive(replica.handle):
                 code = self.backend.exit_status(replica.handle)
-                replica.state = "failed"
-                state.failures += 1
-                replica.error = state.last_error = f"replica {replica.replica_id} exited ({code})"
-                self.drop_route(state, replica)
-                self.release(replica)
-                log.warning("replica %s of %s died (%s)", replica.replica_id, state.row.id, code)
+                await self._replace(state, replica, f"exited with code {code}")
                 continue
-            healthy = await self.probe(replica)
-            if healthy:
+            problem = await self.probe(replica)
+            if problem is None:
                 # Also re-admits a replica the gateway benched after failing to connect to it.
                 replica.health_failures = 0
-                replica.state = "ready"
-                if replica.route is not None:
+                replica.state = ReplicaState.READY
+                replica.error = None
+                if replica.route is not None and not replica.route.ready:
                     replica.route.ready = True
+                    self.routing.changed(state.route)
+                continue
+            replica.health_failures += 1
+            if not self.backend.alive(replica.handle):  # it died while being probed
+                code = self.backend.exit_status(replica.handle)
+                await self._replace(state, replica, f"exited with code {code}")
+            elif replica.health_failures >= self.settings.replica_health_failures:
+                await self._replace(
+                    state, replica, f"{problem} ({replica.health_failures} times in a row)"
+                )
             else:
-                replica.health_failures += 1
-                if replica.health_failures >= _HEALTH_FAILURES_BEFORE_UNHEALTHY:
-                    replica.state = "unhealthy"
-                    if replica.route is not None:
-                        replica.route.ready = False
-        state.replicas = [r for r in state.replicas if r.state not in ("failed", "stopped")]
+                # No new requests until a probe passes: a request sent there would hang or fail.
+                replica.state = ReplicaState.UNHEALTHY
+                replica.error = f"replica {replica.replica_id} {problem}"
+                if replica.route is not None and replica.route.ready:
+                    replica.route.ready = False
+                    self.routing.changed(state.route)
+        state.replicas = [
+            r for r in state.replicas if r.state not in (ReplicaState.FAILED, ReplicaState.STOPPED)
+        ]
+
+    async def _replace(self, state: EndpointState, replica: Replica, why: str) -> None:
+        """Take a dead or broken replica out for good (killed if it still runs); `converge`
+        starts its replacement, with the restart backoff."""
+        replica.state = ReplicaState.FAILED
+        state.failures += 1
+        replica.error = state.last_error = f"replica {replica.replica_id} {why}"
+        self.drop_route(state, replica)
+        log.warning("replica %s of %s replaced: %s", replica.replica_id, state.row.id, why)
+        if replica.handle is not None and self.backend.alive(replica.handle):
+            # SIGTERM, then SIGKILL: a stopped (SIGSTOP) or wedged process ignores the first.
+            await self.backend.stop(replica.handle, timeout_s=_BROKEN_STOP_TIMEOUT_S)
+        self.release(replica)
 
     def converge(self, state: EndpointState) -> None:
         """Start or drain replicas until the live ones of the endpoint's version match
         `desired`; replicas of an older version serve until the new ones all do."""
         live = state.current
         stale = [r for r in state.live if r.version_id != state.row.version_id]
-        ready = sum(r.state == "ready" for r in live)
+        ready = sum(r.state is ReplicaState.READY for r in live)
         if stale and ready >= max(state.desired, 1):
             for replica in stale:
-                replica.state = "draining"
+                replica.state = ReplicaState.DRAINING
                 if replica.route is not None:
                     replica.route.ready = False
                 spawn(state, self.drain(state, replica))
@@ -295,7 +342,7 @@ class ReplicaController:
                 spawn(state, self.run(state, self.new_replica(state)))
         elif missing < 0:
             for replica in scale_down_order(live, self.placement)[:-missing]:
-                replica.state = "draining"
+                replica.state = ReplicaState.DRAINING
                 if replica.route is not None:
                     replica.route.ready = False
                     spawn(state, self.drain(state, replica))
@@ -311,4 +358,4 @@ class ReplicaController:
         if replica.handle is not None:
             await self.backend.stop(replica.handle)
         self.release(replica)
-        replica.state = "stopped"
+        replica.state = ReplicaState.STOPPED

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from modelyard.config import PlatformSettings
 from modelyard.control.autoscaler import Decision, Observation
 from modelyard.control.prewarm import TrafficHistory, should_prewarm
+from modelyard.control.status import EndpointStatus, ReplicaState
 from modelyard.gateway.router import EndpointRoute
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class Scaler:
     def autoscale(self, state: EndpointState, activate: Activate) -> None:
         if state.autoscaler is None or state.load is None:
             return
-        if state.status == "provisioning" and not any(r.state == "ready" for r in state.replicas):
+        if state.status is EndpointStatus.PROVISIONING and not state.serving:
             return  # nothing to judge until it serves (and a cold start is no idleness)
         now = time.monotonic()
         self.history.record(
@@ -88,7 +89,9 @@ class Scaler:
         state.requests_seen = state.route.requests_total
         if not state.live and state.desired == 0:
             self.maybe_prewarm(state, activate)
-        loads = {r.replica_id: r.load for r in state.replicas if r.state == "ready" and r.load}
+        loads = {
+            r.replica_id: r.load for r in state.replicas if r.state is ReplicaState.READY and r.load
+        }
         state.autoscaler.observe(state.load.observe(now, state.route, loads))
         decision = state.autoscaler.decide(now, len(state.live))
         if decision.desired != decision.current:

@@ -17,6 +17,7 @@ from modelyard.config import EngineSettings
 from modelyard.control.autoscaler import Autoscaler, Decision
 from modelyard.control.backends.base import ReplicaHandle
 from modelyard.control.scaling import LoadTracker
+from modelyard.control.status import LIVE, EndpointStatus, ReplicaState
 from modelyard.gateway.router import EndpointRoute, ReplicaRoute
 from modelyard.store.tables import Endpoint
 
@@ -26,7 +27,7 @@ class Replica:
     replica_id: str
     route: ReplicaRoute | None = None
     handle: ReplicaHandle | None = None
-    state: str = "starting"  # starting | ready | unhealthy | draining | failed | stopped
+    state: ReplicaState = ReplicaState.STARTING
     started_at: float = field(default_factory=time.time)
     ready_after_s: float | None = None
     health_failures: int = 0
@@ -64,7 +65,7 @@ class EndpointState:
     failures: int = 0  # replica failures since one was last ready: the restart backoff
     failed_devices: set[str] = field(default_factory=set)  # where loads failed since then
     next_restart_at: float = 0.0
-    status: str = "provisioning"
+    status: EndpointStatus = EndpointStatus.PROVISIONING
     message: str | None = None
     last_error: str | None = None
     kind: str | None = None  # llm, or an encoder kind served by the shared encoder host
@@ -76,6 +77,7 @@ class EndpointState:
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=20))
 
     rollout_from: str | None = None  # the version a rollout in progress replaces
+    fell_back: bool = False  # a failed rollout fell back to the last good version (reported)
 
     def clear_failures(self) -> None:
         """A replica served, or the version changed: no backoff, every device is a candidate."""
@@ -84,7 +86,12 @@ class EndpointState:
 
     @property
     def live(self) -> list[Replica]:
-        return [r for r in self.replicas if r.state in ("starting", "ready", "unhealthy")]
+        return [r for r in self.replicas if r.state in LIVE]
+
+    @property
+    def serving(self) -> int:
+        """Replicas in routing (any version)."""
+        return sum(r.state is ReplicaState.READY for r in self.replicas)
 
     @property
     def current(self) -> list[Replica]:

@@ -33,7 +33,14 @@ from modelyard.gateway.metering import UsageEvent, UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import ConcurrencyLimiter, concurrency_beside
 from modelyard.gateway.ratelimit import Decision, QuotaCounter, RateLimiter, month_of
-from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.gateway.router import (
+    AdmissionRefused,
+    EndpointRoute,
+    ReplicaRoute,
+    RoutingTable,
+    Waiter,
+    admission_rank,
+)
 from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)
@@ -287,21 +294,37 @@ class Gateway:
     ) -> ReplicaRoute | None:
         """A replica with room for the request, waiting for one if need be.
 
-        No replica serving: ask the control plane for one (scale from zero, or one still
-        starting) and wait up to `scale_from_zero_timeout_s`, reporting progress. All replicas
-        full: wait in the endpoint's admission queue up to `admission_timeout_s`; a full queue
-        or a wait that runs out is a 429 with Retry-After. None: every replica was tried.
+        No replica serving: if the control plane says none will come up by waiting (the
+        endpoint failed, or its replica died and a replacement is starting), a 503 with
+        Retry-After at once; else ask it for one (scale from zero, or one still starting) and
+        wait up to `scale_from_zero_timeout_s`, reporting progress. All replicas full: wait in
+        the endpoint's admission queue (best tier first, see `AdmissionQueue`) up to
+        `admission_timeout_s`; a queue full for the request's tier, a better tier taking its
+        place, or a wait that runs out is a 429 with Retry-After. None: every replica was tried.
         """
         route, s = call.route, self.settings
+        rank = admission_rank(getattr(call.principal, "tier", None), call.batch)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        queued = False
+        waiter: Waiter | None = None
         try:
             while True:
-                replica = self.routing.pick(route, tried)
-                if replica is not None:
-                    return replica
+                if route.queue.may_take(rank, waiter):
+                    replica = self.routing.pick(route, tried)
+                    if replica is not None:
+                        return replica
                 if not route.ready_replicas:
+                    if waiter is not None:  # nothing to wait for in the queue
+                        route.queue.leave(waiter)
+                        waiter = None
+                    if route.unavailable is not None:
+                        raise APIError(
+                            503,
+                            f"`{route.model_name}` is unavailable: {route.unavailable}. "
+                            f"Please retry in {route.retry_after_s}s.",
+                            code="model_unavailable",
+                            headers={"retry-after": str(route.retry_after_s)},
+                        )
                     if tried or route.activate is None:
                         return None
                     route.activate()
@@ -319,20 +342,23 @@ class Gateway:
                     continue
                 if all(r.replica_id in tried for r in route.ready_replicas):
                     return None
-                if not queued:
-                    if route.waiting >= s.admission_queue_size:
-                        raise self._overloaded(route, "the admission queue is full")
-                    route.waiting += 1
-                    queued = True
+                if waiter is None:
+                    try:
+                        waiter = route.queue.join(rank, s.admission_queue_size)
+                    except AdmissionRefused as exc:
+                        raise self._overloaded(route, str(exc)) from exc
+                    continue  # first in line already: try for a slot before sleeping
                 remaining = started + s.admission_timeout_s - loop.time()
                 if remaining <= 0:
                     raise self._overloaded(
                         route, f"no replica had room for {s.admission_timeout_s:g}s"
                     )
-                await route.wait_change(min(remaining, 1.0))
+                await waiter.wait(min(remaining, 1.0))
+                if waiter.refused is not None:
+                    raise self._overloaded(route, waiter.refused)
         finally:
-            if queued:
-                route.waiting -= 1
+            if waiter is not None:
+                route.queue.leave(waiter)
 
     def _overloaded(self, route: EndpointRoute, why: str) -> APIError:
         self.metrics.limited.labels("capacity").inc()
@@ -389,10 +415,15 @@ class Gateway:
             except BaseException:
                 call.route.release(replica)
                 raise
-        detail = f" (last error: {last_error!r})" if last_error else ""
+        # The replicas' addresses stay in the log: they are the platform's, not the tenant's.
+        log.warning(
+            "no replica of %s could take request %s (last error: %r)",
+            call.route.endpoint_id, call.request_id, last_error,
+        )  # fmt: skip
         raise APIError(
             503,
-            f"No replica of `{call.route.model_name}` is available right now{detail}.",
+            f"No replica of `{call.route.model_name}` is available right now. "
+            "Please retry shortly.",
             code="no_capacity",
             headers={"retry-after": "5"},
         )
@@ -617,7 +648,18 @@ class Gateway:
         self, call: _Call, payload: bytes, wants_usage: bool, headers: dict[str, str]
     ) -> StreamingResponse:
         """A stream for a model that is not loaded yet: SSE comment lines report the loading
-        while the client waits, then the generation streams as usual."""
+        while the client waits, then the generation streams as usual. An endpoint that no
+        replica will serve by waiting (failed, or a dead replica's replacement starting) gets
+        the 503 itself, before any 200 is sent."""
+        route = call.route
+        if route.unavailable is not None and not route.ready_replicas:
+            raise APIError(
+                503,
+                f"`{route.model_name}` is unavailable: {route.unavailable}. "
+                f"Please retry in {route.retry_after_s}s.",
+                code="model_unavailable",
+                headers={"retry-after": str(route.retry_after_s)},
+            )
 
         async def body() -> AsyncIterator[bytes]:
             notes: asyncio.Queue[bytes] = asyncio.Queue()

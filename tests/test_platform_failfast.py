@@ -1,0 +1,352 @@
+"""Failures fail fast, and overload serves the better tier first.
+
+The admission queue's order and shares run on the gateway's real `_replica` against a routing
+table the test drives itself (no model: fast). The control plane's side runs on real
+`modelyard serve` processes with real workers: a hung worker (SIGSTOP) is benched, reported and
+replaced; a SIGKILLed one is replaced and its next request gets a 503 that names no internal
+address; a model that cannot load makes its endpoint `failed`, and requests to it (unary and
+streamed) get a 503 with Retry-After at once instead of waiting for a replica that never comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from modelyard.api.errors import APIError
+from modelyard.config import PlatformSettings
+from modelyard.gateway.auth import Principal, Tier
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.proxy import _NO_LIMITS, Gateway, _Call
+from modelyard.gateway.quota import MemoryQuotaCounter
+from modelyard.gateway.ratelimit import Limits, MemoryRateLimiter
+from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
+from tests.platform_harness import PlatformProcess, deploy, wait_status
+from tests.tiny_models import build_model
+
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+ENGINE = json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"})
+
+# ----- the admission queue, on the gateway's own code path ---------------------------------------
+
+
+def _gateway(routing: RoutingTable, queue_size: int = 8) -> Gateway:
+    settings = PlatformSettings(admission_queue_size=queue_size, admission_timeout_s=10.0)
+    # Authentication and metering are not on this path: admission only picks a replica.
+    return Gateway(
+        settings,
+        None,  # type: ignore[arg-type]
+        MemoryRateLimiter(),
+        MemoryQuotaCounter(),
+        routing,
+        None,  # type: ignore[arg-type]
+        GatewayMetrics(),
+    )
+
+
+def _route(routing: RoutingTable, slots: int = 1) -> tuple[EndpointRoute, ReplicaRoute]:
+    route = EndpointRoute("ep-1", "t-1", "m", public=False, version_id=None, max_tokens_cap=64)
+    replica = ReplicaRoute("rep-1", "http://127.0.0.1:9", max_concurrency=slots)
+    replica.outstanding = slots  # full: every request from here on queues
+    route.replicas.append(replica)
+    routing.put(route)
+    return route, replica
+
+
+def _call(route: EndpointRoute, tier: str | None, batch: bool = False) -> _Call:
+    principal = Principal(
+        key_id="k", key_name="k", tenant_id="t-1", tenant_name="t", scopes=frozenset(),
+        limits=Limits(None, None), monthly_token_quota=None, platform_admin=False,
+        tier=Tier(tier or "standard"),
+    )  # fmt: skip
+    return _Call(principal, route, "chat.completions", tier or "batch", 0, _NO_LIMITS, batch=batch)
+
+
+async def _admit_all(
+    gateway: Gateway, route: EndpointRoute, replica: ReplicaRoute, arrivals: list[_Call]
+) -> tuple[list[str], dict[str, int]]:
+    """Queue `arrivals` in order on a full replica, then free one slot at a time; the order
+    they were admitted in, and the HTTP status of those refused."""
+    admitted: list[str] = []
+    refused: dict[str, int] = {}
+
+    async def request(call: _Call) -> None:
+        try:
+            chosen = await gateway._replica(call, set())
+        except APIError as exc:
+            refused[call.request_id] = exc.status
+            return
+        assert chosen is replica
+        replica.outstanding += 1  # what `_send` does with the slot it got
+        admitted.append(call.request_id)
+
+    tasks = []
+    for call in arrivals:
+        tasks.append(asyncio.create_task(request(call)))
+        await asyncio.sleep(0.01)  # arrival order is the order of the list
+    while len(admitted) + len(refused) < len(arrivals):
+        count = len(admitted)
+        route.release(replica)
+        for _ in range(100):
+            if len(admitted) > count or len(admitted) + len(refused) == len(arrivals):
+                break
+            await asyncio.sleep(0.01)
+    await asyncio.gather(*tasks)
+    return admitted, refused
+
+
+async def test_waiters_are_admitted_best_tier_first_then_in_arrival_order() -> None:
+    routing = RoutingTable()
+    route, replica = _route(routing)
+    gateway = _gateway(routing)
+    names = ["free", "standard", "priority", "free", "standard", "priority"]
+    arrivals = [_call(route, t) for t in names]
+    for i, call in enumerate(arrivals):
+        call.request_id = f"{call.request_id}-{i}"
+    admitted, refused = await _admit_all(gateway, route, replica, arrivals)
+    assert not refused
+    assert admitted == [
+        "priority-2", "priority-5", "standard-1", "standard-4", "free-0", "free-3",
+    ]  # fmt: skip
+
+
+async def test_batch_items_wait_behind_every_tier() -> None:
+    routing = RoutingTable()
+    route, replica = _route(routing)
+    gateway = _gateway(routing)
+    arrivals = [_call(route, None, batch=True), _call(route, "free")]
+    admitted, _ = await _admit_all(gateway, route, replica, arrivals)
+    assert admitted == ["free", "batch"]
+
+
+async def test_a_new_request_does_not_overtake_a_waiter_of_its_tier() -> None:
+    routing = RoutingTable()
+    route, replica = _route(routing)
+    gateway = _gateway(routing)
+    waiting = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
+    await asyncio.sleep(0.05)
+    assert route.waiting == 1
+    # A slot frees, and before the waiter runs a newcomer of the same tier asks: it queues
+    # behind it; a priority newcomer may take the slot at once.
+    replica.outstanding -= 1
+    late = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
+    await asyncio.sleep(0.05)
+    assert not late.done() and route.waiting == 2
+    route.notify()
+    assert await waiting is replica
+    replica.outstanding += 1
+    assert route.waiting == 1
+    replica.outstanding -= 1  # a slot frees; the priority newcomer outranks the waiter
+    assert await gateway._replica(_call(route, "priority"), set()) is replica
+    replica.outstanding += 1
+    await asyncio.sleep(0.05)
+    assert not late.done()
+    late.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await late
+    assert route.waiting == 0
+
+
+async def test_under_overload_the_lower_tier_is_refused_first() -> None:
+    """Queue of 4: free may fill half of it, standard 80 % (3), priority all of it; past its
+    share a request takes the place of the newest waiter of a worse tier."""
+    routing = RoutingTable()
+    route, _ = _route(routing)
+    gateway = _gateway(routing, queue_size=4)
+
+    async def ask(tier: str) -> asyncio.Task[ReplicaRoute | None]:
+        task = asyncio.create_task(gateway._replica(_call(route, tier), set()))
+        await asyncio.sleep(0.02)
+        return task
+
+    free = [await ask("free") for _ in range(3)]
+    assert route.waiting == 2
+    with pytest.raises(APIError) as refused:
+        await free[2]
+    assert refused.value.status == 429 and "higher tiers" in refused.value.message
+    assert refused.value.headers.get("retry-after")
+
+    standard = [await ask("standard") for _ in range(2)]
+    # The second standard request found the queue at its share (3) and displaced a free one.
+    with pytest.raises(APIError) as displaced:
+        await free[1]
+    assert displaced.value.status == 429 and "higher tier" in displaced.value.message
+    assert route.waiting == 3
+
+    priority = [await ask("priority") for _ in range(2)]
+    # The first priority request filled the queue (4); the second displaced the last free one.
+    with pytest.raises(APIError):
+        await free[0]
+    assert route.waiting == 4
+    assert not any(t.done() for t in standard + priority)
+    # Full of better tiers: a standard request is refused; a priority one displaces a standard.
+    with pytest.raises(APIError) as full:
+        await (await ask("standard"))
+    assert full.value.status == 429
+    third = await ask("priority")
+    with pytest.raises(APIError):
+        await standard[1]
+    for task in [*standard[:1], *priority, third]:
+        task.cancel()
+    await asyncio.gather(*standard[:1], *priority, third, return_exceptions=True)
+    assert route.waiting == 0
+
+
+async def test_an_unavailable_endpoint_fails_at_once_and_wakes_its_waiters() -> None:
+    routing = RoutingTable()
+    route, replica = _route(routing)
+    gateway = _gateway(routing)
+    route.activate = lambda: None  # the control plane has a replica starting
+    replica.ready = False
+    # No replica serves, and nothing said waiting is pointless: a request waits (loading)...
+    waiting = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    # ...until the control plane says none will come up by waiting; then it is a 503 at once.
+    route.unavailable, route.retry_after_s = "its model failed to start", 30
+    routing.changed(route)
+    with pytest.raises(APIError) as exc:
+        await asyncio.wait_for(waiting, 2.0)
+    assert exc.value.status == 503 and exc.value.headers["retry-after"] == "30"
+    assert "failed to start" in exc.value.message
+    with pytest.raises(APIError):
+        await asyncio.wait_for(gateway._replica(_call(route, "priority"), set()), 1.0)
+
+
+# ----- the control plane, on real processes ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("m") / "tiny", "llama")
+
+
+@pytest.fixture(scope="module")
+def broken_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model whose config is fine and whose weights are garbage: every load fails."""
+    folder = build_model(tmp_path_factory.mktemp("m") / "broken", "llama")
+    for weights in folder.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def platform(
+    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+) -> Iterator[PlatformProcess]:
+    env = {
+        "MODELYARD_WORKER_ENGINE": ENGINE,
+        "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
+        "MODELYARD_HEALTH_PROBE_TIMEOUT_S": "1.0",
+        "MODELYARD_REPLICA_HEALTH_FAILURES": "2",
+    }
+    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def _chat(platform: PlatformProcess, model: str, stream: bool = False) -> httpx.Response:
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 2, "stream": stream}
+    with platform.api() as api:
+        return api.post("/v1/chat/completions", json=body, timeout=30.0)
+
+
+def _wait_for(check: object, what: str, timeout: float = 60.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()  # type: ignore[operator]
+        if result:
+            return result
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_model_that_cannot_load_fails_fast(platform: PlatformProcess, broken_dir: Path) -> None:
+    api = platform.api()
+    endpoint = deploy(api, "broken", str(broken_dir), wait=False)
+    body = wait_status(api, endpoint, "failed")
+    assert "failed to start" in (body["status_message"] or ""), body
+    for stream in (False, True):
+        started = time.monotonic()
+        r = _chat(platform, "broken", stream=stream)
+        took = time.monotonic() - started
+        assert r.status_code == 503, (stream, r.status_code, r.text[:300])
+        assert r.headers.get("retry-after"), r.headers
+        assert r.json()["error"]["code"] == "model_unavailable"
+        assert "loading" not in r.text and "127.0.0.1" not in r.text
+        assert took < 10, f"took {took:.1f}s"  # a failed endpoint answers; it does not wait
+    api.delete(f"/v1/endpoints/{endpoint}")
+
+
+def test_a_hung_replica_is_benched_reported_and_replaced(
+    platform: PlatformProcess, tiny_dir: Path
+) -> None:
+    api = platform.api()
+    endpoint = deploy(api, "hung", str(tiny_dir))
+    assert _chat(platform, "hung").status_code == 200
+    [replica] = api.get(f"/v1/endpoints/{endpoint}").json()["replicas"]["items"]
+    victim = replica["pid"]
+    assert victim in platform.worker_pids()
+    os.kill(victim, signal.SIGSTOP)  # alive, but answers nothing: a wedged engine
+    try:
+        degraded = wait_status(api, endpoint, "degraded", timeout=30)
+        assert "health check" in (degraded["status_message"] or ""), degraded
+        # The replacement serves and the stopped one is gone (killed, not left stopped).
+        body = _wait_for(
+            lambda: (
+                (b := api.get(f"/v1/endpoints/{endpoint}").json())["status"] == "ready"
+                and victim not in [r["pid"] for r in b["replicas"]["items"]]
+                and b
+            ),
+            "a replacement replica",
+        )
+        assert body["replicas"]["restarts"] >= 1  # type: ignore[index]
+        _wait_for(lambda: victim not in platform.worker_pids(), "the hung worker to be killed", 10)
+        assert _chat(platform, "hung").status_code == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
+            os.kill(victim, signal.SIGKILL)
+    api.delete(f"/v1/endpoints/{endpoint}")
+
+
+def test_a_killed_single_replica_is_a_clean_503_then_replaced(
+    platform: PlatformProcess, tiny_dir: Path
+) -> None:
+    api = platform.api()
+    endpoint = deploy(api, "killed", str(tiny_dir))
+    [replica] = api.get(f"/v1/endpoints/{endpoint}").json()["replicas"]["items"]
+    victim = replica["pid"]
+    os.kill(victim, signal.SIGKILL)
+    r = _chat(platform, "killed")  # before or after the control plane noticed
+    if r.status_code != 200:
+        assert r.status_code == 503, r.text
+        assert r.headers.get("retry-after")
+        assert "127.0.0.1:" not in r.text and "http://" not in r.text, r.text
+
+    def noticed() -> dict | None:
+        b = api.get(f"/v1/endpoints/{endpoint}").json()
+        replaced = victim not in [r["pid"] for r in b["replicas"]["items"]]
+        return b if b["status"] != "ready" or replaced else None
+
+    degraded = _wait_for(noticed, "the endpoint to report or replace its dead replica", 30)
+    if degraded["status"] == "degraded":  # type: ignore[index]
+        assert "exited" in degraded["status_message"], degraded  # type: ignore[index]
+        r = _chat(platform, "killed")
+        if r.status_code != 200:  # unless the replacement already serves
+            assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+            assert "127.0.0.1:" not in r.text, r.text
+    wait_status(api, endpoint, "ready", timeout=90)
+    assert _chat(platform, "killed").status_code == 200
+    api.delete(f"/v1/endpoints/{endpoint}")
