@@ -286,17 +286,21 @@ class BatchRunner:
             await self._abandon(in_flight, commits)
             raise
         await asyncio.gather(*commits, return_exceptions=True)
-        if stop is None:
-            stop = await asyncio.to_thread(self._stop_reason, batch.id)
+        if stop is None and await asyncio.to_thread(self._stop_reason, batch.id) is Stop.REVOKED:
+            stop = Stop.REVOKED  # revoked while the last items ran: theirs were not recorded
         if stop is Stop.REVOKED:
             return await asyncio.to_thread(self._end_revoked, batch.id)
         if stop is Stop.EXPIRED:
             await asyncio.to_thread(expire_pending, self.db, batch.id)
-            return self._set(batch.id, status=BatchStatus.FINALIZING, expired_at=repo.now())
+            return await asyncio.to_thread(
+                self._set, batch.id, status=BatchStatus.FINALIZING, expired_at=repo.now()
+            )
         current = await asyncio.to_thread(self._load, batch.id)
         if current.status == BatchStatus.CANCELLING:
             return current
-        return self._set(batch.id, status=BatchStatus.FINALIZING, finalizing_at=repo.now())
+        return await asyncio.to_thread(
+            self._set, batch.id, status=BatchStatus.FINALIZING, finalizing_at=repo.now()
+        )
 
     async def _drain(
         self,
