@@ -632,7 +632,12 @@ async def test_batch_items_wait_while_interactive_requests_fill_the_endpoint(
         await r.until([batch], {"in_progress"})
         await asyncio.sleep(0.5)
         assert r.gateway.sent == []  # the replica is full of interactive requests
-        replica.outstanding = 0  # they finished
+        queued = route.queue.join(0, 256)  # and one more waits for admission
+        replica.outstanding = 1  # a slot frees: it is the queued request's
+        await asyncio.sleep(0.5)
+        assert r.gateway.sent == []
+        route.queue.leave(queued)  # admitted; then the interactive load is gone
+        replica.outstanding = 0
         await r.until([batch], {"completed"})
     finally:
         await r.runner.stop()
