@@ -17,11 +17,18 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
+from starlette.requests import Request
 
 from modelyard.api.errors import APIError
+from modelyard.config import PlatformSettings
 from modelyard.gateway.auth import Authenticator, generate_key
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.proxy import Gateway
 from modelyard.gateway.quota import MemoryQuotaCounter, month_of
+from modelyard.gateway.ratelimit import MemoryRateLimiter
+from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.registry_client import RegistryClient
 from modelyard.store import repository as repo
 from modelyard.store.db import Database, sqlite_url
@@ -360,3 +367,65 @@ async def test_a_cancelled_settlement_still_records_the_request(database: Databa
     with database.session() as s:
         (row,) = repo.usage_rows(s, "tn-1", event.created_at - timedelta(1), repo.now())
     assert (row.request_id, row.completion_tokens) == ("req-1", 20)
+
+
+async def test_the_engine_priority_comes_from_the_tenant_tier(database: Database) -> None:
+    """What the gateway sends upstream, seen by an HTTP server in the worker's place: the
+    client's `priority` is replaced by its tier's rank (0 priority, 1 standard, 2 free), and a
+    batch item's by 3 + rank, after every interactive request."""
+    seen: list[int] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        seen.append((await request.json())["priority"])
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [],
+                                  "usage": usage})  # fmt: skip
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    keys: dict[str, str] = {}
+    with database.session() as s:
+        for tier in ("free", "standard", "priority"):
+            tenant = repo.create_tenant(s, tier, None, tier=tier)
+            key, key_hash, prefix = generate_key()
+            repo.add_key(s, tenant.id, "k", key_hash, prefix, ["inference"], None, None)
+            keys[tier] = key
+    routing = RoutingTable()
+    route = EndpointRoute("ep-1", "system", "m", public=True, version_id=None, max_tokens_cap=64)
+    route.replicas.append(ReplicaRoute("rep-1", f"http://127.0.0.1:{port}", max_concurrency=8))
+    routing.put(route)
+    quota = MemoryQuotaCounter()
+    recorder = UsageRecorder(database, quota)
+    auth = Authenticator(database)
+    gateway = Gateway(
+        PlatformSettings(), auth, MemoryRateLimiter(), quota, routing, recorder, GatewayMetrics()
+    )
+    await gateway.start()
+    try:
+        for tier in ("free", "standard", "priority"):
+            body = json.dumps(chat(1, model="m", priority=0 if tier == "free" else 9)).encode()
+
+            async def receive(body: bytes = body) -> dict[str, Any]:
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                     "query_string": b"",
+                     "headers": [(b"authorization", f"Bearer {keys[tier]}".encode())]}  # fmt: skip
+            response = await gateway.handle(Request(scope, receive), "chat.completions")
+            assert response.status_code == 200
+        principal = await auth.authenticate(f"Bearer {keys['free']}")
+        status, _, _ = await gateway.run_internal(
+            principal, "chat.completions", chat(1, model="m", priority=0), "b-1:1"
+        )
+        assert status == 200
+    finally:
+        await gateway.stop()
+        await recorder.stop()
+        await runner.cleanup()
+    assert seen == [2, 1, 0, 5]
