@@ -29,7 +29,11 @@ from modelyard.batch.webhook_policy import Target, WebhookPolicy, WebhookRefused
 def test_default_allowlist_is_empty_and_refuses_everything() -> None:
     from modelyard.config import PlatformSettings
 
-    policy = WebhookPolicy(PlatformSettings(_env_file=None).batch_webhook_hosts)  # type: ignore[call-arg]
+    default = PlatformSettings.model_fields["batch_webhook_hosts"].get_default(
+        call_default_factory=True
+    )
+    assert default == []
+    policy = WebhookPolicy(default)
     for url in ("http://127.0.0.1:8000/x", "http://localhost/x", "https://example.com/hook"):
         with pytest.raises(WebhookRefused, match="allowlist"):
             policy.check(url)
