@@ -82,27 +82,35 @@ class UsageRecorder:
         task.add_done_callback(self._settling.discard)
         return task
 
-    async def count(self, event: UsageEvent, reserved: int = 0) -> bool:
+    async def count(
+        self, event: UsageEvent, reserved: int = 0, reserved_month: str | None = None
+    ) -> bool:
         """Settle the tenant's quota counter for a request that held `reserved` tokens of it
-        since admission; False if the request was counted already (then only the
-        reservation is given back)."""
+        since admission (in `reserved_month`, default the event's); False if the request was
+        counted already (then only the reservation is given back)."""
         month = month_of(event.created_at)
+        held_in = reserved_month or month
         if event.request_id in self._seen:
             # The same request reported twice (e.g. retries): bill once.
             if reserved:
-                await self.quota.add(event.tenant_id, month, -reserved)
+                await self.quota.add(event.tenant_id, held_in, -reserved)
             return False
         self._seen[event.request_id] = None
         if len(self._seen) > _SEEN_CAPACITY:
             self._seen.popitem(last=False)
+        if held_in != month:  # admitted in one month, finished in the next
+            await self.quota.add(event.tenant_id, held_in, -reserved)
+            reserved = 0
         if event.total_tokens != reserved:
             await self.quota.add(event.tenant_id, month, event.total_tokens - reserved)
         return True
 
-    async def record(self, event: UsageEvent, reserved: int = 0) -> None:
+    async def record(
+        self, event: UsageEvent, reserved: int = 0, reserved_month: str | None = None
+    ) -> None:
         """Count the request (settling `reserved` quota tokens) and queue its row for the
         background writer."""
-        if not await self.count(event, reserved):
+        if not await self.count(event, reserved, reserved_month):
             return
         self._pending.append(event)
         if len(self._pending) >= 256:

@@ -121,6 +121,7 @@ class _Call:
     status_code: int = 200
     batch: bool = False  # a batch item: no rate limits, metered as batch
     quota_reserved: int = 0  # monthly quota tokens held since admission
+    quota_month: str = ""  # the month they are held in
     slot: bool = False  # holds one of the tenant's concurrent-request slots
     # The settlement (metering or refund), once started: runs to its end whatever the client does.
     closing: asyncio.Task[UsageEvent | None] | None = None
@@ -214,12 +215,13 @@ class Gateway:
         real count afterwards, given back on failure) and take a tenant concurrency slot."""
         p = call.principal
         if p.monthly_token_quota is not None:
+            month = month_of(now())
             before = await self.quota.reserve(
-                p.tenant_id, month_of(now()), call.reserved, p.monthly_token_quota
+                p.tenant_id, month, call.reserved, p.monthly_token_quota
             )
             if before is None:
-                raise self._quota_exceeded(p, await self.quota.used(p.tenant_id, month_of(now())))
-            call.quota_reserved = call.reserved
+                raise self._quota_exceeded(p, await self.quota.used(p.tenant_id, month))
+            call.quota_reserved, call.quota_month = call.reserved, month
         if p.max_concurrent_requests is not None:
             if not await self.slots.acquire(
                 _slot_scope(p), call.request_id, p.max_concurrent_requests
@@ -493,14 +495,15 @@ class Gateway:
             # Held while the item runs, so that concurrent items see each other's share; the
             # runner counts the real use when it commits the item's result.
             call.reserved = self._reserve(route, payload, req)
+            month = month_of(now())
             before = await self.quota.reserve(
-                principal.tenant_id, month_of(now()), call.reserved, principal.monthly_token_quota
+                principal.tenant_id, month, call.reserved, principal.monthly_token_quota
             )
             if before is None:
                 raise self._quota_exceeded(
-                    principal, await self.quota.used(principal.tenant_id, month_of(now()))
+                    principal, await self.quota.used(principal.tenant_id, month)
                 )
-            call.quota_reserved = call.reserved
+            call.quota_reserved, call.quota_month = call.reserved, month
         try:
             status, content = await self._call_unary(call, orjson.dumps(body))
             result = orjson.loads(content)
@@ -787,7 +790,7 @@ class Gateway:
             if not call.batch:
                 await self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0)
             if call.quota_reserved:
-                await self.quota.add(p.tenant_id, month_of(now()), -call.quota_reserved)
+                await self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved)
             return None
         finally:
             if call.slot:
@@ -824,10 +827,10 @@ class Gateway:
             batch=call.batch,
         )
         if not call.batch:
-            await self.recorder.record(event, call.quota_reserved)
+            await self.recorder.record(event, call.quota_reserved, call.quota_month or None)
         elif call.quota_reserved:
             # The runner counts the item's real use once its result is committed.
-            await self.quota.add(p.tenant_id, month_of(event.created_at), -call.quota_reserved)
+            await self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved)
         return event
 
 
