@@ -190,3 +190,20 @@ def test_the_data_dir_is_private_and_is_made_so_at_start(tmp_path: Path) -> None
     assert _mode(data_dir / "modelyard.db") == 0o600
     assert _mode(data_dir / "admin_key") == 0o600
     assert all(_mode(b) == 0o400 for b in blobs)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/tenants", b'{"name": "nul\\u0000here"}', "name"),
+        ("/v1/tenants", b'{"name": "lone \\udcff surrogate"}', "name"),
+        ("/v1/keys", b'{"name": "k", "scopes": ["inference\\u0000"]}', "scopes[0]"),
+    ],
+)
+def test_text_that_cannot_be_stored_is_a_400_naming_the_field(
+    admin: httpx.Client, path: str, body: bytes, param: str
+) -> None:
+    r = admin.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert r.json()["error"]["code"] == "invalid_text"

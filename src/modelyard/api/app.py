@@ -25,6 +25,7 @@ from modelyard.api.middleware import BodySizeLimit
 from modelyard.api.oip import install_oip_error_handlers
 from modelyard.api.openapi_edge import BEARER_ONLY, BEARER_OPTIONAL, install_openapi
 from modelyard.api.preauth import PreAuthenticate
+from modelyard.api.text_guard import StorableText
 from modelyard.gateway.auth import Principal
 from modelyard.platform import Platform
 
@@ -51,6 +52,7 @@ def create_platform_app(platform: Platform) -> FastAPI:
             "/v1/files": platform.settings.max_file_bytes + 2**20,
         },
     )
+    app.add_middleware(StorableText)
     # Outermost: a caller without a valid key (or the route's scope) is refused before any
     # body is read, so a stranger's upload costs nothing.
     app.add_middleware(PreAuthenticate, authenticate=platform.auth.authenticate)

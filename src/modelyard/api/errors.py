@@ -35,6 +35,9 @@ _TYPE_BY_STATUS = {
 }
 
 
+INTERNAL_ERROR = "The server had an error while processing your request. Sorry about that!"
+
+
 class APIError(Exception):
     def __init__(
         self,
@@ -110,4 +113,5 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return APIError(500, f"The server had an error processing your request: {exc}").response()
+        # The exception's text stays in the log: it can name tables, paths or other tenants' data.
+        return APIError(500, INTERNAL_ERROR).response()

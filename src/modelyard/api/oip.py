@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from modelyard.api.errors import APIError
+from modelyard.api.errors import INTERNAL_ERROR, APIError
 from modelyard.api.responses import json_response
 from modelyard.encoders.classifier import Scores
 
@@ -208,6 +208,26 @@ def model_metadata(
     }
 
 
+def protocol_shaped(response: Response) -> Response:
+    """An error relayed from a replica in OpenAI's shape (`{"error": {"message": …}}`, e.g. an
+    LLM worker that has no /v2 routes) rewritten into the protocol's `{"error": "message"}`."""
+    if response.status_code < 400:
+        return response
+    try:
+        body = orjson.loads(bytes(response.body))
+    except orjson.JSONDecodeError:
+        return json_response({"error": "error"}, response.status_code)
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, str):
+        return response
+    message = error.get("message") if isinstance(error, dict) else None
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in _FRAMING}
+    return json_response({"error": str(message or "error")}, response.status_code, headers)
+
+
+_FRAMING = ("content-length", "content-type")
+
+
 def install_oip_error_handlers(app: FastAPI) -> None:
     """Under `/v2/` every error, the framework's own included, takes the protocol's shape;
     elsewhere the OpenAI handlers `install_error_handlers` put in place still answer."""
@@ -242,6 +262,4 @@ def install_oip_error_handlers(app: FastAPI) -> None:
         StarletteHTTPException,
         wrap(StarletteHTTPException, lambda e: OIPError(e.status_code, str(e.detail))),
     )
-    app.add_exception_handler(
-        Exception, wrap(Exception, lambda e: OIPError(500, f"internal error: {e}"))
-    )
+    app.add_exception_handler(Exception, wrap(Exception, lambda e: OIPError(500, INTERNAL_ERROR)))

@@ -13,7 +13,9 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from modelyard.api.deps import get_inference, get_platform
+from modelyard.api.errors import bad_request
 from modelyard.api.responses import JSONResponse
+from modelyard.api.text_guard import storable
 from modelyard.gateway.auth import Principal
 from modelyard.platform import Platform
 
@@ -36,6 +38,13 @@ async def upload_file(
     principal: Principal = Depends(get_inference),
     platform: Platform = Depends(get_platform),
 ) -> dict[str, Any]:
+    filename = file.filename or "upload.jsonl"
+    if not storable(filename):
+        raise bad_request(
+            "Invalid value for 'file': its filename must be valid Unicode without NUL characters.",
+            "file",
+            "invalid_text",
+        )
     # The upload is spooled to a local temp file, then copied (and hashed) into the store.
     with tempfile.NamedTemporaryFile(dir=platform.store.tmp, prefix="file-") as tmp:
         await asyncio.to_thread(shutil.copyfileobj, file.file, tmp, 1 << 20)
@@ -44,7 +53,7 @@ async def upload_file(
             platform.files.create_from_path,
             principal.tenant_id,
             Path(tmp.name),
-            file.filename or "upload.jsonl",
+            filename,
             purpose,
         )
 

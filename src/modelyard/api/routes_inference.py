@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from modelyard.api.deps import get_platform, get_principal
 from modelyard.api.embeddings import EmbeddingRequest
 from modelyard.api.errors import APIError
-from modelyard.api.oip import InferRequest
+from modelyard.api.oip import InferRequest, protocol_shaped
 from modelyard.api.openapi_edge import BEARER_ONLY, json_body
 from modelyard.api.protocol import ChatCompletionRequest, CompletionRequest
 from modelyard.gateway.auth import Principal
@@ -58,19 +58,19 @@ async def oip_health() -> dict[str, Any]:
 @router.get("/v2/models/{model}", openapi_extra=BEARER_ONLY)
 @router.get("/v2/models/{model}/versions/{version}", openapi_extra=BEARER_ONLY)
 async def oip_metadata(model: str, request: Request, version: str | None = None) -> Response:
-    return await get_platform(request).gateway.handle_oip(request, model, "")
+    return protocol_shaped(await get_platform(request).gateway.handle_oip(request, model, ""))
 
 
 @router.get("/v2/models/{model}/ready", openapi_extra=BEARER_ONLY)
 @router.get("/v2/models/{model}/versions/{version}/ready", openapi_extra=BEARER_ONLY)
 async def oip_ready(model: str, request: Request, version: str | None = None) -> Response:
-    return await get_platform(request).gateway.handle_oip(request, model, "ready")
+    return protocol_shaped(await get_platform(request).gateway.handle_oip(request, model, "ready"))
 
 
 @router.post("/v2/models/{model}/infer", openapi_extra=json_body(InferRequest))
 @router.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=json_body(InferRequest))
 async def oip_infer(model: str, request: Request, version: str | None = None) -> Response:
-    return await get_platform(request).gateway.handle_oip(request, model, "infer")
+    return protocol_shaped(await get_platform(request).gateway.handle_oip(request, model, "infer"))
 
 
 def _model_object(route: EndpointRoute, platform: Platform) -> dict[str, Any]:

@@ -1,0 +1,130 @@
+"""Refuse typed JSON bodies whose text cannot be stored: NUL characters and lone surrogates.
+
+Valid JSON may carry `"\\u0000"` and unpaired surrogates (`"\\udcff"`); Python keeps them, but
+PostgreSQL refuses NUL in text and no database can encode a lone surrogate as UTF-8, so a
+tenant name or batch metadata holding one was a 500 from deep in the store. This ASGI
+middleware checks the bodies of the routes FastAPI parses itself (the control plane's typed
+JSON routes: tenants, keys, deploys, batches…) as they are read, and answers a 400 naming the
+field instead. The gateway's inference routes parse their raw bodies themselves and are not
+touched, so the hot path pays nothing here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+from fastapi.routing import APIRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from modelyard.api.errors import APIError, bad_request
+
+
+def find_bad_text(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) holding NUL or a lone surrogate, or None."""
+    if isinstance(value, str):
+        return None if storable(value) else (path or "body")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if not storable(key):
+                return path or "body"
+            found = find_bad_text(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = find_bad_text(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def storable(text: str) -> bool:
+    """Whether every database can keep `text`: no NUL, no lone surrogate."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+def _decode(body: bytes) -> Any:
+    """The JSON value, surrogates kept; None when it is not JSON (FastAPI says why)."""
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+class _Refused(Exception):
+    pass
+
+
+class StorableText:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        refusal: APIError | None = None
+        answered = False
+
+        def typed_json() -> bool:
+            route = scope.get("route")
+            if not isinstance(route, APIRoute) or route.body_field is None:
+                return False
+            for name, value in scope.get("headers", ()):
+                if name == b"content-type":
+                    return value.split(b";")[0].strip().lower() == b"application/json"
+            return False
+
+        async def checked_receive() -> Message:
+            nonlocal refusal
+            message = await receive()
+            if message["type"] != "http.request" or not typed_json():
+                return message
+            chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return message
+            body = b"".join(chunks)
+            # orjson refuses lone surrogates, so a clean body costs one fast parse.
+            try:
+                orjson.loads(body)
+                if b"\\u0000" not in body:
+                    return message
+            except orjson.JSONDecodeError:
+                pass
+            where = find_bad_text(_decode(body))
+            if where is None:
+                return message
+            refusal = bad_request(
+                f"Invalid value for '{where}': text must be valid Unicode without NUL "
+                "characters or unpaired surrogates.",
+                where,
+                "invalid_text",
+            )
+            raise _Refused
+
+        async def answer() -> None:
+            nonlocal answered
+            if not answered and refusal is not None:
+                answered = True
+                await refusal.response()(scope, receive, send)
+
+        async def guarded_send(message: Message) -> None:
+            if refusal is not None:
+                await answer()  # the app saw a failed body read; the refusal says why
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, checked_receive, guarded_send)
+        except _Refused:
+            await answer()
