@@ -1,0 +1,269 @@
+"""Chaos with real processes: Redis and PostgreSQL restarted under traffic (private instances on
+free ports, never the machine's shared ones), a worker killed with SIGKILL under streaming and
+non-streaming load, and the whole platform killed with SIGKILL and restarted with a batch
+running. After each: no request hung, failures were clean errors, every answered request has
+exactly one usage row, and no batch item was lost or run twice.
+
+What the platform does while a dependency is down (asserted here, stated in docs/security.md):
+- Redis down: requests whose limits live in Redis are refused with a clean 5xx error in the
+  OpenAI shape (limits fail closed, never unmetered); once Redis is back they are served again,
+  with the buckets starting full (Redis keeps no state across the restart here).
+- PostgreSQL down: requests already authenticated (cached keys) are still served; the usage
+  writer keeps their rows and retries, so they are all written once the database is back.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.chaos_harness import (
+    Outcome,
+    PostgresServer,
+    RedisServer,
+    Traffic,
+    assert_clean,
+    check_usage,
+    send,
+)
+from tests.platform_harness import (
+    PlatformProcess,
+    batch_line,
+    create_key,
+    create_tenant,
+    deploy,
+    jsonl,
+    read_jsonl,
+    usage_rows,
+    wait_batch,
+    wait_status,
+    wait_usage,
+)
+from tests.tiny_models import build_model
+
+# Faults injected and requests checked, for the table in docs/security.md (printed at the end).
+TALLY: collections.Counter[str] = collections.Counter()
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def postgres_server() -> Iterator[PostgresServer]:
+    server = PostgresServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+class Chaos:
+    """A platform on the private PostgreSQL and Redis, restartable on the same data dir."""
+
+    def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
+        self.data_dir = data_dir
+        self.env = env
+        self.p = PlatformProcess(data_dir, env).start()
+
+    def restart(self) -> None:
+        self.p = PlatformProcess(self.data_dir, self.env).start()
+
+    def tenant(self, name: str) -> tuple[str, str]:
+        admin = self.p.api()
+        tenant = create_tenant(admin, f"{name}-{time.time_ns()}", quota=10**9)
+        # Limits on the key, so every request takes the Redis path of the limiter.
+        key = create_key(admin, tenant, rpm_limit=100_000, tpm_limit=10**8)["key"]
+        return tenant, key
+
+
+@pytest.fixture(scope="module")
+def chaos(
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_server: RedisServer,
+    postgres_server: PostgresServer,
+    cache_dir: Path,
+) -> Iterator[Chaos]:
+    models = tmp_path_factory.mktemp("models")
+    build_model(models / "tiny", "llama")
+    env = {
+        "MODELYARD_DATABASE_URL": postgres_server.url,
+        "MODELYARD_REDIS_URL": redis_server.url,
+        "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models)]),
+        "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
+        "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
+        "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
+    }
+    c = Chaos(tmp_path_factory.mktemp("data"), env)
+    try:
+        deploy(c.p.api(), "tiny", str(models / "tiny"), public=True)
+        yield c
+    finally:
+        c.p.stop()
+        print(f"chaos tally: {dict(TALLY)}")
+
+
+def recovered(c: Chaos, key: str, n: int = 4, timeout: float = 60.0) -> list[Outcome]:
+    """Requests after a fault, until `n` in a row are answered (the platform recovered)."""
+    outcomes: list[Outcome] = []
+    deadline = time.monotonic() + timeout
+    streak = 0
+    while streak < n:
+        assert time.monotonic() < deadline, f"did not recover: {outcomes[-3:]}"
+        o = send(c.p.url, key, "tiny", stream=len(outcomes) % 2 == 0, max_tokens=6)
+        outcomes.append(o)
+        streak = streak + 1 if o.complete else 0
+        if not o.complete:
+            time.sleep(0.3)
+    return outcomes
+
+
+def settle_usage(c: Chaos, tenant: str, outcomes: list[Outcome]) -> list[dict[str, str]]:
+    """Wait (bounded) until every answered request has its row, then check the rows."""
+    answered = {o.request_id for o in outcomes if o.complete}
+    api = c.p.api()
+    deadline = time.monotonic() + 20
+    rows = usage_rows(api, tenant_id=tenant)
+    while not answered <= {r["request_id"] for r in rows} and time.monotonic() < deadline:
+        time.sleep(0.2)
+        rows = usage_rows(api, tenant_id=tenant)
+    check_usage(outcomes, rows)
+    TALLY["requests checked"] += len(outcomes)
+    TALLY["usage rows checked"] += len(rows)
+    return rows
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    return str(collections.Counter((o.status, o.error) for o in outcomes))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug (gateway/metering.py UsageRecorder.count awaits quota.add in Redis "
+    "before queueing the usage row): a request settled while Redis is down is never billed, "
+    "and a stream's body is cut after [DONE] because the error escapes the relay's finally",
+)
+def test_redis_restarted_under_traffic(chaos: Chaos, redis_server: RedisServer) -> None:
+    tenant, key = chaos.tenant("redis-chaos")
+    traffic = Traffic(chaos.p.url, key, "tiny", total=30, workers=3, max_seconds=90)
+    traffic.wait_count(4)
+    # Redis dies while a stream is mid-answer; the stream ends (and settles) while it is down.
+    mid_stream = send(chaos.p.url, key, "tiny", stream=True, max_tokens=80,
+                      on_first_data=redis_server.kill)  # fmt: skip
+    TALLY["redis killed"] += 1
+    time.sleep(1.0)
+    redis_server.start()
+    outcomes = [*traffic.finish(), mid_stream, *recovered(chaos, key)]
+    print("redis restart:", summary(outcomes), "mid-stream:", mid_stream)
+    # An answer that reached the client is billed once, whatever Redis did meanwhile.
+    settle_usage(chaos, tenant, outcomes)
+    # Limits fail closed while Redis is away: a clean 5xx, never a hang or an unmetered answer.
+    assert_clean(outcomes, {500, 503})
+
+
+def test_postgres_restarted_under_traffic(chaos: Chaos, postgres_server: PostgresServer) -> None:
+    tenant, key = chaos.tenant("pg-chaos")
+    traffic = Traffic(chaos.p.url, key, "tiny", total=36, workers=3, max_seconds=90)
+    traffic.wait_count(6)
+    postgres_server.kill()
+    TALLY["postgres killed"] += 1
+    time.sleep(2.0)
+    postgres_server.start()
+    outcomes = traffic.finish() + recovered(chaos, key)
+    print("postgres restart:", summary(outcomes))
+    settle_usage(chaos, tenant, outcomes)
+    assert_clean(outcomes, {500, 503})
+
+
+def test_worker_killed_under_streaming_and_unary_load(chaos: Chaos) -> None:
+    tenant, key = chaos.tenant("worker-chaos")
+    admin = chaos.p.api()
+    endpoint = admin.get("/v1/endpoints").json()["data"][0]["endpoint_id"]
+    before = set(chaos.p.worker_pids())
+    assert before
+    traffic = Traffic(chaos.p.url, key, "tiny", total=30, workers=4, max_tokens=40, max_seconds=120)
+    traffic.wait_count(4)
+    for pid in before:
+        os.kill(pid, signal.SIGKILL)
+        TALLY["workers killed"] += 1
+    outcomes = traffic.finish()
+    # The replica is replaced.
+    deadline = time.monotonic() + 120
+    while not (set(chaos.p.worker_pids()) - before):
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(0.2)
+    wait_status(admin, endpoint, "ready")
+    outcomes += recovered(chaos, key)
+    print("worker kill:", summary(outcomes))
+    settle_usage(chaos, tenant, outcomes)
+    assert_clean(outcomes, {502, 503})
+    assert all(o.seconds < 60 for o in outcomes), "a request hung"
+
+
+def test_platform_killed_and_restarted_with_a_batch_running(chaos: Chaos) -> None:
+    tenant, key = chaos.tenant("platform-chaos")
+    client = chaos.p.openai(key)
+    n = 40
+    lines = [batch_line(f"item-{i}", f"Story {i}", max_tokens=12, ignore_eos=True)
+             for i in range(n)]  # fmt: skip
+    upload = client.files.create(file=("b.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    traffic = Traffic(chaos.p.url, key, "tiny", total=30, workers=2, max_seconds=60)
+    deadline = time.monotonic() + 120
+    while client.batches.retrieve(batch.id).request_counts.completed < 5:
+        assert time.monotonic() < deadline, "the batch did not start"
+        time.sleep(0.1)
+    traffic.wait_count(4)
+    chaos.p.stop(signal.SIGKILL)
+    TALLY["platform killed"] += 1
+    before_restart = traffic.stop()
+    chaos.restart()
+    client = chaos.p.openai(key)
+    admin = chaos.p.api()
+    endpoint = admin.get("/v1/endpoints").json()["data"][0]["endpoint_id"]
+    wait_status(admin, endpoint, "ready")
+    after = Traffic(chaos.p.url, key, "tiny", total=12, workers=2, max_seconds=60).finish()
+    done = wait_batch(client, batch.id, {"completed", "failed", "expired"}, timeout=180)
+    assert done.status == "completed"
+    out = read_jsonl(client, done.output_file_id)
+    err = read_jsonl(client, done.error_file_id)
+    ids = [o["custom_id"] for o in out] + [e["custom_id"] for e in err]
+    assert sorted(ids) == sorted(f"item-{i}" for i in range(n)), "an item was lost or run twice"
+    assert not err and done.request_counts.completed == n
+    TALLY["batch items checked"] += n
+    # Requests cut off by the kill got no answer (connection errors); every answered one, before
+    # the kill or after the restart, is billed once; each batch item is billed once.
+    print("platform kill:", summary(before_restart + after))
+    assert_clean(after, set())
+    outcomes = before_restart + after
+    rows = wait_usage(
+        admin,
+        lambda rows: (
+            len([r for r in rows if r["batch"] == "1"]) >= n
+            and {o.request_id for o in outcomes if o.complete} <= {r["request_id"] for r in rows}
+        ),
+        timeout=60,
+        tenant_id=tenant,
+    )
+    batch_rows = [r for r in rows if r["batch"] == "1"]
+    assert len(batch_rows) == len({r["request_id"] for r in batch_rows}) == n
+    check_usage(outcomes, [r for r in rows if r["batch"] != "1"])
+    TALLY["requests checked"] += len(outcomes)
+    TALLY["usage rows checked"] += len(rows)
