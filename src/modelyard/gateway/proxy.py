@@ -125,6 +125,35 @@ class _Call:
     slot: bool = False  # holds one of the tenant's concurrent-request slots
     # The settlement (metering or refund), once started: runs to its end whatever the client does.
     closing: asyncio.Task[UsageEvent | None] | None = None
+    relaying: bool = False  # the stream's relay has started (and will settle in its `finally`)
+
+
+class _GuardedStream(StreamingResponse):
+    """A stream that cleans up even if its body never starts (the client left between the
+    handler's return and the first chunk): an unstarted generator's `finally` never runs, so
+    the slot, the reservations and the upstream connection would be held for good."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        call: _Call,
+        unstarted: Callable[[], Awaitable[None]],
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+        self._call = call
+        self._unstarted = unstarted
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._call.relaying:
+                await self._unstarted()
 
 
 class Gateway:
@@ -641,10 +670,14 @@ class Gateway:
             call.status_code = response.status
             return await self._unpaid(call, content, headers)
         call.prompt_tokens = int(response.headers.get(PROMPT_TOKENS_HEADER, 0))
-        return StreamingResponse(
-            self._relay(call, response, replica, wants_usage),
-            media_type="text/event-stream",
-            headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+
+        async def unstarted() -> None:
+            response.close()
+            call.route.release(replica)
+            await self._refund(call)
+
+        return _GuardedStream(
+            self._relay(call, response, replica, wants_usage), call, unstarted, headers
         )
 
     def _cold_stream(
@@ -703,11 +736,9 @@ class Gateway:
             async for chunk in self._relay(call, response, replica, wants_usage):
                 yield chunk
 
-        return StreamingResponse(
-            body(),
-            media_type="text/event-stream",
-            headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
-        )
+        # Until the relay starts nothing was served: a client gone while the model loads (or
+        # before the body started) is refunded.
+        return _GuardedStream(body(), call, lambda: self._refund(call), headers)
 
     async def _relay(
         self,
@@ -716,6 +747,7 @@ class Gateway:
         replica: ReplicaRoute,
         wants_usage: bool,
     ) -> AsyncIterator[bytes]:
+        call.relaying = True
         buffer = b""
         complete = False
         try:
