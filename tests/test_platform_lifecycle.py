@@ -19,14 +19,15 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.databases import fresh_postgres
+from tests.databases import platform_mode_env
 from tests.platform_harness import (
     PlatformProcess,
     create_key,
     create_tenant,
     deploy,
-    usage_rows,
+    wait_request_ids,
     wait_status,
+    wait_usage,
 )
 from tests.tiny_models import build_model
 
@@ -219,7 +220,7 @@ def test_restart_keeps_keys_usage_and_endpoints(tmp_path: Path, tiny_dir: Path) 
         key = create_key(admin, tenant)["key"]
         deploy(admin, "kept", str(tiny_dir), public=True)
         first.openai(key).chat.completions.create(model="kept", messages=MESSAGES, max_tokens=2)
-        time.sleep(0.3)
+        wait_usage(admin, lambda rows: len(rows) == 1, tenant_id=tenant)
     finally:
         assert first.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
     second = start_platform(data)
@@ -228,8 +229,8 @@ def test_restart_keeps_keys_usage_and_endpoints(tmp_path: Path, tiny_dir: Path) 
         (endpoint,) = admin.get("/v1/endpoints").json()["data"]
         wait_status(admin, endpoint["endpoint_id"], "ready")
         second.openai(key).chat.completions.create(model="kept", messages=MESSAGES, max_tokens=2)
-        time.sleep(0.3)
-        assert len(usage_rows(admin, tenant_id=tenant)) == 2
+        rows = wait_usage(admin, lambda rows: len(rows) >= 2, tenant_id=tenant)
+        assert len(rows) == len({r["request_id"] for r in rows}) == 2
         assert "Admin API key: in" in second.output()  # not shown a second time
     finally:
         second.stop()
@@ -267,21 +268,22 @@ def test_first_start_bootstraps_admin_key_and_smollm2(tmp_path: Path, cache_dir:
         p.stop()
 
 
-def test_the_platform_on_postgresql(tmp_path: Path, tiny_dir: Path) -> None:
-    with fresh_postgres() as url:
-        p = start_platform(tmp_path / "data", MODELYARD_DATABASE_URL=url)
+def test_the_platform_on_postgresql_and_redis(tmp_path: Path, tiny_dir: Path) -> None:
+    with platform_mode_env("postgres-redis") as env:
+        p = start_platform(tmp_path / "data", **env)
         try:
             admin = p.api()
             tenant = create_tenant(admin, "pg-tenant")
-            key = create_key(admin, tenant)["key"]
+            key = create_key(admin, tenant, rpm_limit=100)["key"]
             deploy(admin, "pg-tiny", str(tiny_dir), public=True)
+            ids = []
             for _ in range(3):
-                p.openai(key).chat.completions.create(
+                raw = p.openai(key).chat.completions.with_raw_response.create(
                     model="pg-tiny", messages=MESSAGES, max_tokens=2
                 )
-            time.sleep(0.3)
-            rows = usage_rows(admin, tenant_id=tenant)
-            assert len({r["request_id"] for r in rows}) == 3
+                ids.append(raw.headers["x-request-id"])
+            rows = wait_request_ids(admin, ids, tenant_id=tenant)
+            assert sorted(r["request_id"] for r in rows) == sorted(ids)
             assert not (p.data_dir / "modelyard.db").exists()  # state went to PostgreSQL
         finally:
             p.stop()
