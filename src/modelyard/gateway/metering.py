@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-from modelyard.gateway.ratelimit import QuotaCounter, month_of
+from modelyard.gateway.quota import LimitsUnavailable, QuotaCounter, month_of
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 
@@ -93,17 +93,25 @@ class UsageRecorder:
         if event.request_id in self._seen:
             # The same request reported twice (e.g. retries): bill once.
             if reserved:
-                await self.quota.add(event.tenant_id, held_in, -reserved)
+                await self._move(event.tenant_id, held_in, -reserved)
             return False
         self._seen[event.request_id] = None
         if len(self._seen) > _SEEN_CAPACITY:
             self._seen.popitem(last=False)
         if held_in != month:  # admitted in one month, finished in the next
-            await self.quota.add(event.tenant_id, held_in, -reserved)
+            await self._move(event.tenant_id, held_in, -reserved)
             reserved = 0
         if event.total_tokens != reserved:
-            await self.quota.add(event.tenant_id, month, event.total_tokens - reserved)
+            await self._move(event.tenant_id, month, event.total_tokens - reserved)
         return True
+
+    async def _move(self, tenant_id: str, month: str, tokens: int) -> None:
+        """Move a quota counter; with its store unreachable the usage row is still written
+        (the ledger is what bills) and the counter misses the move, logged."""
+        try:
+            await self.quota.add(tenant_id, month, tokens)
+        except LimitsUnavailable as exc:
+            log.warning("quota counter of %s not moved by %d: %s", tenant_id, tokens, exc)
 
     async def record(
         self, event: UsageEvent, reserved: int = 0, reserved_month: str | None = None

@@ -9,10 +9,11 @@ fail before a worker served them (bad input, limits, no capacity).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from modelyard.gateway.async_results import AsyncResults
 from modelyard.gateway.auth import Authenticator, Principal
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
-from modelyard.gateway.quota import ConcurrencyLimiter, concurrency_beside
+from modelyard.gateway.quota import ConcurrencyLimiter, LimitsUnavailable, concurrency_beside
 from modelyard.gateway.ratelimit import Decision, QuotaCounter, RateLimiter, month_of
 from modelyard.gateway.router import (
     AdmissionRefused,
@@ -244,17 +245,13 @@ class Gateway:
         real count afterwards, given back on failure) and take a tenant concurrency slot."""
         p = call.principal
         if p.monthly_token_quota is not None:
-            month = month_of(now())
-            before = await self.quota.reserve(
-                p.tenant_id, month, call.reserved, p.monthly_token_quota
-            )
-            if before is None:
-                raise self._quota_exceeded(p, await self.quota.used(p.tenant_id, month))
-            call.quota_reserved, call.quota_month = call.reserved, month
+            await self._reserve_quota(call)
         if p.max_concurrent_requests is not None:
-            if not await self.slots.acquire(
-                _slot_scope(p), call.request_id, p.max_concurrent_requests
-            ):
+            with _fail_closed():
+                taken = await self.slots.acquire(
+                    _slot_scope(p), call.request_id, p.max_concurrent_requests
+                )
+            if not taken:
                 self.metrics.limited.labels("concurrency").inc()
                 raise APIError(
                     429,
@@ -283,7 +280,8 @@ class Gateway:
         return estimate_prompt_tokens(payload) + completion * req.n * n_prompts
 
     async def _acquire(self, principal: Principal, model: str, reserved: int) -> Decision:
-        decision = await self.limiter.acquire(principal.key_id, principal.limits, reserved)
+        with _fail_closed():
+            decision = await self.limiter.acquire(principal.key_id, principal.limits, reserved)
         if not decision.allowed:
             self.metrics.limited.labels(decision.reason or "limit").inc()
             what = "requests" if decision.reason == "requests" else "tokens"
@@ -307,6 +305,18 @@ class Gateway:
                 code="model_not_found",
             )
         return route
+
+    async def _reserve_quota(self, call: _Call) -> None:
+        p = call.principal
+        assert p.monthly_token_quota is not None
+        month = month_of(now())
+        with _fail_closed():
+            before = await self.quota.reserve(
+                p.tenant_id, month, call.reserved, p.monthly_token_quota
+            )
+            if before is None:
+                raise self._quota_exceeded(p, await self.quota.used(p.tenant_id, month))
+        call.quota_reserved, call.quota_month = call.reserved, month
 
     def _quota_exceeded(self, principal: Principal, used: int) -> APIError:
         self.metrics.limited.labels("quota").inc()
@@ -524,15 +534,7 @@ class Gateway:
             # Held while the item runs, so that concurrent items see each other's share; the
             # runner counts the real use when it commits the item's result.
             call.reserved = self._reserve(route, payload, req)
-            month = month_of(now())
-            before = await self.quota.reserve(
-                principal.tenant_id, month, call.reserved, principal.monthly_token_quota
-            )
-            if before is None:
-                raise self._quota_exceeded(
-                    principal, await self.quota.used(principal.tenant_id, month)
-                )
-            call.quota_reserved, call.quota_month = call.reserved, month
+            await self._reserve_quota(call)
         try:
             status, content = await self._call_unary(call, orjson.dumps(body))
             result = orjson.loads(content)
@@ -820,13 +822,19 @@ class Gateway:
             if served:
                 return await self._meter(call)
             if not call.batch:
-                await self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0)
+                await _tolerant(
+                    self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0), "TPM refund"
+                )
             if call.quota_reserved:
-                await self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved)
+                await _tolerant(
+                    self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved),
+                    "quota refund",
+                )
             return None
         finally:
             if call.slot:
-                await self.slots.release(_slot_scope(p), call.request_id)
+                # Unreleased in Redis, the slot expires with its lease.
+                await _tolerant(self.slots.release(_slot_scope(p), call.request_id), "slot release")
 
     async def _meter(self, call: _Call) -> UsageEvent:
         latency = time.perf_counter() - call.started
@@ -840,7 +848,10 @@ class Gateway:
         actual = call.prompt_tokens + call.completion_tokens
         p = call.principal
         if not call.batch:
-            await self.limiter.reconcile(p.key_id, p.limits, call.reserved, actual)
+            await _tolerant(
+                self.limiter.reconcile(p.key_id, p.limits, call.reserved, actual),
+                "TPM settlement",
+            )
         event = UsageEvent(
             request_id=call.request_id,
             tenant_id=p.tenant_id,
@@ -862,8 +873,36 @@ class Gateway:
             await self.recorder.record(event, call.quota_reserved, call.quota_month or None)
         elif call.quota_reserved:
             # The runner counts the item's real use once its result is committed.
-            await self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved)
+            await _tolerant(
+                self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved),
+                "quota settlement",
+            )
         return event
+
+
+@contextlib.contextmanager
+def _fail_closed() -> Iterator[None]:
+    """Admission while the limits store (Redis) is unreachable: refused with a 503, never let
+    through unlimited and unmetered."""
+    try:
+        yield
+    except LimitsUnavailable as exc:
+        log.warning("refusing a request: %s", exc)
+        raise APIError(
+            503,
+            "Rate limits and quotas cannot be checked right now; please retry shortly.",
+            code="limits_unavailable",
+            headers={"retry-after": "5"},
+        ) from exc
+
+
+async def _tolerant(work: Awaitable[Any], what: str) -> None:
+    """Bookkeeping after a request must not cost its usage record: with the limits store
+    unreachable it is skipped and logged (buckets refill by themselves, slots expire)."""
+    try:
+        await work
+    except LimitsUnavailable as exc:
+        log.warning("%s skipped: %s", what, exc)
 
 
 def _slot_scope(principal: Principal) -> str:

@@ -4,12 +4,18 @@ at admission, settled to the real count afterwards) and the ceiling on requests 
 Both exist in process memory (one gateway) and in Redis (several gateways sharing them); every
 check-and-take is atomic, so concurrent requests cannot all pass one check: a burst overshoots
 the quota by at most one request's reservation and never exceeds the concurrency ceiling.
+When Redis cannot be reached, every Redis-backed call raises `LimitsUnavailable`: admission
+fails closed on it, settlement logs it and still records the usage.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+
+from redis.exceptions import RedisError
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -18,6 +24,29 @@ _QUOTA_TTL_S = 40 * 24 * 3600
 # A slot in Redis whose gateway died without releasing it is forgotten after this long (longer
 # than any request may run: the gateway cuts unary requests at ~130 s, idle streams at ~35 s).
 SLOT_LEASE_S = 900.0
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class LimitsUnavailable(RuntimeError):
+    """The shared store of limits and quotas (Redis) cannot be reached."""
+
+
+def shared_store(
+    fn: Callable[P, Coroutine[Any, Any, R]],
+) -> Callable[P, Coroutine[Any, Any, R]]:
+    """Redis failures of a limits call, as the domain's `LimitsUnavailable`."""
+
+    @functools.wraps(fn)
+    async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except (RedisError, OSError) as exc:
+            raise LimitsUnavailable(f"the limits store is unreachable: {exc!r}") from exc
+
+    return call
 
 
 def month_of(ts: datetime) -> str:
@@ -102,10 +131,12 @@ class RedisQuotaCounter:
     def _key(self, tenant_id: str, month: str) -> str:
         return f"{self._prefix}quota:{tenant_id}:{month}"
 
+    @shared_store
     async def used(self, tenant_id: str, month: str) -> int:
         value = await self._redis.get(self._key(tenant_id, month))
         return 0 if value is None else int(value)
 
+    @shared_store
     async def add(self, tenant_id: str, month: str, tokens: int) -> int:
         key = self._key(tenant_id, month)
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -114,9 +145,11 @@ class RedisQuotaCounter:
             total, _ = await pipe.execute()
         return int(total)
 
+    @shared_store
     async def seed(self, tenant_id: str, month: str, tokens: int) -> None:
         await self._redis.set(self._key(tenant_id, month), tokens, nx=True, ex=_QUOTA_TTL_S)
 
+    @shared_store
     async def reserve(self, tenant_id: str, month: str, tokens: int, quota: int) -> int | None:
         before = int(
             await self._reserve(
@@ -194,13 +227,16 @@ class RedisConcurrencyLimiter:
         self._lease_s = lease_s
         self._acquire = redis.register_script(_SLOT_LUA)
 
+    @shared_store
     async def acquire(self, scope: str, slot: str, limit: int) -> bool:
         taken = await self._acquire(keys=[self._prefix + scope], args=[slot, limit, self._lease_s])
         return bool(int(taken))
 
+    @shared_store
     async def release(self, scope: str, slot: str) -> None:
         await self._redis.zrem(self._prefix + scope, slot)
 
+    @shared_store
     async def held(self, scope: str) -> int:
         return int(await self._redis.zcard(self._prefix + scope))
 

@@ -17,6 +17,7 @@ from modelyard.gateway.quota import (
     QuotaCounter,
     RedisQuotaCounter,
     month_of,
+    shared_store,
 )
 
 if TYPE_CHECKING:
@@ -310,6 +311,7 @@ class RedisRateLimiter:
         # script touching both requires.
         return f"{self._prefix}{{{key_id}}}:{kind}"
 
+    @shared_store
     async def acquire(self, key_id: str, limits: Limits, tokens: int) -> Decision:
         _check_tokens(tokens)
         if limits.rpm is None and limits.tpm is None:
@@ -327,6 +329,7 @@ class RedisRateLimiter:
             None if limits.tpm is None else float(available),
         )
 
+    @shared_store
     async def reconcile(self, key_id: str, limits: Limits, reserved: int, actual: int) -> None:
         delta = reserved - actual
         if limits.tpm is None or delta == 0:
