@@ -102,6 +102,17 @@ def _with_model(operation: Any, strategy: st.SearchStrategy) -> st.SearchStrateg
     return st.tuples(strategy, st.integers(0, 3).map(bool)).map(name_it)
 
 
+def _why(response: Any) -> str:
+    """An error's param or code, to see which checks the generated requests ran into."""
+    if response.status_code < 400:
+        return ""
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return f" {error.get('param') or error.get('code')}" if isinstance(error, dict) else ""
+
+
 def _past_int32(value: Any) -> bool:
     if isinstance(value, dict):
         return any(_past_int32(v) for v in value.values())
@@ -137,7 +148,8 @@ def _fuzz(operation: Any, base_url: str, key: str, examples: int, counter: list[
         except Exception as exc:  # a timeout or a dropped connection: the server hung or died
             raise AssertionError(f"no answer: {exc!r}\n{case.as_curl_command(headers)}") from exc
         counter[0] += 1
-        statuses[f"{operation.method.upper()} {operation.path} {response.status_code}"] += 1
+        statuses[f"{operation.method.upper()} {operation.path} {response.status_code}"
+                 f"{_why(response)}"] += 1  # fmt: skip
         case.validate_response(response, checks=CHECKS, headers=headers)
 
     run()

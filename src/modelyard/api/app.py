@@ -24,6 +24,7 @@ from modelyard.api.errors import APIError, install_error_handlers
 from modelyard.api.middleware import BodySizeLimit
 from modelyard.api.oip import install_oip_error_handlers
 from modelyard.api.openapi_edge import BEARER_ONLY, BEARER_OPTIONAL, install_openapi
+from modelyard.api.openapi_responses import Health, ok
 from modelyard.api.preauth import PreAuthenticate
 from modelyard.api.text_guard import StorableText
 from modelyard.gateway.auth import Principal
@@ -72,7 +73,7 @@ def create_platform_app(platform: Platform) -> FastAPI:
             return None
         return principal if principal.platform_admin else None
 
-    @app.get("/health", openapi_extra=BEARER_OPTIONAL)
+    @app.get("/health", openapi_extra=BEARER_OPTIONAL, response_model=None, responses=ok(Health))
     async def health(request: Request) -> dict[str, Any]:
         """Liveness for load balancers (no key needed); details only for the platform admin,
         since endpoint ids and counts are other tenants' business."""

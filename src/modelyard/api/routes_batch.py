@@ -14,6 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from modelyard.api.deps import get_inference, get_platform
 from modelyard.api.errors import bad_request
+from modelyard.api.openapi_responses import (
+    BatchList,
+    BatchObject,
+    FileDeleted,
+    FileList,
+    FileObject,
+    ok,
+)
 from modelyard.api.responses import JSONResponse
 from modelyard.api.text_guard import storable
 from modelyard.gateway.auth import Principal
@@ -31,7 +39,7 @@ class BatchCreate(BaseModel):
     metadata: dict[str, str] | None = Field(None, max_length=16)
 
 
-@router.post("/v1/files")
+@router.post("/v1/files", response_model=None, responses=ok(FileObject))
 async def upload_file(
     file: UploadFile = File(...),
     purpose: str = Form(...),
@@ -58,7 +66,7 @@ async def upload_file(
         )
 
 
-@router.get("/v1/files")
+@router.get("/v1/files", response_model=None, responses=ok(FileList))
 async def list_files(
     purpose: str | None = None,
     limit: int = Query(100, ge=1, le=10_000),
@@ -69,7 +77,7 @@ async def list_files(
     return await asyncio.to_thread(platform.files.list, principal.tenant_id, purpose, limit, after)
 
 
-@router.get("/v1/files/{file_id}")
+@router.get("/v1/files/{file_id}", response_model=None, responses=ok(FileObject))
 async def get_file(
     file_id: str,
     principal: Principal = Depends(get_inference),
@@ -88,7 +96,7 @@ async def file_content(
     return FileResponse(path, media_type="application/octet-stream")
 
 
-@router.delete("/v1/files/{file_id}")
+@router.delete("/v1/files/{file_id}", response_model=None, responses=ok(FileDeleted))
 async def delete_file(
     file_id: str,
     principal: Principal = Depends(get_inference),
@@ -97,7 +105,7 @@ async def delete_file(
     return await asyncio.to_thread(platform.files.delete, principal.tenant_id, file_id)
 
 
-@router.post("/v1/batches")
+@router.post("/v1/batches", response_model=None, responses=ok(BatchObject))
 async def create_batch(
     body: BatchCreate,
     principal: Principal = Depends(get_inference),
@@ -114,7 +122,7 @@ async def create_batch(
     return JSONResponse(batch)
 
 
-@router.get("/v1/batches")
+@router.get("/v1/batches", response_model=None, responses=ok(BatchList))
 async def list_batches(
     limit: int = Query(20, ge=1, le=100),
     after: str | None = None,
@@ -124,7 +132,7 @@ async def list_batches(
     return await asyncio.to_thread(platform.batches.list, principal.tenant_id, limit, after)
 
 
-@router.get("/v1/batches/{batch_id}")
+@router.get("/v1/batches/{batch_id}", response_model=None, responses=ok(BatchObject))
 async def get_batch(
     batch_id: str,
     principal: Principal = Depends(get_inference),
@@ -133,7 +141,7 @@ async def get_batch(
     return await asyncio.to_thread(platform.batches.get, principal.tenant_id, batch_id)
 
 
-@router.post("/v1/batches/{batch_id}/cancel")
+@router.post("/v1/batches/{batch_id}/cancel", response_model=None, responses=ok(BatchObject))
 async def cancel_batch(
     batch_id: str,
     principal: Principal = Depends(get_inference),

@@ -12,6 +12,14 @@ from modelyard.api.embeddings import EmbeddingRequest
 from modelyard.api.errors import APIError
 from modelyard.api.oip import InferRequest, protocol_shaped
 from modelyard.api.openapi_edge import BEARER_ONLY, json_body
+from modelyard.api.openapi_responses import (
+    ChatCompletion,
+    Completion,
+    EmbeddingList,
+    ModelList,
+    ModelObject,
+    ok,
+)
 from modelyard.api.protocol import ChatCompletionRequest, CompletionRequest
 from modelyard.gateway.auth import Principal
 from modelyard.gateway.router import EndpointRoute
@@ -20,12 +28,22 @@ from modelyard.platform import Platform
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=json_body(ChatCompletionRequest),
+    response_model=None,
+    responses=ok(ChatCompletion, stream=True),
+)
 async def chat_completions(request: Request) -> Response:
     return await get_platform(request).gateway.handle(request, "chat.completions")
 
 
-@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
+@router.post(
+    "/v1/completions",
+    openapi_extra=json_body(CompletionRequest),
+    response_model=None,
+    responses=ok(Completion, stream=True),
+)
 async def completions(request: Request) -> Response:
     return await get_platform(request).gateway.handle(request, "completions")
 
@@ -40,7 +58,12 @@ async def async_result(
     return platform.gateway.async_results.get(principal.tenant_id, request_id)
 
 
-@router.post("/v1/embeddings", openapi_extra=json_body(EmbeddingRequest))
+@router.post(
+    "/v1/embeddings",
+    openapi_extra=json_body(EmbeddingRequest),
+    response_model=None,
+    responses=ok(EmbeddingList),
+)
 async def embeddings(request: Request) -> Response:
     return await get_platform(request).gateway.handle(request, "embeddings")
 
@@ -85,7 +108,7 @@ def _model_object(route: EndpointRoute, platform: Platform) -> dict[str, Any]:
     }
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=None, responses=ok(ModelList))
 async def list_models(
     principal: Principal = Depends(get_principal), platform: Platform = Depends(get_platform)
 ) -> dict[str, Any]:
@@ -93,7 +116,7 @@ async def list_models(
     return {"object": "list", "data": [_model_object(r, platform) for r in routes]}
 
 
-@router.get("/v1/models/{model}")
+@router.get("/v1/models/{model}", response_model=None, responses=ok(ModelObject))
 async def retrieve_model(
     model: str,
     principal: Principal = Depends(get_principal),
