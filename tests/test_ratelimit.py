@@ -14,6 +14,7 @@ import pytest
 
 from modelyard.gateway.quota import (
     ConcurrencyLimiter,
+    LimitsUnavailable,
     MemoryConcurrencyLimiter,
     RedisConcurrencyLimiter,
 )
@@ -29,6 +30,7 @@ from modelyard.gateway.ratelimit import (
     format_reset,
     month_of,
 )
+from tests.conftest import free_port
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -517,3 +519,48 @@ def test_month_of() -> None:
     # Midnight on 1 December in UTC+2 is still November in UTC.
     plus_two = timezone(timedelta(hours=2))
     assert month_of(datetime(2026, 12, 1, 1, 0, tzinfo=plus_two)) == "2026-11"
+
+
+@pytest.fixture()
+def database_url(tmp_path: Any) -> str:
+    return f"sqlite:///{tmp_path / 'usage.db'}"
+
+
+async def test_an_unreachable_redis_is_limits_unavailable(database_url: str) -> None:
+    """Every Redis-backed call raises the domain's `LimitsUnavailable` (admission turns it into a
+    503), and a request settled meanwhile still gets its usage row."""
+    import redis.asyncio
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from modelyard.gateway.metering import UsageEvent, UsageRecorder
+    from modelyard.store.db import Database
+
+    client = redis.asyncio.Redis(
+        host="127.0.0.1", port=free_port(), socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
+    quota = RedisQuotaCounter(client)
+    slots = RedisConcurrencyLimiter(client)
+    limiter = RedisRateLimiter(client)
+    calls: list[Awaitable[Any]] = [
+        limiter.acquire("k", Limits(10, None), 1),
+        limiter.reconcile("k", Limits(None, 100), 5, 1),
+        quota.reserve("t", "2026-01", 5, 100),
+        quota.add("t", "2026-01", 5),
+        quota.used("t", "2026-01"),
+        slots.acquire("s", "a", 1),
+        slots.release("s", "a"),
+    ]
+    for call in calls:
+        with pytest.raises(LimitsUnavailable):
+            await call
+    db = Database(database_url)
+    db.migrate()
+    recorder = UsageRecorder(db, quota)
+    event = UsageEvent("req-1", "t", "k", None, "m", None, "chat.completions",
+                       3, 4, 0, 1.0, None, 200, "ok")  # fmt: skip
+    await recorder.record(event, reserved=20)
+    await recorder.stop()
+    assert recorder.written == 1
+    await client.aclose()
+    db.dispose()
