@@ -124,6 +124,7 @@ class Outcome:
     stream: bool
     error: str | None = None
     seconds: float = 0.0
+    retry_after: str | None = None
 
 
 def _error_of(r: httpx.Response) -> str:
@@ -157,14 +158,15 @@ def send(
                            timeout=timeout)  # fmt: skip
             ok = r.status_code == 200 and bool(r.json().get("choices"))
             return Outcome(r.headers.get("x-request-id"), r.status_code, ok, False,
-                           None if ok else _error_of(r), time.monotonic() - t0)  # fmt: skip
+                           None if ok else _error_of(r), time.monotonic() - t0,
+                           r.headers.get("retry-after"))  # fmt: skip
         with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body,
                           headers=headers, timeout=timeout) as r:  # fmt: skip
             request_id = r.headers.get("x-request-id")
             if r.status_code != 200:
                 r.read()
                 return Outcome(request_id, r.status_code, False, True, _error_of(r),
-                               time.monotonic() - t0)  # fmt: skip
+                               time.monotonic() - t0, r.headers.get("retry-after"))  # fmt: skip
             for line in r.iter_lines():
                 if on_first_data is not None and line.startswith("data: "):
                     on_first_data()
