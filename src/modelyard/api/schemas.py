@@ -74,6 +74,9 @@ class DeployRequest(BaseModel):
 
 
 TierName = Literal["free", "standard", "priority"]
+# The columns are 32-bit (64-bit for the quota): larger numbers are a 400, not a database error.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 # What the platform admin sets on a tenant and nobody else may change; None: no ceiling.
 TENANT_CEILINGS = (
     "max_rpm",
@@ -89,17 +92,21 @@ class TenantCeilings(BaseModel):
     """The platform admin's limits on a tenant: its keys' rpm and tpm, work in flight, and
     what it may deploy. Its own admins can only tighten within them."""
 
-    max_rpm: int | None = Field(None, ge=1, description="Ceiling on each key's rpm_limit.")
-    max_tpm: int | None = Field(None, ge=1, description="Ceiling on each key's tpm_limit.")
+    max_rpm: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="Ceiling on each key's rpm_limit."
+    )
+    max_tpm: int | None = Field(
+        None, ge=1, le=INT32_MAX, description="Ceiling on each key's tpm_limit."
+    )
     max_concurrent_requests: int | None = Field(
-        None, ge=1, description="Interactive requests in flight for the whole tenant."
+        None, ge=1, le=INT32_MAX, description="Interactive requests in flight for the whole tenant."
     )
     max_concurrent_batch_items: int | None = Field(
-        None, ge=1, description="Batch items in flight for the whole tenant."
+        None, ge=1, le=INT32_MAX, description="Batch items in flight for the whole tenant."
     )
-    max_endpoints: int | None = Field(None, ge=0, description="Live endpoints.")
+    max_endpoints: int | None = Field(None, ge=0, le=INT32_MAX, description="Live endpoints.")
     max_replicas: int | None = Field(
-        None, ge=0, description="Sum of the live endpoints' hardware.max_replicas."
+        None, ge=0, le=INT32_MAX, description="Sum of the live endpoints' hardware.max_replicas."
     )
 
 
@@ -107,7 +114,7 @@ class TenantCreate(TenantCeilings):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200)
-    monthly_token_quota: int | None = Field(None, ge=0)
+    monthly_token_quota: int | None = Field(None, ge=0, le=INT64_MAX)
     tier: TierName = Field(
         "standard", description="Service tier: under overload, free waits first, priority last."
     )
@@ -116,7 +123,7 @@ class TenantCreate(TenantCeilings):
 class TenantUpdate(TenantCeilings):
     model_config = ConfigDict(extra="forbid")
 
-    monthly_token_quota: int | None = Field(None, ge=0)
+    monthly_token_quota: int | None = Field(None, ge=0, le=INT64_MAX)
     tier: TierName | None = Field(None, description="free, standard or priority.")
 
 
@@ -128,16 +135,16 @@ class KeyCreate(BaseModel):
     scopes: list[Literal["inference", "admin"]] = Field(
         default_factory=lambda: ["inference"], min_length=1
     )
-    rpm_limit: int | None = Field(None, ge=1)
-    tpm_limit: int | None = Field(None, ge=1)
+    rpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
+    tpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
 
 
 class KeyUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(None, min_length=1, max_length=200)
-    rpm_limit: int | None = Field(None, ge=1)
-    tpm_limit: int | None = Field(None, ge=1)
+    rpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
+    tpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
 
 
 class FileEntry(BaseModel):
