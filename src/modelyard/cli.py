@@ -52,6 +52,9 @@ def serve(
     from modelyard.platform import Platform
 
     _setup_logging(log_level)
+    # Everything serve writes (database, keys, blobs, logs, node cache) is the owner's alone;
+    # the start also fixes what an older install left readable (`Platform._secure_files`).
+    os.umask(0o077)
     overrides: dict[str, Any] = {
         k: v
         for k, v in {
