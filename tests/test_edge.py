@@ -51,34 +51,41 @@ def tenant_keys(admin: httpx.Client) -> dict[str, str]:
     }
 
 
-def _upload_head(port: int, path: str, key: str, length: int) -> bytes:
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+_PREAMBLE = b'--xyz\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
+_EPILOGUE = (
+    b'\r\n--xyz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--xyz--\r\n'
+)
+
+
+def _upload(port: int, key: str, size: int) -> tuple[int, int]:
+    """A well-formed multipart upload of a `size`-byte file to /v1/files, sent until the server
+    answers: (status, file bytes sent by then). A server that reads the body before refusing
+    answers only once all of it is sent."""
+    length = len(_PREAMBLE) + size + len(_EPILOGUE)
+    head = (
+        f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Authorization: Bearer {key}\r\n"
         "Content-Type: multipart/form-data; boundary=xyz\r\n"
         f"Content-Length: {length}\r\n\r\n"
-        '--xyz\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
     ).encode()
-
-
-def _send_until_answered(port: int, head: bytes, total: int) -> tuple[int, int]:
-    """Send `head`, then body bytes up to `total`, until the server answers: (status, body
-    bytes sent by then). A server that reads the body before refusing answers only at the end.
-    """
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
-        sock.sendall(head)
+        sock.sendall(head + _PREAMBLE)
         sent = 0
         chunk = b"x" * 65536
         sock.setblocking(False)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            readable, writable, _ = select.select([sock], [sock] if sent < total else [], [], 1)
+            readable, writable, _ = select.select([sock], [sock] if sent < size else [], [], 1)
             if readable:
                 break
             if writable:
                 with contextlib.suppress(BlockingIOError):
-                    sent += sock.send(chunk[: total - sent])
+                    sent += sock.send(chunk[: size - sent])
+                if sent == size:
+                    sock.setblocking(True)
+                    sock.sendall(_EPILOGUE)
+                    sock.setblocking(False)
         sock.setblocking(True)
         sock.settimeout(30)
         data = b""
@@ -92,8 +99,7 @@ def _send_until_answered(port: int, head: bytes, total: int) -> tuple[int, int]:
 
 
 def test_a_strangers_upload_is_refused_before_its_body_is_read(platform: PlatformProcess) -> None:
-    head = _upload_head(platform.port, "/v1/files", "sk-my-not-a-real-key", UPLOAD)
-    status, sent = _send_until_answered(platform.port, head, UPLOAD)
+    status, sent = _upload(platform.port, "sk-my-not-a-real-key", UPLOAD)
     assert status == 401
     # Answered while most of the body was still unsent: the server never read it.
     assert sent < UPLOAD // 4, f"{sent} of {UPLOAD} bytes were sent before the 401"
@@ -102,8 +108,7 @@ def test_a_strangers_upload_is_refused_before_its_body_is_read(platform: Platfor
 def test_a_key_without_the_scope_is_refused_before_the_body_is_read(
     platform: PlatformProcess, tenant_keys: dict[str, str]
 ) -> None:
-    head = _upload_head(platform.port, "/v1/files", tenant_keys["admin"], UPLOAD)
-    status, sent = _send_until_answered(platform.port, head, UPLOAD)
+    status, sent = _upload(platform.port, tenant_keys["admin"], UPLOAD)
     assert status == 403
     assert sent < UPLOAD // 4, f"{sent} of {UPLOAD} bytes were sent before the 403"
 
