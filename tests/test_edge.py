@@ -113,6 +113,14 @@ def test_a_key_without_the_scope_is_refused_before_the_body_is_read(
     assert sent < UPLOAD // 4, f"{sent} of {UPLOAD} bytes were sent before the 403"
 
 
+def test_a_good_keys_upload_is_read_whole(
+    platform: PlatformProcess, tenant_keys: dict[str, str]
+) -> None:
+    """The control for the two above: the same upload with the right key is read and stored."""
+    status, sent = _upload(platform.port, tenant_keys["inference"], 2 * 10**6)
+    assert (status, sent) == (200, 2 * 10**6)
+
+
 def test_health_tells_strangers_only_the_status(
     platform: PlatformProcess, admin: httpx.Client, tenant_keys: dict[str, str]
 ) -> None:
