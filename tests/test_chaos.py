@@ -4,12 +4,19 @@ non-streaming load, and the whole platform killed with SIGKILL and restarted wit
 running. After each: no request hung, failures were clean errors, every answered request has
 exactly one usage row, and no batch item was lost or run twice.
 
-What the platform does while a dependency is down (asserted here, stated in docs/security.md):
-- Redis down: requests whose limits live in Redis are refused with a clean 5xx error in the
-  OpenAI shape (limits fail closed, never unmetered); once Redis is back they are served again,
-  with the buckets starting full (Redis keeps no state across the restart here).
-- PostgreSQL down: requests already authenticated (cached keys) are still served; the usage
-  writer keeps their rows and retries, so they are all written once the database is back.
+What the platform does while a dependency is down (asserted here, for docs/security.md):
+- Redis down: limits fail closed. A request whose limits live in Redis is refused with an
+  OpenAI-shaped 500 `server_error` (today; a 503 with Retry-After would be kinder), never served
+  unmetered; once Redis is back requests are served again, the buckets starting full (this
+  Redis keeps no state across a restart). A request already being served when Redis goes away
+  must still be billed: today it is not (see the xfail below).
+- PostgreSQL down: keys in the gateway's auth cache (5 s) are still served and the usage writer
+  keeps their rows and retries, so all are written once the database is back; a key whose
+  cache entry expired meanwhile gets an OpenAI-shaped 500.
+- A worker killed: a stream cut mid-answer ends with an error event and [DONE]; new requests
+  get a prompt 503 with Retry-After until the replacement replica is ready.
+- The platform killed: requests in flight get a connection error; batches resume after the
+  restart without losing or repeating an item.
 """
 
 from __future__ import annotations
