@@ -3,18 +3,17 @@ rate limit and quota → pick a replica → proxy (streams chunk by chunk) → m
 
 A connection failure before the first byte is retried on another replica with the same request
 id; once bytes have flowed the request is never re-sent. Nothing is metered for requests that
-fail before a worker served them (bad input, limits, no capacity).
+fail before a worker served them (bad input, limits, no capacity). What admission holds and how
+a request is settled (once, whatever the client does) is `accounting.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -28,12 +27,13 @@ from modelyard.api.embeddings import EmbeddingRequest
 from modelyard.api.errors import APIError, bad_request, error_body, validation_error
 from modelyard.api.protocol import PROMPT_TOKENS_HEADER, ChatCompletionRequest, CompletionRequest
 from modelyard.config import PlatformSettings
+from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call, take_usage
 from modelyard.gateway.async_results import AsyncResults
 from modelyard.gateway.auth import Authenticator, Principal
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
-from modelyard.gateway.quota import ConcurrencyLimiter, LimitsUnavailable, concurrency_beside
-from modelyard.gateway.ratelimit import Decision, QuotaCounter, RateLimiter, month_of
+from modelyard.gateway.quota import ConcurrencyLimiter, concurrency_beside
+from modelyard.gateway.ratelimit import QuotaCounter, RateLimiter
 from modelyard.gateway.router import (
     AdmissionRefused,
     EndpointRoute,
@@ -42,7 +42,6 @@ from modelyard.gateway.router import (
     Waiter,
     admission_rank,
 )
-from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +52,6 @@ Progress = Callable[[float], Awaitable[None]]
 # (0 priority, 1 standard, 2 free), batch items this plus the rank, after all interactive ones.
 # Whatever a client sends is overridden, so nobody jumps the queue.
 BATCH_PRIORITY_BASE = 3
-_NO_LIMITS = Decision(
-    allowed=True,
-    reason=None,
-    retry_after_s=0.0,
-    limit_requests=None,
-    remaining_requests=None,
-    reset_requests_s=0.0,
-    limit_tokens=None,
-    remaining_tokens=None,
-    reset_tokens_s=0.0,
-)
-
 _SCHEMAS: dict[str, type[BaseModel]] = {
     "chat.completions": ChatCompletionRequest,
     "completions": CompletionRequest,
@@ -103,32 +90,6 @@ def estimate_prompt_tokens(payload: dict[str, Any]) -> int:
     return 1
 
 
-@dataclass
-class _Call:
-    """Everything one proxied request accumulates on its way."""
-
-    principal: Principal
-    route: EndpointRoute
-    kind: str
-    request_id: str
-    reserved: int
-    decision: Decision
-    started: float = field(default_factory=time.perf_counter)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    ttft: float | None = None
-    status: str = "ok"
-    status_code: int = 200
-    batch: bool = False  # a batch item: no rate limits, metered as batch
-    quota_reserved: int = 0  # monthly quota tokens held since admission
-    quota_month: str = ""  # the month they are held in
-    slot: bool = False  # holds one of the tenant's concurrent-request slots
-    # The settlement (metering or refund), once started: runs to its end whatever the client does.
-    closing: asyncio.Task[UsageEvent | None] | None = None
-    relaying: bool = False  # the stream's relay has started (and will settle in its `finally`)
-
-
 class _GuardedStream(StreamingResponse):
     """A stream that cleans up even if its body never starts (the client left between the
     handler's return and the first chunk): an unstarted generator's `finally` never runs, so
@@ -137,7 +98,7 @@ class _GuardedStream(StreamingResponse):
     def __init__(
         self,
         content: AsyncIterator[bytes],
-        call: _Call,
+        call: Call,
         unstarted: Callable[[], Awaitable[None]],
         headers: dict[str, str],
     ) -> None:
@@ -178,6 +139,7 @@ class Gateway:
         self.routing = routing
         self.recorder = recorder
         self.metrics = metrics
+        self.accounting = Accounting(limiter, quota, self.slots, recorder, metrics)
         self.session: aiohttp.ClientSession | None = None
         self.async_results = AsyncResults(settings.async_result_ttl_s)
         self._unary_timeout = aiohttp.ClientTimeout(
@@ -218,12 +180,12 @@ class Gateway:
 
     async def _admit(
         self, principal: Principal, payload: dict[str, Any], req: Any, kind: str
-    ) -> _Call:
+    ) -> Call:
         """Rate limits, then the quota reservation and a concurrency slot; all or nothing."""
         route = self._resolve(principal, req.model)
         reserved = self._reserve(route, payload, req)
-        decision = await self._acquire(principal, req.model, reserved)
-        call = _Call(
+        decision = await self.accounting.acquire(principal, req.model, reserved)
+        call = Call(
             principal=principal,
             route=route,
             kind=kind,
@@ -232,35 +194,13 @@ class Gateway:
             decision=decision,
         )
         try:
-            await self._hold(call)
+            await self.accounting.hold(call)
         except BaseException as exc:
             await self._refund(call)
             if isinstance(exc, APIError):
                 exc.headers.update(decision.headers())
             raise
         return call
-
-    async def _hold(self, call: _Call) -> None:
-        """Reserve the request's tokens against the monthly quota (like TPM: settled to the
-        real count afterwards, given back on failure) and take a tenant concurrency slot."""
-        p = call.principal
-        if p.monthly_token_quota is not None:
-            await self._reserve_quota(call)
-        if p.max_concurrent_requests is not None:
-            with _fail_closed():
-                taken = await self.slots.acquire(
-                    _slot_scope(p), call.request_id, p.max_concurrent_requests
-                )
-            if not taken:
-                self.metrics.limited.labels("concurrency").inc()
-                raise APIError(
-                    429,
-                    f"Too many requests in flight for your organization: the limit is "
-                    f"{p.max_concurrent_requests} concurrent requests. Retry when one finishes.",
-                    code="concurrency_limit_exceeded",
-                    headers={"retry-after": "1"},
-                )
-            call.slot = True
 
     def _reserve(self, route: EndpointRoute, payload: dict[str, Any], req: Any) -> int:
         """Tokens to hold against TPM until the real count is known."""
@@ -279,22 +219,6 @@ class Gateway:
         n_prompts = len(prompt) if batched else 1
         return estimate_prompt_tokens(payload) + completion * req.n * n_prompts
 
-    async def _acquire(self, principal: Principal, model: str, reserved: int) -> Decision:
-        with _fail_closed():
-            decision = await self.limiter.acquire(principal.key_id, principal.limits, reserved)
-        if not decision.allowed:
-            self.metrics.limited.labels(decision.reason or "limit").inc()
-            what = "requests" if decision.reason == "requests" else "tokens"
-            limit = decision.limit_requests if what == "requests" else decision.limit_tokens
-            raise APIError(
-                429,
-                f"Rate limit reached for {model} on {what} per minute: limit {limit}. "
-                f"Please try again in {decision.retry_after_s:.2f}s.",
-                code="rate_limit_exceeded",
-                headers=decision.headers(),
-            )
-        return decision
-
     def _resolve(self, principal: Principal, model: str) -> EndpointRoute:
         route = self.routing.resolve(principal.tenant_id, model)
         if route is None:
@@ -306,32 +230,10 @@ class Gateway:
             )
         return route
 
-    async def _reserve_quota(self, call: _Call) -> None:
-        p = call.principal
-        assert p.monthly_token_quota is not None
-        month = month_of(now())
-        with _fail_closed():
-            before = await self.quota.reserve(
-                p.tenant_id, month, call.reserved, p.monthly_token_quota
-            )
-            if before is None:
-                raise self._quota_exceeded(p, await self.quota.used(p.tenant_id, month))
-        call.quota_reserved, call.quota_month = call.reserved, month
-
-    def _quota_exceeded(self, principal: Principal, used: int) -> APIError:
-        self.metrics.limited.labels("quota").inc()
-        return APIError(
-            429,
-            f"You exceeded your monthly token quota ({used} of {principal.monthly_token_quota} "
-            "tokens used or reserved by requests in flight). Ask your administrator to raise it.",
-            type="insufficient_quota",
-            code="insufficient_quota",
-        )
-
     # ----- forwarding ------------------------------------------------------------------------
 
     async def _replica(
-        self, call: _Call, tried: set[str], progress: Progress | None = None
+        self, call: Call, tried: set[str], progress: Progress | None = None
     ) -> ReplicaRoute | None:
         """A replica with room for the request, waiting for one if need be.
 
@@ -412,7 +314,7 @@ class Gateway:
 
     async def _send(
         self,
-        call: _Call,
+        call: Call,
         payload: bytes | None,
         stream: bool,
         path: str | None = None,
@@ -521,20 +423,20 @@ class Gateway:
         if route.upstream_model:
             body["model"] = route.upstream_model
         _fill_sampling_defaults(body, route, kind)
-        call = _Call(
+        call = Call(
             principal=principal,
             route=route,
             kind=kind,
             request_id=request_id,
             reserved=0,
-            decision=_NO_LIMITS,
+            decision=NO_LIMITS,
             batch=True,
         )
         if principal.monthly_token_quota is not None:
             # Held while the item runs, so that concurrent items see each other's share; the
             # runner counts the real use when it commits the item's result.
             call.reserved = self._reserve(route, payload, req)
-            await self._reserve_quota(call)
+            await self.accounting.reserve_quota(call)
         try:
             status, content = await self._call_unary(call, orjson.dumps(body))
             result = orjson.loads(content)
@@ -543,34 +445,27 @@ class Gateway:
             if status != 200:
                 await self._refund(call)
                 return status, result, None
-            self._take_usage(call, result.get("usage") or {})
+            take_usage(call, result.get("usage") or {})
             return status, result, await self._finish(call)
         except BaseException:
             await self._refund(call)
             raise
 
-    async def _refund(self, call: _Call) -> None:
+    async def _refund(self, call: Call) -> None:
         """Nothing was served: give back what admission held (TPM, quota, slot)."""
-        await self._close(call, served=False)
+        await self.accounting.close(call, served=False)
 
-    async def _finish(self, call: _Call) -> UsageEvent | None:
+    async def _finish(self, call: Call) -> UsageEvent | None:
         """Meter a served request: metrics, the TPM and quota settlement, its usage record.
 
         None only if the request had been refunded already. A batch item's record is returned,
         not queued: the runner commits it together with the item's result, so neither can
         exist without the other.
         """
-        return await self._close(call, served=True)
-
-    async def _close(self, call: _Call, served: bool) -> UsageEvent | None:
-        """Settle the request once, whichever of metering or refund comes first, in a task the
-        client's disconnect cannot cancel (awaiting it may be cancelled; the work goes on)."""
-        if call.closing is None:
-            call.closing = self.recorder.settle(self._settle(call, served))
-        return await asyncio.shield(call.closing)
+        return await self.accounting.close(call, served=True)
 
     async def _call_unary(
-        self, call: _Call, payload: bytes | None, path: str | None = None
+        self, call: Call, payload: bytes | None, path: str | None = None
     ) -> tuple[int, bytes]:
         """Send a non-streaming request (a GET without payload) and read the whole answer."""
         response, replica = await self._send(call, payload, stream=False, path=path)
@@ -587,7 +482,7 @@ class Gateway:
         call.status_code = response.status
         return response.status, content
 
-    async def _unpaid(self, call: _Call, content: bytes, headers: dict[str, str]) -> Response:
+    async def _unpaid(self, call: Call, content: bytes, headers: dict[str, str]) -> Response:
         """A worker's own error (already OpenAI-shaped) goes back as it is; nothing is billed."""
         self.metrics.requests.labels(call.route.model_name, call.status_code).inc()
         await self._refund(call)
@@ -595,12 +490,12 @@ class Gateway:
             content, status_code=call.status_code, media_type="application/json", headers=headers
         )
 
-    async def _unary(self, call: _Call, payload: bytes, headers: dict[str, str]) -> Response:
+    async def _unary(self, call: Call, payload: bytes, headers: dict[str, str]) -> Response:
         status, content = await self._call_unary(call, payload)
         if status != 200:
             return await self._unpaid(call, content, headers)
         body = orjson.loads(content)
-        self._take_usage(call, body.get("usage") or {})
+        take_usage(call, body.get("usage") or {})
         await self._finish(call)
         if call.route.upstream_model:  # the client knows the model by its public name
             body["model"] = call.route.model_name
@@ -619,17 +514,17 @@ class Gateway:
         upstream = route.upstream_model or route.model_name
         path = f"/v2/models/{upstream}" + (f"/{action}" if action else "")
         if action != "infer":
-            call = _Call(principal, route, "oip", uuid.uuid4().hex, 0, _NO_LIMITS)
+            call = Call(principal, route, "oip", uuid.uuid4().hex, 0, NO_LIMITS)
             status, content = await self._call_unary(call, None, path)
             return Response(
                 self._rename(content, upstream, route.model_name),
                 status_code=status,
                 media_type="application/json",
             )
-        decision = await self._acquire(principal, model, 0)
-        call = _Call(principal, route, "oip.infer", uuid.uuid4().hex, 0, decision)
+        decision = await self.accounting.acquire(principal, model, 0)
+        call = Call(principal, route, "oip.infer", uuid.uuid4().hex, 0, decision)
         try:
-            await self._hold(call)
+            await self.accounting.hold(call)
             headers = {"x-request-id": call.request_id, **decision.headers()}
             status, content = await self._call_unary(call, await request.body(), path)
             if status == 200:
@@ -659,7 +554,7 @@ class Gateway:
         return orjson.dumps(body)
 
     async def _stream(
-        self, call: _Call, payload: bytes, wants_usage: bool, headers: dict[str, str]
+        self, call: Call, payload: bytes, wants_usage: bool, headers: dict[str, str]
     ) -> Response:
         response, replica = await self._send(call, payload, stream=True)
         if response.status != 200:
@@ -683,7 +578,7 @@ class Gateway:
         )
 
     def _cold_stream(
-        self, call: _Call, payload: bytes, wants_usage: bool, headers: dict[str, str]
+        self, call: Call, payload: bytes, wants_usage: bool, headers: dict[str, str]
     ) -> StreamingResponse:
         """A stream for a model that is not loaded yet: SSE comment lines report the loading
         while the client waits, then the generation streams as usual. An endpoint that no
@@ -744,7 +639,7 @@ class Gateway:
 
     async def _relay(
         self,
-        call: _Call,
+        call: Call,
         response: aiohttp.ClientResponse,
         replica: ReplicaRoute,
         wants_usage: bool,
@@ -752,6 +647,7 @@ class Gateway:
         call.relaying = True
         buffer = b""
         complete = False
+        delivered = False  # the client has read the final [DONE]
         try:
             async for chunk in response.content.iter_any():
                 buffer += chunk
@@ -759,6 +655,7 @@ class Gateway:
                     event, buffer = buffer.split(b"\n\n", 1)
                     if self._inspect(call, event, wants_usage):
                         yield event + b"\n\n"
+                        delivered = event == b"data: [DONE]"
             complete = True
         except (TimeoutError, aiohttp.ClientError) as exc:
             call.status = "error"
@@ -772,7 +669,10 @@ class Gateway:
             yield b"data: " + orjson.dumps(error) + b"\n\n"
             yield b"data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
-            call.status = "client_disconnected"
+            # A client that closes right after [DONE] (before the worker's end of stream
+            # reached here) got the whole answer.
+            if not delivered:
+                call.status = "client_disconnected"
             raise
         finally:
             if complete:
@@ -784,7 +684,7 @@ class Gateway:
             replica.breaker.record(ok=call.status != "error")
             await self._finish(call)
 
-    def _inspect(self, call: _Call, event: bytes, wants_usage: bool) -> bool:
+    def _inspect(self, call: Call, event: bytes, wants_usage: bool) -> bool:
         """Meter one SSE event; False if it must not reach the client."""
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
             return True
@@ -804,109 +704,10 @@ class Gateway:
                     call.ttft = time.perf_counter() - call.started
         usage = obj.get("usage")
         if usage:
-            self._take_usage(call, usage)
+            take_usage(call, usage)
             # The usage-only chunk was asked for by the gateway, not necessarily the client.
             return bool(choices) or wants_usage
         return True
-
-    @staticmethod
-    def _take_usage(call: _Call, usage: dict[str, Any]) -> None:
-        call.prompt_tokens = int(usage.get("prompt_tokens", call.prompt_tokens))
-        call.completion_tokens = int(usage.get("completion_tokens", call.completion_tokens))
-        details = usage.get("prompt_tokens_details") or {}
-        call.cached_tokens = int(details.get("cached_tokens") or 0)
-
-    async def _settle(self, call: _Call, served: bool) -> UsageEvent | None:
-        p = call.principal
-        try:
-            if served:
-                return await self._meter(call)
-            if not call.batch:
-                await _tolerant(
-                    self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0), "TPM refund"
-                )
-            if call.quota_reserved:
-                await _tolerant(
-                    self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved),
-                    "quota refund",
-                )
-            return None
-        finally:
-            if call.slot:
-                # Unreleased in Redis, the slot expires with its lease.
-                await _tolerant(self.slots.release(_slot_scope(p), call.request_id), "slot release")
-
-    async def _meter(self, call: _Call) -> UsageEvent:
-        latency = time.perf_counter() - call.started
-        model = call.route.model_name
-        self.metrics.requests.labels(model, call.status_code).inc()
-        self.metrics.latency.labels(model).observe(latency)
-        if call.ttft is not None:
-            self.metrics.ttft.labels(model).observe(call.ttft)
-        self.metrics.tokens.labels(model, "prompt").inc(call.prompt_tokens)
-        self.metrics.tokens.labels(model, "completion").inc(call.completion_tokens)
-        actual = call.prompt_tokens + call.completion_tokens
-        p = call.principal
-        if not call.batch:
-            await _tolerant(
-                self.limiter.reconcile(p.key_id, p.limits, call.reserved, actual),
-                "TPM settlement",
-            )
-        event = UsageEvent(
-            request_id=call.request_id,
-            tenant_id=p.tenant_id,
-            key_id=p.key_id,
-            endpoint_id=call.route.endpoint_id,
-            model=model,
-            version_id=call.route.version_id,
-            kind=call.kind,
-            prompt_tokens=call.prompt_tokens,
-            completion_tokens=call.completion_tokens,
-            cached_tokens=call.cached_tokens,
-            latency_ms=latency * 1000,
-            ttft_ms=None if call.ttft is None else call.ttft * 1000,
-            status_code=call.status_code,
-            status=call.status,
-            batch=call.batch,
-        )
-        if not call.batch:
-            await self.recorder.record(event, call.quota_reserved, call.quota_month or None)
-        elif call.quota_reserved:
-            # The runner counts the item's real use once its result is committed.
-            await _tolerant(
-                self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved),
-                "quota settlement",
-            )
-        return event
-
-
-@contextlib.contextmanager
-def _fail_closed() -> Iterator[None]:
-    """Admission while the limits store (Redis) is unreachable: refused with a 503, never let
-    through unlimited and unmetered."""
-    try:
-        yield
-    except LimitsUnavailable as exc:
-        log.warning("refusing a request: %s", exc)
-        raise APIError(
-            503,
-            "Rate limits and quotas cannot be checked right now; please retry shortly.",
-            code="limits_unavailable",
-            headers={"retry-after": "5"},
-        ) from exc
-
-
-async def _tolerant(work: Awaitable[Any], what: str) -> None:
-    """Bookkeeping after a request must not cost its usage record: with the limits store
-    unreachable it is skipped and logged (buckets refill by themselves, slots expire)."""
-    try:
-        await work
-    except LimitsUnavailable as exc:
-        log.warning("%s skipped: %s", what, exc)
-
-
-def _slot_scope(principal: Principal) -> str:
-    return f"{principal.tenant_id}:requests"
 
 
 def _fill_sampling_defaults(payload: dict[str, Any], route: EndpointRoute, kind: str) -> None:
@@ -916,3 +717,8 @@ def _fill_sampling_defaults(payload: dict[str, Any], route: EndpointRoute, kind:
     for key, value in route.sampling_defaults.items():
         if payload.get(key) is None:
             payload[key] = value
+
+
+# The names tests import from here.
+_Call = Call
+_NO_LIMITS = NO_LIMITS

@@ -1,0 +1,256 @@
+"""What a request holds between admission and settlement, and the settlement itself.
+
+Admission takes, all or nothing: the key's rate limits (a request and its reserved tokens),
+the tenant's monthly quota (the same reservation, atomically, so a burst overshoots by at most
+one request's reservation) and a slot under the tenant's ceiling on requests in flight.
+Settlement happens exactly once per request, whichever comes first: metering (metrics, TPM and
+quota settled to the real count, the usage record) when a worker served it, or the refund of
+everything held when none did. It runs in a task of the usage recorder's, so a client that
+disconnects cancels its wait, never the settlement; the slot is released in the same `finally`.
+
+With the limits store (Redis) unreachable, admission fails closed (503) and settlement skips
+and logs the bookkeeping it cannot do, but still writes the usage row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelyard.api.errors import APIError
+from modelyard.gateway.auth import Principal
+from modelyard.gateway.metering import UsageEvent, UsageRecorder
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.quota import ConcurrencyLimiter, LimitsUnavailable, QuotaCounter, month_of
+from modelyard.gateway.ratelimit import Decision, RateLimiter
+from modelyard.gateway.router import EndpointRoute
+from modelyard.store.repository import now
+
+log = logging.getLogger(__name__)
+
+NO_LIMITS = Decision(
+    allowed=True,
+    reason=None,
+    retry_after_s=0.0,
+    limit_requests=None,
+    remaining_requests=None,
+    reset_requests_s=0.0,
+    limit_tokens=None,
+    remaining_tokens=None,
+    reset_tokens_s=0.0,
+)
+
+
+@dataclass
+class Call:
+    """Everything one proxied request accumulates on its way."""
+
+    principal: Principal
+    route: EndpointRoute
+    kind: str
+    request_id: str
+    reserved: int
+    decision: Decision
+    started: float = field(default_factory=time.perf_counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float | None = None
+    status: str = "ok"
+    status_code: int = 200
+    batch: bool = False  # a batch item: no rate limits, metered as batch
+    quota_reserved: int = 0  # monthly quota tokens held since admission
+    quota_month: str = ""  # the month they are held in
+    slot: bool = False  # holds one of the tenant's concurrent-request slots
+    # The settlement (metering or refund), once started: runs to its end whatever the client does.
+    closing: asyncio.Task[UsageEvent | None] | None = None
+    relaying: bool = False  # the stream's relay has started (and will settle in its `finally`)
+
+
+class Accounting:
+    """Admission's holds and the settlement of each request (see the module's docstring)."""
+
+    def __init__(
+        self,
+        limiter: RateLimiter,
+        quota: QuotaCounter,
+        slots: ConcurrencyLimiter,
+        recorder: UsageRecorder,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.limiter = limiter
+        self.quota = quota
+        self.slots = slots
+        self.recorder = recorder
+        self.metrics = metrics
+
+    async def hold(self, call: Call) -> None:
+        """Reserve the request's tokens against the monthly quota (like TPM: settled to the
+        real count afterwards, given back on failure) and take a tenant concurrency slot."""
+        p = call.principal
+        if p.monthly_token_quota is not None:
+            await self.reserve_quota(call)
+        if p.max_concurrent_requests is not None:
+            with fail_closed():
+                taken = await self.slots.acquire(
+                    _slot_scope(p), call.request_id, p.max_concurrent_requests
+                )
+            if not taken:
+                self.metrics.limited.labels("concurrency").inc()
+                raise APIError(
+                    429,
+                    f"Too many requests in flight for your organization: the limit is "
+                    f"{p.max_concurrent_requests} concurrent requests. Retry when one finishes.",
+                    code="concurrency_limit_exceeded",
+                    headers={"retry-after": "1"},
+                )
+            call.slot = True
+
+    async def acquire(self, principal: Principal, model: str, reserved: int) -> Decision:
+        with fail_closed():
+            decision = await self.limiter.acquire(principal.key_id, principal.limits, reserved)
+        if not decision.allowed:
+            self.metrics.limited.labels(decision.reason or "limit").inc()
+            what = "requests" if decision.reason == "requests" else "tokens"
+            limit = decision.limit_requests if what == "requests" else decision.limit_tokens
+            raise APIError(
+                429,
+                f"Rate limit reached for {model} on {what} per minute: limit {limit}. "
+                f"Please try again in {decision.retry_after_s:.2f}s.",
+                code="rate_limit_exceeded",
+                headers=decision.headers(),
+            )
+        return decision
+
+    async def reserve_quota(self, call: Call) -> None:
+        p = call.principal
+        assert p.monthly_token_quota is not None
+        month = month_of(now())
+        with fail_closed():
+            before = await self.quota.reserve(
+                p.tenant_id, month, call.reserved, p.monthly_token_quota
+            )
+            if before is None:
+                raise self.quota_exceeded(p, await self.quota.used(p.tenant_id, month))
+        call.quota_reserved, call.quota_month = call.reserved, month
+
+    def quota_exceeded(self, principal: Principal, used: int) -> APIError:
+        self.metrics.limited.labels("quota").inc()
+        return APIError(
+            429,
+            f"You exceeded your monthly token quota ({used} of {principal.monthly_token_quota} "
+            "tokens used or reserved by requests in flight). Ask your administrator to raise it.",
+            type="insufficient_quota",
+            code="insufficient_quota",
+        )
+
+    async def close(self, call: Call, served: bool) -> UsageEvent | None:
+        """Settle the request once, whichever of metering or refund comes first, in a task the
+        client's disconnect cannot cancel (awaiting it may be cancelled; the work goes on)."""
+        if call.closing is None:
+            call.closing = self.recorder.settle(self._settle(call, served))
+        return await asyncio.shield(call.closing)
+
+    async def _settle(self, call: Call, served: bool) -> UsageEvent | None:
+        p = call.principal
+        try:
+            if served:
+                return await self._meter(call)
+            if not call.batch:
+                await _tolerant(
+                    self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0), "TPM refund"
+                )
+            if call.quota_reserved:
+                await _tolerant(
+                    self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved),
+                    "quota refund",
+                )
+            return None
+        finally:
+            if call.slot:
+                # Unreleased in Redis, the slot expires with its lease.
+                await _tolerant(self.slots.release(_slot_scope(p), call.request_id), "slot release")
+
+    async def _meter(self, call: Call) -> UsageEvent:
+        latency = time.perf_counter() - call.started
+        model = call.route.model_name
+        self.metrics.requests.labels(model, call.status_code).inc()
+        self.metrics.latency.labels(model).observe(latency)
+        if call.ttft is not None:
+            self.metrics.ttft.labels(model).observe(call.ttft)
+        self.metrics.tokens.labels(model, "prompt").inc(call.prompt_tokens)
+        self.metrics.tokens.labels(model, "completion").inc(call.completion_tokens)
+        actual = call.prompt_tokens + call.completion_tokens
+        p = call.principal
+        if not call.batch:
+            await _tolerant(
+                self.limiter.reconcile(p.key_id, p.limits, call.reserved, actual),
+                "TPM settlement",
+            )
+        event = UsageEvent(
+            request_id=call.request_id,
+            tenant_id=p.tenant_id,
+            key_id=p.key_id,
+            endpoint_id=call.route.endpoint_id,
+            model=model,
+            version_id=call.route.version_id,
+            kind=call.kind,
+            prompt_tokens=call.prompt_tokens,
+            completion_tokens=call.completion_tokens,
+            cached_tokens=call.cached_tokens,
+            latency_ms=latency * 1000,
+            ttft_ms=None if call.ttft is None else call.ttft * 1000,
+            status_code=call.status_code,
+            status=call.status,
+            batch=call.batch,
+        )
+        if not call.batch:
+            await self.recorder.record(event, call.quota_reserved, call.quota_month or None)
+        elif call.quota_reserved:
+            # The runner counts the item's real use once its result is committed.
+            await _tolerant(
+                self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved),
+                "quota settlement",
+            )
+        return event
+
+
+def take_usage(call: Call, usage: dict[str, Any]) -> None:
+    call.prompt_tokens = int(usage.get("prompt_tokens", call.prompt_tokens))
+    call.completion_tokens = int(usage.get("completion_tokens", call.completion_tokens))
+    details = usage.get("prompt_tokens_details") or {}
+    call.cached_tokens = int(details.get("cached_tokens") or 0)
+
+
+@contextlib.contextmanager
+def fail_closed() -> Iterator[None]:
+    """Admission while the limits store (Redis) is unreachable: refused with a 503, never let
+    through unlimited and unmetered."""
+    try:
+        yield
+    except LimitsUnavailable as exc:
+        log.warning("refusing a request: %s", exc)
+        raise APIError(
+            503,
+            "Rate limits and quotas cannot be checked right now; please retry shortly.",
+            code="limits_unavailable",
+            headers={"retry-after": "5"},
+        ) from exc
+
+
+async def _tolerant(work: Awaitable[Any], what: str) -> None:
+    """Bookkeeping after a request must not cost its usage record: with the limits store
+    unreachable it is skipped and logged (buckets refill by themselves, slots expire)."""
+    try:
+        await work
+    except LimitsUnavailable as exc:
+        log.warning("%s skipped: %s", what, exc)
+
+
+def _slot_scope(principal: Principal) -> str:
+    return f"{principal.tenant_id}:requests"
