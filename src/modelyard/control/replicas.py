@@ -2,11 +2,9 @@
 
 A replica starts from a warm-pool worker of its version when there is one, else from this node's
 cache of the model files; it joins the routing table once healthy, with its admission limit from
-its KV capacity. Every tick its health is probed: one whose process exited leaves routing and is
-replaced (with backoff); one whose probe fails (an error answer, no answer in time, refused)
-leaves routing until a probe passes, and after `replica_health_failures` failed probes in a row
-it is killed and replaced, so a hung or broken engine does not hold its slot for ever.
-`converge` starts or drains replicas until the live ones match what the autoscaler wants.
+its KV capacity. Every tick its health is probed (`ReplicaHealth`): the dead and the broken are
+replaced. `converge` starts or drains replicas until the live ones match what the autoscaler
+wants.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ import httpx
 from modelyard.config import PlatformSettings
 from modelyard.control.backends.base import Backend, ReplicaSpec, wait_healthy
 from modelyard.control.devices import inventory, pinning_env
+from modelyard.control.health import ReplicaHealth
 from modelyard.control.model_kind import LLM
 from modelyard.control.node_cache import NodeCache
 from modelyard.control.placement import Placement, ReplicaRequest
@@ -35,9 +34,6 @@ from modelyard.store import repository as repo
 log = logging.getLogger(__name__)
 
 _MAX_RESTART_BACKOFF_S = 60.0
-# A replica being replaced for failing its probes gets this long to exit on SIGTERM before
-# SIGKILL: it is broken or hung, there is nothing to drain.
-_BROKEN_STOP_TIMEOUT_S = 1.0
 
 SetStatus = Callable[[EndpointState, EndpointStatus, str | None], Awaitable[None]]
 UpdateStatus = Callable[[EndpointState], Awaitable[None]]
@@ -57,7 +53,7 @@ def scale_down_order(live: list[Replica], placement: Placement) -> list[Replica]
     return others + [serving[i] for i in placement.drain_order(list(serving))]
 
 
-class ReplicaController:
+class ReplicaController(ReplicaHealth):
     def __init__(
         self,
         settings: PlatformSettings,
@@ -234,91 +230,10 @@ class ReplicaController:
         )
         return env
 
-    async def probe(self, replica: Replica) -> str | None:
-        """Health check; keeps the replica's load report and sets its admission limit. None if
-        healthy, else what failed (for the endpoint's status; no addresses in it)."""
-        assert replica.handle is not None
-        try:
-            r = await self._http.get(replica.handle.url + "/health")
-        except httpx.TimeoutException:
-            return (
-                f"did not answer its health check within {self.settings.health_probe_timeout_s:g}s"
-            )
-        except httpx.HTTPError as exc:
-            return f"health check failed ({type(exc).__name__})"
-        if r.status_code != 200:
-            try:
-                error = r.json().get("error")
-            except ValueError:
-                error = None
-            return f"health check answered {r.status_code}" + (f": {error}" if error else "")
-        replica.load = r.json()
-        capacity = int(replica.load.get("kv_cache_capacity_tokens") or 0)
-        if replica.route is not None and capacity:
-            # The spec's admission formula: KV memory / the KV one request needs on average.
-            per_request = self.settings.admission_tokens_per_request
-            replica.route.max_concurrency = max(1, capacity // per_request)
-        return None
-
     def drop_route(self, state: EndpointState, replica: Replica) -> None:
         if replica.route is not None and replica.route in state.route.replicas:
             state.route.replicas.remove(replica.route)
             self.routing.changed(state.route)
-
-    async def check_health(self, state: EndpointState) -> None:
-        """Probe every serving replica: the dead leave and are replaced, a failing one leaves
-        routing at once and is killed and replaced after `replica_health_failures` failures in
-        a row, the rest report their load."""
-        for replica in list(state.replicas):
-            if replica.state not in (ReplicaState.READY, ReplicaState.UNHEALTHY):
-                continue
-            if replica.handle is None:
-                continue
-            if not self.backend.alive(replica.handle):
-                code = self.backend.exit_status(replica.handle)
-                await self._replace(state, replica, f"exited with code {code}")
-                continue
-            problem = await self.probe(replica)
-            if problem is None:
-                # Also re-admits a replica the gateway benched after failing to connect to it.
-                replica.health_failures = 0
-                replica.state = ReplicaState.READY
-                replica.error = None
-                if replica.route is not None and not replica.route.ready:
-                    replica.route.ready = True
-                    self.routing.changed(state.route)
-                continue
-            replica.health_failures += 1
-            if not self.backend.alive(replica.handle):  # it died while being probed
-                code = self.backend.exit_status(replica.handle)
-                await self._replace(state, replica, f"exited with code {code}")
-            elif replica.health_failures >= self.settings.replica_health_failures:
-                await self._replace(
-                    state, replica, f"{problem} ({replica.health_failures} times in a row)"
-                )
-            else:
-                # No new requests until a probe passes: a request sent there would hang or fail.
-                replica.state = ReplicaState.UNHEALTHY
-                replica.error = f"replica {replica.replica_id} {problem}"
-                if replica.route is not None and replica.route.ready:
-                    replica.route.ready = False
-                    self.routing.changed(state.route)
-        state.replicas = [
-            r for r in state.replicas if r.state not in (ReplicaState.FAILED, ReplicaState.STOPPED)
-        ]
-
-    async def _replace(self, state: EndpointState, replica: Replica, why: str) -> None:
-        """Take a dead or broken replica out for good (killed if it still runs); `converge`
-        starts its replacement, with the restart backoff."""
-        replica.state = ReplicaState.FAILED
-        state.failures += 1
-        replica.error = state.last_error = f"replica {replica.replica_id} {why}"
-        self.drop_route(state, replica)
-        log.warning("replica %s of %s replaced: %s", replica.replica_id, state.row.id, why)
-        if replica.handle is not None and self.backend.alive(replica.handle):
-            # SIGTERM, then SIGKILL: a stopped (SIGSTOP) or wedged process ignores the first.
-            await self.backend.stop(replica.handle, timeout_s=_BROKEN_STOP_TIMEOUT_S)
-        self.release(replica)
 
     def converge(self, state: EndpointState) -> None:
         """Start or drain replicas until the live ones of the endpoint's version match

@@ -1,0 +1,121 @@
+"""Replica health: each tick's probe of every serving replica, and what a failure does.
+
+One whose process exited leaves routing and is replaced (with backoff); one whose probe fails
+(an error answer, no answer within `health_probe_timeout_s`, refused) leaves routing at once and
+comes back when a probe passes, and after `replica_health_failures` failed probes in a row it is
+killed (SIGTERM, then SIGKILL) and replaced, so a hung or broken engine never holds its slot for
+good. A healthy probe also brings the replica's load report and its admission limit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+
+from modelyard.config import PlatformSettings
+from modelyard.control.backends.base import Backend
+from modelyard.control.state import EndpointState, Replica, ReplicaState
+from modelyard.gateway.router import RoutingTable
+
+log = logging.getLogger(__name__)
+
+# A replica being replaced for failing its probes gets this long to exit on SIGTERM before
+# SIGKILL: it is broken or hung, there is nothing to drain.
+_BROKEN_STOP_TIMEOUT_S = 1.0
+
+
+class ReplicaHealth:
+    """The health half of `ReplicaController` (which provides these attributes)."""
+
+    settings: PlatformSettings
+    backend: Backend
+    routing: RoutingTable
+    _http: httpx.AsyncClient
+
+    def drop_route(self, state: EndpointState, replica: Replica) -> None:
+        raise NotImplementedError
+
+    def release(self, replica: Replica) -> None:
+        raise NotImplementedError
+
+    async def probe(self, replica: Replica) -> str | None:
+        """Health check; keeps the replica's load report and sets its admission limit. None if
+        healthy, else what failed (for the endpoint's status; no addresses in it)."""
+        assert replica.handle is not None
+        try:
+            r = await self._http.get(replica.handle.url + "/health")
+        except httpx.TimeoutException:
+            return (
+                f"did not answer its health check within {self.settings.health_probe_timeout_s:g}s"
+            )
+        except httpx.HTTPError as exc:
+            return f"health check failed ({type(exc).__name__})"
+        if r.status_code != 200:
+            try:
+                error = r.json().get("error")
+            except ValueError:
+                error = None
+            return f"health check answered {r.status_code}" + (f": {error}" if error else "")
+        replica.load = r.json()
+        capacity = int(replica.load.get("kv_cache_capacity_tokens") or 0)
+        if replica.route is not None and capacity:
+            # The spec's admission formula: KV memory / the KV one request needs on average.
+            per_request = self.settings.admission_tokens_per_request
+            replica.route.max_concurrency = max(1, capacity // per_request)
+        return None
+
+    async def check_health(self, state: EndpointState) -> None:
+        """Probe every serving replica: the dead leave and are replaced, a failing one leaves
+        routing at once and is killed and replaced after `replica_health_failures` failures in
+        a row, the rest report their load."""
+        for replica in list(state.replicas):
+            if replica.state not in (ReplicaState.READY, ReplicaState.UNHEALTHY):
+                continue
+            if replica.handle is None:
+                continue
+            if not self.backend.alive(replica.handle):
+                code = self.backend.exit_status(replica.handle)
+                await self._replace(state, replica, f"exited with code {code}")
+                continue
+            problem = await self.probe(replica)
+            if problem is None:
+                # Also re-admits a replica the gateway benched after failing to connect to it.
+                replica.health_failures = 0
+                replica.state = ReplicaState.READY
+                replica.error = None
+                if replica.route is not None and not replica.route.ready:
+                    replica.route.ready = True
+                    self.routing.changed(state.route)
+                continue
+            replica.health_failures += 1
+            if not self.backend.alive(replica.handle):  # it died while being probed
+                code = self.backend.exit_status(replica.handle)
+                await self._replace(state, replica, f"exited with code {code}")
+            elif replica.health_failures >= self.settings.replica_health_failures:
+                await self._replace(
+                    state, replica, f"{problem} ({replica.health_failures} times in a row)"
+                )
+            else:
+                # No new requests until a probe passes: a request sent there would hang or fail.
+                replica.state = ReplicaState.UNHEALTHY
+                replica.error = f"replica {replica.replica_id} {problem}"
+                if replica.route is not None and replica.route.ready:
+                    replica.route.ready = False
+                    self.routing.changed(state.route)
+        state.replicas = [
+            r for r in state.replicas if r.state not in (ReplicaState.FAILED, ReplicaState.STOPPED)
+        ]
+
+    async def _replace(self, state: EndpointState, replica: Replica, why: str) -> None:
+        """Take a dead or broken replica out for good (killed if it still runs); `converge`
+        starts its replacement, with the restart backoff."""
+        replica.state = ReplicaState.FAILED
+        state.failures += 1
+        replica.error = state.last_error = f"replica {replica.replica_id} {why}"
+        self.drop_route(state, replica)
+        log.warning("replica %s of %s replaced: %s", replica.replica_id, state.row.id, why)
+        if replica.handle is not None and self.backend.alive(replica.handle):
+            # SIGTERM, then SIGKILL: a stopped (SIGSTOP) or wedged process ignores the first.
+            await self.backend.stop(replica.handle, timeout_s=_BROKEN_STOP_TIMEOUT_S)
+        self.release(replica)
