@@ -27,7 +27,11 @@ from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import response_schema_conformance
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from tests.platform_harness import PlatformProcess, create_key, create_tenant, deploy
 from tests.tiny_models import build_model
@@ -38,7 +42,12 @@ statuses: Counter[str] = Counter()  # what the run got back, printed with -s
 # about two minutes on 2 busy cores, both platform modes included.
 EXAMPLES = {"platform-admin": 20, "tenant-admin": 12, "tenant": 10}
 REQUEST_TIMEOUT_S = 30.0
-CHECKS = [not_a_server_error, response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+    content_type_conformance,
+]
 INT32_MAX = 2**31 - 1
 # Known, reported, not yet fixed (`api/schemas.py`, not this suite's to change): integer limits
 # have no upper bound, so a value past the column (INTEGER on PostgreSQL, 64 bits on SQLite) is
@@ -49,6 +58,8 @@ UNBOUNDED_INTS = {
     ("POST", "/v1/keys"),
     ("PATCH", "/v1/keys/{key_id}"),
 }
+# Known, reported: the CSV export does not declare its text/csv answer (`api/routes_admin.py`).
+UNDOCUMENTED_CONTENT_TYPE = {("GET", "/v1/usage/export")}
 # Operations that name a model in the body or the path: half their cases name the real one.
 MODEL_IN_BODY = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
@@ -150,7 +161,10 @@ def _fuzz(operation: Any, base_url: str, key: str, examples: int, counter: list[
         counter[0] += 1
         statuses[f"{operation.method.upper()} {operation.path} {response.status_code}"
                  f"{_why(response)}"] += 1  # fmt: skip
-        case.validate_response(response, checks=CHECKS, headers=headers)
+        checks = CHECKS
+        if (operation.method.upper(), operation.path) in UNDOCUMENTED_CONTENT_TYPE:
+            checks = [c for c in CHECKS if c is not content_type_conformance]
+        case.validate_response(response, checks=checks, headers=headers)
 
     run()
 

@@ -92,7 +92,12 @@ def create_platform_app(platform: Platform) -> FastAPI:
             },
         }
 
-    @app.get("/metrics", openapi_extra=BEARER_ONLY)
+    @app.get(
+        "/metrics",
+        openapi_extra=BEARER_ONLY,
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     async def metrics(request: Request) -> Response:
         """Prometheus metrics: for the platform admin key or the configured scrape token."""
         await _require_scraper(request, platform)

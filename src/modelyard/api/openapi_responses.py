@@ -132,9 +132,17 @@ class Health(BaseModel):
     status: str
 
 
+# One server-sent event: a JSON chunk (or the final `[DONE]`) in `data`.
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
+
+
 def ok(model: type[BaseModel], stream: bool = False) -> dict[int | str, dict[str, Any]]:
     """`responses=` for a route whose 200 is `model` (or, when asked, a server-sent stream)."""
     response: dict[str, Any] = {"model": model}
     if stream:
-        response["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+        response["content"] = {"text/event-stream": {"schema": _SSE_EVENT}}
     return {200: response}
