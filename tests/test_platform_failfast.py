@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +31,7 @@ from modelyard.gateway.proxy import _NO_LIMITS, Gateway, _Call
 from modelyard.gateway.quota import MemoryQuotaCounter
 from modelyard.gateway.ratelimit import Limits, MemoryRateLimiter
 from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
-from tests.platform_harness import PlatformProcess, deploy, wait_status
+from tests.platform_harness import PlatformProcess, create_key, deploy, wait_status
 from tests.tiny_models import build_model
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
@@ -366,3 +367,74 @@ def test_a_killed_single_replica_is_a_clean_503_then_replaced(
     wait_status(api, endpoint, "ready", timeout=90)
     assert _chat(platform, "killed").status_code == 200
     api.delete(f"/v1/endpoints/{endpoint}")
+
+
+# ----- tiers end to end ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_slot_platform(
+    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+) -> Iterator[PlatformProcess]:
+    env = {
+        "MODELYARD_WORKER_ENGINE": ENGINE,
+        # No health tick while the test runs: its stopped worker holds the one slot, unprobed.
+        "MODELYARD_HEALTH_CHECK_INTERVAL_S": "3600",
+        "MODELYARD_ADMISSION_TOKENS_PER_REQUEST": "1000000000",  # one request per replica
+        "MODELYARD_ADMISSION_QUEUE_SIZE": "4",
+    }
+    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_tenants_tiers_order_the_queue_and_the_free_tier_is_refused_first(
+    one_slot_platform: PlatformProcess, tiny_dir: Path
+) -> None:
+    platform = one_slot_platform
+    api = platform.api()
+    endpoint = deploy(api, "tiers", str(tiny_dir), public=True)
+    keys = {}
+    for tier in ("free", "standard", "priority"):
+        r = api.post("/v1/tenants", json={"name": f"tenant-{tier}", "tier": tier})
+        assert r.status_code == 201, r.text
+        keys[tier] = create_key(api, r.json()["id"])["key"]
+    [replica] = api.get(f"/v1/endpoints/{endpoint}").json()["replicas"]["items"]
+    done: dict[str, tuple[int, float, str]] = {}
+
+    def ask(name: str, tier: str) -> None:
+        body = {"model": "tiers", "messages": MESSAGES, "max_tokens": 2}
+        with platform.api(keys[tier]) as client:
+            r = client.post("/v1/chat/completions", json=body, timeout=60.0)
+        done[name] = (r.status_code, time.monotonic(), r.text)
+
+    arrivals = [
+        ("hold", "standard"),  # takes the one slot, and hangs there
+        ("free-1", "free"),
+        ("free-2", "free"),  # the queue (4) is now half full: free's share
+        ("free-3", "free"),  # refused: the rest is kept for higher tiers
+        ("priority", "priority"),
+        ("standard", "standard"),  # past standard's share (3): displaces free-2
+    ]
+    os.kill(replica["pid"], signal.SIGSTOP)
+    threads = []
+    try:
+        for name, tier in arrivals:
+            thread = threading.Thread(target=ask, args=(name, tier))
+            thread.start()
+            threads.append(thread)
+            time.sleep(1.0)  # arrival order at the gateway
+        _wait_for(lambda: "free-3" in done and "free-2" in done, "the refusals", 10)
+    finally:
+        os.kill(replica["pid"], signal.SIGCONT)
+    for thread in threads:
+        thread.join(60)
+    for name in ("free-3", "free-2"):
+        status, _, text = done[name]
+        assert status == 429, (name, status, text)
+        assert "higher tier" in text, text
+    served = sorted((done[n][1], n) for n in ("hold", "free-1", "priority", "standard"))
+    assert all(done[n][0] == 200 for _, n in served), done
+    assert [n for _, n in served] == ["hold", "priority", "standard", "free-1"]
