@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -125,6 +125,7 @@ class Outcome:
     error: str | None = None
     seconds: float = 0.0
     retry_after: str | None = None
+    ended: float = field(default_factory=time.monotonic)  # built when the request ended
 
 
 def _error_of(r: httpx.Response) -> str:
