@@ -20,24 +20,24 @@ from modelyard.engine.admission import EngineLimits, RequestRejected, check_requ
 from modelyard.engine.detokenizer import IncrementalDetokenizer
 from modelyard.engine.faults import RequestFailed, is_fatal
 from modelyard.engine.kv_cache_manager import KVCacheManager
-from modelyard.engine.memory import keep_freed_memory_for_reuse
+from modelyard.engine.loading import cpu_has_native_bfloat16, load
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.config import ModelConfig
-from modelyard.engine.models.loader import load_model, read_model_config, to_hf_folder
-from modelyard.engine.models.sharding import check_tensor_parallel
 from modelyard.engine.sampler import Sampler
 from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.scheduler import Scheduler
 from modelyard.engine.sequence import FinishReason, Sequence, TokenLogprob
-from modelyard.engine.tensor_parallel import (
-    HelperSpec,
-    TensorParallelLeader,
-    rank_device,
-    threads_per_rank,
-)
 from modelyard.engine.tokenizer import Tokenizer
 
-__all__ = ["LLMEngine", "RequestFailed", "RequestOutput", "RequestRejected", "SequenceDelta"]
+# cpu_has_native_bfloat16: still imported from here by the control plane's sizing.
+__all__ = [
+    "LLMEngine",
+    "RequestFailed",
+    "RequestOutput",
+    "RequestRejected",
+    "SequenceDelta",
+    "cpu_has_native_bfloat16",
+]
 
 log = logging.getLogger(__name__)
 
@@ -84,29 +84,6 @@ class _Request:
     reported_finish: list[bool]
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def cpu_has_native_bfloat16() -> bool:
-    """AVX512-BF16 or AMX: bfloat16 matmuls run about twice as fast as float32 on such CPUs."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda" or cpu_has_native_bfloat16():
-            return torch.bfloat16
-        return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -134,83 +111,15 @@ class LLMEngine:
     def from_settings(cls, model: str | Path, settings: EngineSettings) -> LLMEngine:
         """Load the model and build the engine. With `tensor_parallel_size` N > 1 this process
         becomes rank 0 and starts N-1 helper rank processes (stopped by `close()`)."""
-        tp = settings.tensor_parallel_size
-        device = _resolve_device(settings.device)
-        num_threads = settings.num_threads
-        if tp > 1:
-            device = rank_device(device, 0)
-            if device.type == "cpu" and not num_threads:
-                num_threads = threads_per_rank(tp)
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        dtype = _resolve_dtype(settings.dtype, device)
-        if device.type == "cpu":
-            keep_freed_memory_for_reuse()
-        folder = to_hf_folder(model, settings.cache_dir)
-        cfg = read_model_config(folder)
-        check_tensor_parallel(cfg, tp)
-        if tp > 1 and device.type == "cuda":
-            available = torch.cuda.device_count()
-            if (device.index or 0) + tp > available:
-                raise ValueError(
-                    f"tensor_parallel_size={tp} needs CUDA devices {device.index or 0}.."
-                    f"{(device.index or 0) + tp - 1}, but this node has {available}"
-                )
-        limits = [cfg.max_position_embeddings]
-        if settings.max_model_len:
-            limits.append(settings.max_model_len)
-        if cfg.sliding_window:
-            limits.append(cfg.sliding_window)
-        max_model_len = min(limits)
-        # Each rank holds its 1/tp of the KV heads in its own kv_cache_memory.
-        bytes_per_block = settings.block_size * cfg.kv_bytes_per_token(dtype.itemsize) // tp
-        num_blocks = settings.kv_cache_memory // bytes_per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={settings.kv_cache_memory} bytes holds no block of "
-                f"{bytes_per_block} bytes; raise MODELYARD_KV_CACHE_MEMORY"
-            )
-        leader = None
-        if tp > 1:
-            spec = HelperSpec(
-                folder=str(folder),
-                dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-                device=str(device),
-                max_model_len=max_model_len,
-                num_blocks=num_blocks,
-                block_size=settings.block_size,
-                num_threads=num_threads,
-                world_size=tp,
-                log_level=logging.getLogger().getEffectiveLevel(),
-            )
-            leader = TensorParallelLeader(spec, device)
-        try:
-            if leader is not None:
-                leader.start()
-            loaded = load_model(folder, dtype, device, max_model_len, tp_rank=0, tp_size=tp)
-            runner = ModelRunner(
-                loaded.model, cfg, num_blocks, settings.block_size, dtype, device, tp, leader
-            )
-            tokenizer = Tokenizer.load(folder, cfg)
-            if leader is not None:
-                leader.wait_ready()
-        except BaseException:
-            if leader is not None:
-                leader.close()
-            raise
-        log.info(
-            "engine ready: %s, %s on %s%s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
-            model,
-            dtype,
-            device,
-            f" x {tp} tensor-parallel ranks" if tp > 1 else "",
-            num_blocks,
-            settings.block_size,
-            num_blocks * settings.block_size,
-            max_model_len,
+        parts = load(model, settings)
+        return cls(
+            parts.runner,
+            parts.tokenizer,
+            settings,
+            parts.max_model_len,
+            parts.num_blocks,
+            parts.model_name,
         )
-        name = Path(str(model)).name if Path(str(model)).exists() else str(model)
-        return cls(runner, tokenizer, settings, max_model_len, num_blocks, name)
 
     def close(self) -> None:
         """Release what outlives the object: the tensor-parallel helper ranks (idempotent)."""
