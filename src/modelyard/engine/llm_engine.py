@@ -241,7 +241,7 @@ class LLMEngine:
             sampled = self._forward(plan.scheduled)
             failed: dict[str, BaseException] = {}
         except Exception as exc:
-            if is_fatal(exc):
+            if self._fatal(exc):
                 raise
             log.warning("engine step failed (%r); retrying its requests one by one", exc)
             self.stats.failed_steps += 1
@@ -266,7 +266,7 @@ class LLMEngine:
                     self._append_token(req, seq, token, lp)
                 outputs.append(self._collect(req))
             except Exception as exc:  # e.g. the detokenizer: this request's fault alone
-                if is_fatal(exc):
+                if self._fatal(exc):
                     raise
                 log.warning("request %s failed after sampling: %r", request_id, exc)
                 outputs.append(self._fail(req, exc))
@@ -284,6 +284,10 @@ class LLMEngine:
         token_ids, logprobs = self.sampler(logits, inputs.sampling_seqs)
         return list(zip(inputs.sampling_seqs, token_ids, logprobs, strict=True))
 
+    def _fatal(self, exc: BaseException) -> bool:
+        """No retry after this: the process is in doubt, or the tensor-parallel group died."""
+        return is_fatal(exc) or self.failure is not None
+
     def _isolate(
         self, scheduled: list[tuple[Sequence, int]]
     ) -> tuple[list[tuple[Sequence, int, TokenLogprob | None]], dict[str, BaseException]]:
@@ -298,7 +302,7 @@ class LLMEngine:
             try:
                 sampled += self._forward(group)
             except Exception as exc:
-                if is_fatal(exc):
+                if self._fatal(exc):
                     raise
                 log.warning("request %s failed in an engine step: %r", request_id, exc)
                 failed[request_id] = exc
