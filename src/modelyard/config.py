@@ -135,6 +135,9 @@ class PlatformSettings(_Settings):
     redis_url: str | None = Field(
         None, description="Shared rate limits and quotas across gateways, e.g. redis://host:6379."
     )
+    redis_timeout_s: float = Field(
+        1.5, gt=0, description="Connect and read timeout of each Redis call (no retries)."
+    )
     default_models: bool = Field(True, description="Register and deploy the bundled models.")
     max_body_bytes: int = Field(parse_size("8MiB"), description="Largest JSON request body.")
     max_artifact_bytes: int = Field(parse_size("64GiB"), description="Largest uploaded file.")
@@ -182,7 +185,8 @@ class PlatformSettings(_Settings):
     )
     auth_cache_ttl_s: float = Field(5.0, description="How long a key lookup is cached.")
     metrics_token: str | None = Field(
-        None, description="Bearer token a Prometheus scraper may use for /metrics (or an admin key)."
+        None,
+        description="Bearer token a Prometheus scraper may use for /metrics (or an admin key).",
     )
     local_artifact_roots: list[Path] = Field(
         default_factory=list,

@@ -21,6 +21,7 @@ from modelyard.api.schemas import DeployRequest, SamplingDefaults
 from modelyard.batch.files import FileService
 from modelyard.batch.runner import BatchRunner
 from modelyard.batch.service import BatchService
+from modelyard.batch.webhook_policy import WebhookPolicy
 from modelyard.config import PlatformSettings
 from modelyard.control.backends.local import LocalBackend
 from modelyard.control.endpoints import EndpointManager
@@ -76,8 +77,17 @@ class Platform:
         self._redis = None
         if settings.redis_url:
             import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
 
-            self._redis = aioredis.from_url(settings.redis_url)
+            # Short timeouts and no retries: with Redis down, admission must answer its 503
+            # within a second or two, not after the client library's default backoff.
+            self._redis = aioredis.from_url(
+                settings.redis_url,
+                socket_connect_timeout=settings.redis_timeout_s,
+                socket_timeout=settings.redis_timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
             self.limiter = RedisRateLimiter(self._redis)
             self.quota = RedisQuotaCounter(self._redis)
         else:
@@ -94,7 +104,9 @@ class Platform:
             settings, self.auth, self.limiter, self.quota, self.routing, self.recorder, self.metrics
         )
         self.files = FileService(self.db, self.store, settings.max_file_bytes)
-        self.batches = BatchService(self.db, self.files)
+        self.batches = BatchService(
+            self.db, self.files, WebhookPolicy(settings.batch_webhook_hosts)
+        )
         self.batch_runner = BatchRunner(settings, self.db, self.files, self.gateway)
         self.bootstrap: Bootstrap | None = None
         self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's banner

@@ -340,7 +340,10 @@ async def usage(
     }
 
 
-@router.get("/v1/usage/export")
+@router.get(
+    "/v1/usage/export",
+    responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}},
+)
 async def usage_export(
     start: str | None = None,
     end: str | None = None,

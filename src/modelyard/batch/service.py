@@ -103,17 +103,9 @@ def _not_found(batch_id: str) -> APIError:
 
 
 class BatchService:
-    def __init__(
-        self, db: Database, files: FileService, webhooks: WebhookPolicy | None = None
-    ) -> None:
+    def __init__(self, db: Database, files: FileService, webhooks: WebhookPolicy) -> None:
         self.db = db
         self.files = files
-        if webhooks is None:
-            # Until the platform passes its policy: the same settings `serve` reads (the CLI
-            # overrides none of the webhook ones).
-            from modelyard.config import PlatformSettings
-
-            webhooks = WebhookPolicy(PlatformSettings().batch_webhook_hosts)
         self.webhooks = webhooks
 
     def _check_webhook(self, metadata: dict[str, str] | None) -> None:

@@ -93,7 +93,7 @@ class NodeCache:
             raise IntegrityError(
                 f"blob {sha256} is corrupted in the store (it hashes to {digest.hexdigest()})"
             )
-        os.chmod(dest, 0o444)
+        os.chmod(dest, 0o400)
 
     def _entries(self) -> list[tuple[float, int, Path]]:
         """(last use, bytes, folder) of every complete version."""
