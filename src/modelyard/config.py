@@ -184,6 +184,17 @@ class PlatformSettings(_Settings):
         "(one failed probe already takes it out of routing).",
     )
     auth_cache_ttl_s: float = Field(5.0, description="How long a key lookup is cached.")
+    auth_stale_ttl_s: float = Field(
+        300.0,
+        ge=0,
+        description="With the database unreachable, how long a key's last good lookup is still "
+        "served (a key revoked meanwhile by another gateway is honoured only when it is back).",
+    )
+    usage_journal_fsync: bool = Field(
+        False,
+        description="fsync the usage journal on every answered request: a machine crash (not "
+        "only a process crash) then loses no usage, at the cost of a disk flush per request.",
+    )
     metrics_token: str | None = Field(
         None,
         description="Bearer token a Prometheus scraper may use for /metrics (or an admin key).",

@@ -1,9 +1,9 @@
 """The composition root of `modelyard serve`: builds every part, starts and stops them in order.
 
-Start: migrate the schema, seed quota counters from the month's usage, bootstrap the platform
-admin key and the default models on first start, then the usage writer, the gateway client
-and the endpoint manager (which re-provisions every live endpoint). Stop: the reverse, with
-replicas terminated and pending usage flushed.
+Start: migrate the schema, replay usage journals left by a crash, seed quota counters from the
+month's usage, bootstrap the platform admin key and the default models on first start, then the
+usage writer, the gateway client and the endpoint manager (which re-provisions every live
+endpoint). Stop: the reverse, with replicas terminated and pending usage flushed.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from modelyard.gateway.ratelimit import (
     month_of,
 )
 from modelyard.gateway.router import RoutingTable
+from modelyard.gateway.usage_journal import UsageJournal
 from modelyard.store import repository as repo
 from modelyard.store.artifacts import ArtifactStore, make_owner_only
 from modelyard.store.db import Database
@@ -93,9 +94,12 @@ class Platform:
         else:
             self.limiter = MemoryRateLimiter()
             self.quota = MemoryQuotaCounter()
-        self.auth = Authenticator(self.db, settings.auth_cache_ttl_s)
+        self.auth = Authenticator(
+            self.db, settings.auth_cache_ttl_s, stale_ttl_s=settings.auth_stale_ttl_s
+        )
         self.metrics = GatewayMetrics()
-        self.recorder = UsageRecorder(self.db, self.quota)
+        journal = UsageJournal(settings.data_dir / "usage-journal", settings.usage_journal_fsync)
+        self.recorder = UsageRecorder(self.db, self.quota, journal=journal)
         self.backend = LocalBackend(settings.data_dir / "logs")
         self.endpoints = EndpointManager(
             settings, self.db, self.registry, self.backend, self.routing
@@ -114,6 +118,7 @@ class Platform:
     async def start(self) -> None:
         await asyncio.to_thread(self.db.migrate)
         await asyncio.to_thread(self._secure_files)
+        await self.recorder.recover()  # before seeding: replayed usage counts against quotas
         await self._seed_quotas()
         self.bootstrap = await asyncio.to_thread(self._bootstrap_admin)
         self.recorder.start()

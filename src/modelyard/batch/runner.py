@@ -19,6 +19,7 @@ from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from modelyard.batch.budget import BatchBudget
 from modelyard.batch.files import FileService
@@ -95,6 +96,7 @@ class BatchRunner:
 
     async def _loop(self) -> None:
         first = True
+        down = False  # the database is unreachable: one warning per outage, not per poll
         while True:
             try:
                 now = time.monotonic()
@@ -107,6 +109,13 @@ class BatchRunner:
                 if first:
                     await self.notifier.resend()
                     first = False
+                if down:
+                    log.warning("batch runner: the database answers again")
+                    down = False
+            except (OperationalError, InterfaceError) as exc:
+                if not down:
+                    log.warning("batch runner: the database is unreachable, polling on: %s", exc)
+                    down = True
             except Exception:
                 log.exception("batch runner loop failed; retrying")
             await asyncio.sleep(self.settings.batch_poll_interval_s)

@@ -5,6 +5,14 @@ and the final comparison is constant-time. Lookups are cached for a few seconds;
 this process invalidates the cache at once. The cache is bounded (least recently used first
 out), and unknown keys go to a smaller cache of their own, so a flood of random keys costs
 database lookups but neither memory nor the cached entries of real keys.
+
+With the database unreachable, a key looked up successfully within the last `stale_ttl_s`
+(default 5 minutes) is still served from that lookup, so an outage does not stop traffic that
+was flowing. The trade-off: a key revoked (or limited) by another gateway process meanwhile is
+honoured only when the database answers again, at most `stale_ttl_s` late; a revocation in
+this process still takes effect at once. A key with no good lookup in that window (unknown,
+new, or seen too long ago) is refused with a 503 `auth_unavailable` and Retry-After, never
+served unchecked and never a 500.
 """
 
 from __future__ import annotations
@@ -12,18 +20,27 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import StrEnum
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
 from modelyard.api.errors import APIError
 from modelyard.gateway.ratelimit import Limits
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 
+log = logging.getLogger(__name__)
+
 KEY_PREFIX = "sk-my-"
+# What a lookup raises when the database cannot be reached (not when a query is wrong).
+_UNREACHABLE = (OperationalError, InterfaceError, PoolTimeout, OSError)
+_RETRY_AFTER_S = 5
 SCOPES = ("inference", "admin")
 
 
@@ -104,24 +121,29 @@ def _capped(key_limit: int | None, ceiling: int | None) -> int | None:
 
 
 class _LRU:
-    """A cache of key hash → (lookup, expiry) holding at most `size` entries."""
+    """A cache of key hash → (lookup, expiry, time of the lookup) of at most `size` entries.
+    An expired entry stays (until pushed out) as the fallback while the database is down."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._entries: OrderedDict[str, tuple[Principal | None, float]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[Principal | None, float, float]] = OrderedDict()
 
     def get(self, key_hash: str, now: float) -> tuple[Principal | None] | None:
         entry = self._entries.get(key_hash)
-        if entry is None:
-            return None
-        if entry[1] <= now:
-            del self._entries[key_hash]
+        if entry is None or entry[1] <= now:
             return None
         self._entries.move_to_end(key_hash)
         return (entry[0],)
 
-    def put(self, key_hash: str, principal: Principal | None, expires: float) -> None:
-        self._entries[key_hash] = (principal, expires)
+    def last_good(self, key_hash: str, since: float) -> tuple[Principal | None, float] | None:
+        """The entry's lookup and its time, if it was looked up at `since` or later."""
+        entry = self._entries.get(key_hash)
+        if entry is None or entry[2] < since:
+            return None
+        return entry[0], entry[2]
+
+    def put(self, key_hash: str, principal: Principal | None, expires: float, at: float) -> None:
+        self._entries[key_hash] = (principal, expires, at)
         self._entries.move_to_end(key_hash)
         while len(self._entries) > self.size:
             self._entries.popitem(last=False)
@@ -140,9 +162,12 @@ class Authenticator:
         cache_ttl_s: float = 5.0,
         cache_size: int = 10_000,
         negative_cache_size: int = 1_000,
+        stale_ttl_s: float = 300.0,
     ) -> None:
         self.db = db
         self.cache_ttl_s = cache_ttl_s
+        self.stale_ttl_s = stale_ttl_s
+        self._outage = False  # logged once per outage, not per request
         self._known = _LRU(cache_size)
         self._unknown = _LRU(negative_cache_size)
 
@@ -193,12 +218,39 @@ class Authenticator:
         if cached is not None:
             principal = cached[0]
         else:
-            principal = await asyncio.to_thread(self._lookup, key_hash)
-            cache = self._unknown if principal is None else self._known
-            cache.put(key_hash, principal, now + self.cache_ttl_s)
+            try:
+                principal = await asyncio.to_thread(self._lookup, key_hash)
+            except _UNREACHABLE as exc:
+                principal = self._last_good(key_hash, now, exc)
+            else:
+                if self._outage:
+                    log.warning("key lookups work again")
+                    self._outage = False
+                cache = self._unknown if principal is None else self._known
+                cache.put(key_hash, principal, now + self.cache_ttl_s, now)
         if principal is None:
             shown = key.strip()[:10] + "…" if len(key.strip()) > 10 else "…"
             raise _unauthorized(f"Incorrect API key provided: {shown}. It may have been revoked.")
+        return principal
+
+    def _last_good(self, key_hash: str, now: float, exc: Exception) -> Principal:
+        """The database is unreachable: the key's last good lookup if recent enough, else 503."""
+        if not self._outage:
+            log.warning("the database is unreachable for key lookups (%s); serving keys looked "
+                        "up in the last %gs from cache", exc, self.stale_ttl_s)  # fmt: skip
+            self._outage = True
+        found = self._known.last_good(key_hash, now - self.stale_ttl_s)
+        if found is None or found[0] is None:
+            raise APIError(
+                503,
+                "API keys cannot be checked right now (the platform's database is unreachable); "
+                f"please retry in {_RETRY_AFTER_S}s.",
+                code="auth_unavailable",
+                headers={"retry-after": str(_RETRY_AFTER_S)},
+            )
+        principal, looked_up = found
+        # Tried again after one cache period, not on every request of the outage.
+        self._known.put(key_hash, principal, now + self.cache_ttl_s, looked_up)
         return principal
 
     def invalidate(self) -> None:

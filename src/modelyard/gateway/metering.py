@@ -2,9 +2,13 @@
 
 The gateway hands each finished request to `UsageRecorder.record`; the tenant's monthly token
 counter is settled at once (from the tokens reserved at admission to the real count, so quota
-checks see it), and a writer task inserts the rows in batches with
-`ON CONFLICT (request_id) DO NOTHING`, so a retried or duplicated record cannot bill twice. A
-failed write is retried with backoff and the rows are kept; `stop()` flushes what is left.
+checks see it), the row is appended to this process's usage journal on local disk (one write,
+before the gateway sends the answer: see `usage_journal.py`, so a SIGKILL right after answering
+loses nothing), and a writer task inserts the rows in batches with
+`ON CONFLICT (request_id) DO NOTHING`, so a retried, duplicated or replayed record cannot bill
+twice. A failed write is retried with backoff and the rows are kept (in memory and in the
+journal); `stop()` flushes what is left. `recover()` at start replays the journals of
+processes that died before their rows were committed.
 
 Settling a served request must not depend on its client staying connected: the gateway runs
 it in a task of the recorder's (`settle`), which a disconnect cannot cancel and `stop()` awaits.
@@ -22,6 +26,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from modelyard.gateway.quota import LimitsUnavailable, QuotaCounter, month_of
+from modelyard.gateway.usage_journal import UsageJournal
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 
@@ -56,11 +61,18 @@ class UsageEvent:
 
 
 class UsageRecorder:
-    def __init__(self, db: Database, quota: QuotaCounter, flush_interval_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        db: Database,
+        quota: QuotaCounter,
+        flush_interval_s: float = 0.05,
+        journal: UsageJournal | None = None,
+    ) -> None:
         self.db = db
         self.quota = quota
         self.flush_interval_s = flush_interval_s
-        self._pending: list[UsageEvent] = []
+        self.journal = journal  # None: rows wait only in memory until written (tests)
+        self._pending: list[dict[str, Any]] = []
         # Recent request ids, so a duplicate report does not count twice against the quota
         # either; the table's unique key is what guarantees one row.
         self._seen: OrderedDict[str, None] = OrderedDict()
@@ -69,6 +81,11 @@ class UsageRecorder:
         self._stopping = False
         self._settling: set[asyncio.Task[Any]] = set()
         self.written = 0
+
+    async def recover(self) -> None:
+        """Bill what processes that died left in their journals (before quotas are seeded)."""
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.replay, self._insert)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="usage-writer")
@@ -116,31 +133,37 @@ class UsageRecorder:
     async def record(
         self, event: UsageEvent, reserved: int = 0, reserved_month: str | None = None
     ) -> None:
-        """Count the request (settling `reserved` quota tokens) and queue its row for the
-        background writer."""
+        """Count the request (settling `reserved` quota tokens), journal its row and queue it
+        for the background writer. When this returns the row survives the process's death, so
+        the gateway calls it before the answer (or the stream's end) leaves."""
         if not await self.count(event, reserved, reserved_month):
             return
-        self._pending.append(event)
+        row = asdict(event)
+        if self.journal is not None:
+            self.journal.append(row)
+        self._pending.append(row)
         if len(self._pending) >= 256:
             self._wake.set()
+        if self.journal is not None and self.journal.fsync:
+            # Off the event loop; the row is queued already, so the file is not emptied under
+            # it before it is committed.
+            await asyncio.to_thread(self.journal.sync)
 
-    async def _write(self, batch: list[UsageEvent]) -> None:
-        rows = [asdict(e) for e in batch]
-
-        def write() -> int:
-            with self.db.session() as s:
-                return repo.insert_usage(s, rows)
-
-        self.written += await asyncio.to_thread(write)
+    def _insert(self, rows: list[dict[str, Any]]) -> int:
+        with self.db.session() as s:
+            return repo.insert_usage(s, rows)
 
     async def flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending[:1000], self._pending[1000:]
             try:
-                await self._write(batch)
+                self.written += await asyncio.to_thread(self._insert, batch)
             except Exception:
                 self._pending = batch + self._pending
                 raise
+        # Nothing awaited since the queue was found empty: every journaled row is committed.
+        if self.journal is not None:
+            self.journal.committed()
 
     async def _run(self) -> None:
         backoff = self.flush_interval_s
@@ -162,4 +185,11 @@ class UsageRecorder:
         self._wake.set()
         if self._task is not None:
             await self._task
-        await self.flush()
+        try:
+            await self.flush()
+        except Exception:
+            if self.journal is not None:
+                self.journal.close(remove=False)  # the next start replays it
+            raise
+        if self.journal is not None:
+            self.journal.close(remove=True)

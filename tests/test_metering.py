@@ -1,0 +1,201 @@
+"""The usage journal (gateway/usage_journal.py) under the usage recorder: a row is on disk when
+`record` returns, a process SIGKILLed before its writer flushed loses nothing (its journal is
+replayed at the next start), replay is idempotent, a torn last line is skipped, a live
+process's journal is left alone, and the journal is emptied once its rows are committed.
+
+Real SQLite databases and, for the crash, a real process killed with SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from sqlalchemy import select
+
+from modelyard.gateway.metering import UsageEvent, UsageRecorder
+from modelyard.gateway.quota import MemoryQuotaCounter
+from modelyard.gateway.usage_journal import UsageJournal
+from modelyard.store import repository as repo
+from modelyard.store.db import Database, sqlite_url
+from modelyard.store.tables import UsageRecord
+
+
+@pytest.fixture()
+def database(tmp_path: Path) -> Iterator[Database]:
+    db = Database(sqlite_url(tmp_path / "usage.db"))
+    db.migrate()
+    try:
+        yield db
+    finally:
+        db.dispose()
+
+
+def event(request_id: str) -> UsageEvent:
+    return UsageEvent(request_id, "t", "k", None, "m", None, "chat.completions",
+                      3, 4, 0, 1.0, None, 200, "ok")  # fmt: skip
+
+
+def rows_in(db: Database) -> list[str]:
+    with db.session() as s:
+        return sorted(s.scalars(select(UsageRecord.request_id)))
+
+
+def insert(db: Database) -> Callable[[list[dict[str, Any]]], int]:
+    def run(rows: list[dict[str, Any]]) -> int:
+        with db.session() as s:
+            return repo.insert_usage(s, rows)
+
+    return run
+
+
+def journal_lines(folder: Path) -> list[bytes]:
+    return [line for p in folder.glob("*.jsonl") for line in p.read_bytes().splitlines()]
+
+
+_CRASHING_GATEWAY = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from pathlib import Path
+    from modelyard.gateway.metering import UsageEvent, UsageRecorder
+    from modelyard.gateway.quota import MemoryQuotaCounter
+    from modelyard.gateway.usage_journal import UsageJournal
+    from modelyard.store.db import Database
+
+    async def main() -> None:
+        db = Database(sys.argv[1])
+        # A writer that would flush only after an hour: the rows are in memory and journal.
+        recorder = UsageRecorder(db, MemoryQuotaCounter(), flush_interval_s=3600,
+                                 journal=UsageJournal(Path(sys.argv[2])))
+        recorder.start()
+        for i in range(3):
+            await recorder.record(UsageEvent(f"req-{i}", "t", "k", None, "m", None,
+                                             "chat.completions", 3, 4, 0, 1.0, None, 200, "ok"))
+        print("answered", flush=True)  # what a gateway would now send to its clients
+        time.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_rows_recorded_just_before_a_sigkill_are_billed_at_the_next_start(
+    database: Database, tmp_path: Path
+) -> None:
+    folder = tmp_path / "usage-journal"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_GATEWAY, database.url, str(folder)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "answered"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert rows_in(database) == []  # the writer never ran
+    assert len(journal_lines(folder)) == 3
+    # The next start: its own new journal, and the dead process's replayed and removed.
+    journal = UsageJournal(folder)
+    recorder = UsageRecorder(database, MemoryQuotaCounter(), journal=journal)
+    asyncio.run(recorder.recover())
+    assert rows_in(database) == ["req-0", "req-1", "req-2"]
+    assert [p for p in folder.iterdir()] == [journal.path]
+    journal.close(remove=True)
+
+
+def test_replay_is_idempotent(database: Database, tmp_path: Path) -> None:
+    """A row committed and still journaled (killed between the commit and the truncation), or
+    a journal replayed twice, is billed once."""
+    folder = tmp_path / "j"
+    dead = UsageJournal(folder)
+    rows = [asdict(event(f"r-{i}")) for i in range(3)]
+    for row in rows:
+        dead.append(row)
+    copy = folder / "usage-copy.jsonl"
+    copy.write_bytes(dead.path.read_bytes())
+    dead.close(remove=False)  # as its process dying would: the lock is released
+    with database.session() as s:
+        assert repo.insert_usage(s, rows[:1]) == 1
+    live = UsageJournal(folder)
+    assert live.replay(insert(database)) == (6, 2)
+    assert rows_in(database) == ["r-0", "r-1", "r-2"]
+    assert live.replay(insert(database)) == (0, 0)
+    live.close(remove=True)
+    assert list(folder.iterdir()) == []
+
+
+def test_a_torn_last_line_is_skipped(database: Database, tmp_path: Path) -> None:
+    """A crash in the middle of a write leaves half a line: the rows before it are billed."""
+    folder = tmp_path / "j"
+    dead = UsageJournal(folder)
+    for i in range(2):
+        dead.append(asdict(event(f"ok-{i}")))
+    whole = orjson.dumps(event("torn").__dict__)
+    with dead.path.open("ab") as f:
+        f.write(whole[: len(whole) // 2])
+    dead.close(remove=False)
+    live = UsageJournal(folder)
+    assert live.replay(insert(database)) == (2, 2)
+    assert rows_in(database) == ["ok-0", "ok-1"]
+    live.close(remove=True)
+
+
+def test_a_live_gateways_journal_is_not_replayed(database: Database, tmp_path: Path) -> None:
+    """Two gateways on one data dir: one's start never bills (or deletes) the other's rows."""
+    folder = tmp_path / "j"
+    other = UsageJournal(folder)
+    other.append(asdict(event("other")))
+    starting = UsageJournal(folder)
+    assert starting.replay(insert(database)) == (0, 0)
+    assert other.path.exists() and rows_in(database) == []
+    other.close(remove=False)
+    starting.close(remove=True)
+
+
+async def test_the_journal_is_emptied_once_its_rows_are_committed(
+    database: Database, tmp_path: Path
+) -> None:
+    folder = tmp_path / "j"
+    journal = UsageJournal(folder)
+    recorder = UsageRecorder(database, MemoryQuotaCounter(), journal=journal)
+    recorder.start()
+    for i in range(3):
+        await recorder.record(event(f"e-{i}"))
+    # On disk as soon as `record` returns, before the writer ran.
+    assert len(journal.path.read_bytes().splitlines()) == 3
+    for _ in range(200):
+        if recorder.written == 3 and journal.path.stat().st_size == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert recorder.written == 3 and journal.path.stat().st_size == 0
+    # A duplicate report is neither billed nor journaled again.
+    await recorder.record(event("e-0"))
+    assert journal.path.stat().st_size == 0
+    await recorder.record(event("e-3"))
+    await recorder.stop()
+    assert rows_in(database) == ["e-0", "e-1", "e-2", "e-3"]
+    assert not journal.path.exists()  # a clean stop leaves no journal behind
+
+
+async def test_a_journal_whose_rows_could_not_be_written_is_kept(tmp_path: Path) -> None:
+    """With the database unreachable at stop, the rows stay journaled for the next start."""
+    folder = tmp_path / "j"
+    db = Database(sqlite_url(tmp_path / "no-schema.db"))  # no tables: every insert fails
+    journal = UsageJournal(folder)
+    recorder = UsageRecorder(db, MemoryQuotaCounter(), flush_interval_s=3600, journal=journal)
+    await recorder.record(event("kept"))
+    with pytest.raises(Exception):  # noqa: B017 - the driver's error, whatever it is
+        await recorder.stop()
+    db.dispose()
+    assert journal.path.exists() and len(journal_lines(folder)) == 1
+    assert os.stat(journal.path).st_mode & 0o777 == 0o600
