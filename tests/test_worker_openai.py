@@ -360,6 +360,7 @@ def test_top_k_above_the_vocabulary_is_a_400_and_the_engine_keeps_serving(url: s
     ok = {**body, "top_k": 49152}
     assert httpx.post(f"{url}/v1/chat/completions", json=ok, timeout=60).status_code == 200
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert metric(url, "modelyard_engine_failed_steps_total") == 0
 
 
 CHAT = {"model": MODEL, "messages": FRANCE, "max_tokens": 2}

@@ -85,6 +85,11 @@ class _EngineCollector(Collector):
         yield counter("modelyard_generation_tokens", "Tokens generated.", s.generation_tokens)
         yield counter("modelyard_engine_steps", "Engine steps run.", s.steps)
         yield counter(
+            "modelyard_engine_failed_steps",
+            "Engine steps that raised (their requests were retried one by one).",
+            s.failed_steps,
+        )
+        yield counter(
             "modelyard_engine_busy_seconds", "Seconds the engine spent in steps.", s.busy_seconds
         )
         yield counter(
