@@ -16,8 +16,9 @@ from modelyard.engine.sampling_params import MAX_N, SamplingParams
 MAX_CHOICES = MAX_N
 
 
-def rejected(exc: RequestRejected) -> APIError:
-    return bad_request(str(exc), exc.param, exc.code)
+def rejected(exc: RequestRejected, renames: dict[str, str] | None = None) -> APIError:
+    param = exc.param and (renames or {}).get(exc.param, exc.param)
+    return bad_request(str(exc), param, exc.code)
 
 
 def admit(
@@ -49,7 +50,9 @@ def admit(
     try:
         engine.check_request(prompt, params, req.priority, prompt_param)
     except RequestRejected as exc:
-        raise rejected(exc) from exc
+        # The completions API names its top-logprob count `logprobs`.
+        renames = {"top_logprobs": "logprobs"} if prompt_param == "prompt" else None
+        raise rejected(exc, renames) from exc
     return params
 
 
