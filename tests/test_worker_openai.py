@@ -421,17 +421,17 @@ def test_non_finite_numbers_are_a_400(url: str) -> None:
         (
             "chat/completions",
             b'"messages":[{"role":"user","content":"\\u0000\\udcff"}]',
-            "messages.0.content",
+            "messages[0].content",
         ),
         (
             "chat/completions",
             b'"messages":[{"role":"user","content":[{"type":"text","text":"\\ud800"}]}]',
-            "messages.0.content",
+            "messages[0].content",
         ),
         (
             "chat/completions",
             b'"messages":[{"role":"user","content":"hi","name":"\\udfff"}]',
-            "messages.0.name",
+            "messages[0].name",
         ),
         (
             "chat/completions",

@@ -74,6 +74,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def field_path(loc: Sequence[Any]) -> str | None:
+    """A pydantic error location as OpenAI writes a `param`: `messages[0].content`."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path or None
+
+
 def validation_error(errors: Sequence[Any]) -> APIError:
     """The 400 for pydantic's (or FastAPI's) list of validation errors: the first one, by name."""
     first = errors[0] if errors else {}
@@ -82,8 +95,7 @@ def validation_error(errors: Sequence[Any]) -> APIError:
             f"We could not parse the JSON body of your request: {first.get('msg', 'invalid JSON')}",
             code="invalid_json",
         )
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = field_path(first.get("loc", ()))
     if first.get("type") == "missing":
         return bad_request(
             f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
