@@ -18,8 +18,14 @@ def engine(tiny_llama: Path) -> LLMEngine:
     return make_engine(tiny_llama, max_tokens_cap=256)
 
 
-def run(engine: LLMEngine, prompt: list[int], params: SamplingParams, rid: str = "r") -> dict:
-    engine.add_request(rid, prompt, params)
+def run(
+    engine: LLMEngine,
+    prompt: list[int],
+    params: SamplingParams,
+    rid: str = "r",
+    cache_salt: str | None = None,
+) -> dict:
+    engine.add_request(rid, prompt, params, cache_salt=cache_salt)
     outs: list[RequestOutput] = []
     while engine.has_unfinished():
         outs.extend(o for o in engine.step() if o.request_id == rid)
@@ -87,6 +93,19 @@ def test_prefix_cache_hit_is_reported_and_changes_nothing(engine: LLMEngine) -> 
     assert first["usage"].cached_tokens == 0
     assert second["usage"].cached_tokens == 32  # two full blocks of 16
     assert first["choices"][0]["tokens"] == second["choices"][0]["tokens"]
+
+
+def test_cache_salt_is_a_prefix_cache_namespace(engine: LLMEngine) -> None:
+    def cached(rid: str, salt: str | None) -> tuple[int, list[int]]:
+        out = run(engine, PROMPT, greedy(6, ignore_eos=True), rid, salt)
+        return out["usage"].cached_tokens, out["choices"][0]["tokens"]
+
+    a1, tokens = cached("a1", "tenant-a")
+    assert a1 == 0
+    assert cached("a2", "tenant-a") == (32, tokens)  # the same salt shares, as before
+    assert cached("b1", "tenant-b") == (0, tokens)  # another tenant's salt sees no hit
+    assert cached("none1", None) == (0, tokens)  # nor does a request without one
+    assert cached("none2", None) == (32, tokens)  # which shares with its own kind
 
 
 def test_abort_frees_blocks_at_once(engine: LLMEngine) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from modelyard.engine.block_pool import BlockPool, NoFreeBlocksError
-from modelyard.engine.kv_cache_manager import KVCacheManager, hash_block
+from modelyard.engine.kv_cache_manager import KVCacheManager, hash_block, salt_root
 from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.sequence import Sequence
 
 
-def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
+def make_seq(tokens: list[int], seq_id: int = 0, salt: bytes = b"") -> Sequence:
     return Sequence(
         seq_id=seq_id,
         request_id=str(seq_id),
@@ -18,6 +18,7 @@ def make_seq(tokens: list[int], seq_id: int = 0) -> Sequence:
         prompt_len=len(tokens),
         token_ids=list(tokens),
         params=SamplingParams(),
+        cache_salt=salt,
     )
 
 
@@ -81,7 +82,38 @@ def test_hash_is_chained_and_salted() -> None:
     root = hash_block(b"", [1, 2, 3, 4])
     assert hash_block(b"", [1, 2, 3, 4]) == root
     assert hash_block(root, [5, 6, 7, 8]) != hash_block(b"", [5, 6, 7, 8])
-    assert hash_block(b"", [1, 2, 3, 4], salt=b"adapter-a") != root
+    assert salt_root(b"") == b""  # no salt: the hashes of before, at no cost
+    salted = salt_root(b"tenant-a")
+    assert len(salted) == len(root) and salted not in (root, salt_root(b"tenant-b"))
+    assert hash_block(salted, [1, 2, 3, 4]) != root
+
+
+def _cached_blocks(kv: KVCacheManager, tokens: list[int], salt: bytes, seq_id: int) -> int:
+    """Blocks of `tokens` the prefix cache serves under `salt`; then computes and publishes
+    them, as a step would."""
+    seq = make_seq(tokens, seq_id, salt)
+    hit = kv.find_cached_prefix(seq)
+    assert kv.allocate(seq, len(tokens) - len(hit) * kv.block_size, hit)
+    compute(kv, seq, len(tokens) - seq.num_computed_tokens)
+    return len(hit)
+
+
+def test_cache_salts_keep_prefixes_apart() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    prompt = list(range(1, 18))  # 4 full blocks and one token
+    assert _cached_blocks(kv, prompt, b"tenant-a", 0) == 0
+    # The same salt shares, as unsalted requests always did: every full block hits.
+    assert _cached_blocks(kv, prompt, b"tenant-a", 1) == 4
+    # Another salt, or none, sees nothing of tenant-a's blocks (not even the first)...
+    assert _cached_blocks(kv, prompt, b"tenant-b", 2) == 0
+    assert _cached_blocks(kv, prompt, b"", 3) == 0
+    # ...and each now has its own namespace that shares within itself.
+    assert _cached_blocks(kv, prompt, b"tenant-b", 4) == 4
+    assert _cached_blocks(kv, prompt, b"", 5) == 4
+    # A salt equal to a block hash is no way into the unsalted chain: the salt is hashed
+    # into its own domain first, so a salted first block never hashes like a later one.
+    first = hash_block(b"", prompt[:4])
+    assert _cached_blocks(kv, prompt[4:], first, 6) == 0
 
 
 def test_different_prefix_same_block_tokens_do_not_hit() -> None:

@@ -3,7 +3,7 @@
 Unknown fields are ignored, as OpenAI's own server does, except those that ask for a feature
 this server does not have (tools, response_format, logit_bias…): those get a clear 400.
 Extra knobs that vLLM users expect (top_k, min_p, repetition_penalty, stop_token_ids,
-ignore_eos, priority) are accepted as well.
+ignore_eos, priority, cache_salt) are accepted as well.
 
 Every text field must be encodable as UTF-8: JSON can spell a lone surrogate (`"\udcff"`),
 which no tokenizer takes, so it is refused here with the field's name. Ranges that depend on
@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # A worker's stream says how many prompt tokens it holds, so a metering proxy can bill the
 # prompt of a stream whose client goes away before the final usage chunk.
 PROMPT_TOKENS_HEADER = "x-modelyard-prompt-tokens"
+# A cache salt is an opaque namespace name, hashed once per request: no need for more.
+MAX_CACHE_SALT_CHARS = 256
 
 
 def _check_text(value: str, where: str) -> str:
@@ -96,6 +98,13 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=0, le=9, description="0 interactive (first), higher is later.")
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="Prefix-cache namespace: only requests with the same salt share cached "
+        "prompt blocks. Behind the gateway it is always the tenant's (a client's is replaced).",
+    )
     # Accepted by OpenAI, not implemented here: a non-default value is rejected.
     logit_bias: dict[str, float] | None = None
 
@@ -108,7 +117,7 @@ class _SamplingFields(BaseModel):
             _check_text(stop, f"stop[{i}]")
         return value
 
-    @field_validator("model", "user")
+    @field_validator("model", "user", "cache_salt")
     @classmethod
     def _is_text(cls, value: str | None) -> str | None:
         return None if value is None else _check_text(value, "the value")

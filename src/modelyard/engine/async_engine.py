@@ -45,6 +45,7 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival: float
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -119,6 +120,7 @@ class AsyncEngine:
                         item.params,
                         item.priority,
                         item.arrival,
+                        item.cache_salt,
                     )
                 except Exception as exc:  # checked before queuing; only a race ends here
                     self._deliver(item.request_id, exc)
@@ -194,9 +196,11 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. The request must have passed
-        `LLMEngine.check_request`; if it fails in a step this raises `RequestFailed`."""
+        `LLMEngine.check_request`; if it fails in a step this raises `RequestFailed`.
+        `cache_salt` is its prefix-cache namespace (see `LLMEngine.add_request`)."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error or self.engine.failure}")
         request_id = request_id or uuid.uuid4().hex
@@ -206,7 +210,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
         start = time.monotonic()
-        self._inbox.put(_Add(request_id, prompt_token_ids, params, priority, start))
+        self._inbox.put(_Add(request_id, prompt_token_ids, params, priority, start, cache_salt))
         finished = False
         try:
             while True:

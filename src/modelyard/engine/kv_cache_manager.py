@@ -1,7 +1,9 @@
 """`KVCacheManager`: gives sequences the blocks they need, finds their cached prefixes, frees.
 
-A full block is identified by a hash chained over its parent's hash and its own token ids
-(plus the sequence's cache salt, e.g. its LoRA adapter), so equal hashes mean equal prefixes.
+A full block is identified by a hash chained over its parent's hash and its own token ids, so
+equal hashes mean equal prefixes. A sequence's cache salt (the gateway sets one per tenant) stands
+in for the missing parent of its first block, so salted chains never meet unsalted ones or each
+other: one tenant cannot learn from a cache hit what another tenant sent.
 """
 
 from __future__ import annotations
@@ -14,11 +16,21 @@ from modelyard.engine.block_pool import BlockPool, KVBlock
 from modelyard.engine.sequence import Sequence
 
 
-def hash_block(parent: bytes, token_ids: Seq[int], salt: bytes = b"") -> bytes:
+def hash_block(parent: bytes, token_ids: Seq[int]) -> bytes:
     digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(salt)
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return digest.digest()
+
+
+def salt_root(salt: bytes) -> bytes:
+    """The parent hash of a salted sequence's first block (an unsalted one has none: b"").
+
+    A hash of its own domain (the personalisation), the same size as a block hash: a salt can
+    never be chosen to equal some block's hash, so no salted first block hashes like any other
+    block (every other parent is a block hash, or empty)."""
+    if not salt:
+        return b""
+    return hashlib.blake2b(salt, digest_size=16, person=b"modelyard-salt").digest()
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -43,8 +55,8 @@ class KVCacheManager:
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), seq.num_tokens // bs):
-            parent = hashes[i - 1] if i else b""
-            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt))
+            parent = hashes[i - 1] if i else salt_root(seq.cache_salt)
+            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:

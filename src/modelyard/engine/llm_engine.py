@@ -168,10 +168,14 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
+        """Queue a checked request. Its prompt shares prefix-cache blocks only with requests of
+        the same `cache_salt` (none: with the other requests without one)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         arrival = time.monotonic() if arrival is None else arrival
+        salt = cache_salt.encode("utf-8") if cache_salt else b""
         seqs: list[Sequence] = []
         for index in range(params.n):
             generator = None
@@ -189,6 +193,7 @@ class LLMEngine:
                 arrival=arrival,
                 leader=seqs[0] if seqs else None,
                 generator=generator,
+                cache_salt=salt,
             )
             self._next_seq_id += 1
             seqs.append(seq)

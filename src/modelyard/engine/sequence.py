@@ -52,7 +52,7 @@ class Sequence:
     leader: Sequence | None = None  # n>1: wait for the first choice's prefill, then share it
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    cache_salt: bytes = b""  # keeps prefix-cache entries apart (e.g. per LoRA adapter)
+    cache_salt: bytes = b""  # a prefix-cache namespace (per tenant): only equal salts share blocks
 
     @property
     def num_tokens(self) -> int:

@@ -113,13 +113,16 @@ class OpenAIServing:
             )
 
     async def _merged(
-        self, request_id: str, jobs: list[tuple[list[int], SamplingParams]], priority: int
+        self, request_id: str, jobs: list[tuple[list[int], SamplingParams]], req: _SamplingFields
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every engine request of this API request, as they come."""
+        priority, salt = req.priority, req.cache_salt
         # A client's x-request-id need not be unique; the engine's ids must be.
         request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         if len(jobs) == 1:
-            async for out in self.engine.generate(jobs[0][0], jobs[0][1], request_id, priority):
+            async for out in self.engine.generate(
+                jobs[0][0], jobs[0][1], request_id, priority, salt
+            ):
                 yield 0, out
             return
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
@@ -127,7 +130,7 @@ class OpenAIServing:
         async def pump(i: int, prompt: list[int], params: SamplingParams) -> None:
             try:
                 async for out in self.engine.generate(
-                    prompt, params, f"{request_id}-{i}", priority
+                    prompt, params, f"{request_id}-{i}", priority, salt
                 ):
                     await queue.put((i, out))
                 await queue.put((i, None))
@@ -169,19 +172,18 @@ class OpenAIServing:
         self,
         request_id: str,
         jobs: list[tuple[list[int], SamplingParams]],
-        priority: int,
-        n: int,
+        req: _SamplingFields,
     ) -> tuple[dict[int, _Choice], _Usage]:
         timer = RequestTimer(self.metrics)
         choices: dict[int, _Choice] = {}
         usage = _Usage()
         try:
-            async for pi, out in self._merged(request_id, jobs, priority):
+            async for pi, out in self._merged(request_id, jobs, req):
                 usage.add(pi, out)
                 if any(d.token_ids for d in out.deltas):
                     timer.tokens()
                 for d in out.deltas:
-                    c = choices.setdefault(pi * n + d.index, _Choice())
+                    c = choices.setdefault(pi * req.n + d.index, _Choice())
                     c.text.append(d.text)
                     c.logprobs.extend(d.logprobs)
                     c.num_tokens += len(d.token_ids)
@@ -211,8 +213,7 @@ class OpenAIServing:
         self,
         request_id: str,
         jobs: list[tuple[list[int], SamplingParams]],
-        priority: int,
-        n: int,
+        req: _SamplingFields,
         include_usage: bool,
         base: dict[str, Any],
         role_chunk: Callable[[int], dict[str, Any]] | None,
@@ -222,14 +223,14 @@ class OpenAIServing:
         usage = _Usage()
         try:
             if role_chunk is not None:
-                for i in range(len(jobs) * n):
+                for i in range(len(jobs) * req.n):
                     yield _sse({**base, "choices": [role_chunk(i)]})
-            async for pi, out in self._merged(request_id, jobs, priority):
+            async for pi, out in self._merged(request_id, jobs, req):
                 usage.add(pi, out)
                 if any(d.token_ids for d in out.deltas):
                     timer.tokens()
                 for d in out.deltas:
-                    index = pi * n + d.index
+                    index = pi * req.n + d.index
                     if d.text or d.logprobs:
                         chunk = choice_chunk(index, d.text, d.logprobs, None)
                         yield _sse({**base, "choices": [chunk]})
@@ -305,13 +306,11 @@ class OpenAIServing:
 
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = self._stream(
-                request_id, jobs, req.priority, req.n, include_usage, base, role_chunk, choice_chunk
+                request_id, jobs, req, include_usage, base, role_chunk, choice_chunk
             )
             return self._streaming_response(body, request_id, len(prompt))
 
-        choices, usage = await run_until_disconnect(
-            request, self._collect(request_id, jobs, req.priority, req.n)
-        )
+        choices, usage = await run_until_disconnect(request, self._collect(request_id, jobs, req))
         return JSONResponse(
             {
                 "id": response_id,
@@ -394,14 +393,10 @@ class OpenAIServing:
                 }
 
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(
-                request_id, jobs, req.priority, req.n, include_usage, base, None, choice_chunk
-            )
+            body = self._stream(request_id, jobs, req, include_usage, base, None, choice_chunk)
             return self._streaming_response(body, request_id, sum(len(p) for p in prompts))
 
-        choices, usage = await run_until_disconnect(
-            request, self._collect(request_id, jobs, req.priority, req.n)
-        )
+        choices, usage = await run_until_disconnect(request, self._collect(request_id, jobs, req))
         return JSONResponse(
             {
                 "id": response_id,
