@@ -6,6 +6,7 @@ by `MODELYARD_CONFIG_FILE` (default `./modelyard.toml` when it exists), then the
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 from pathlib import Path
@@ -123,6 +124,13 @@ class ModelPrice(BaseModel):
     cached_input: float | None = None  # default: the input price
 
 
+class PrefixCacheScope(enum.StrEnum):
+    """Which requests may share an engine's prefix cache (a hit is visible in `cached_tokens`)."""
+
+    TENANT = "tenant"  # one namespace per tenant: nobody learns what another tenant sent
+    SHARED = "shared"  # one namespace for all: more hits, but the hits leak across tenants
+
+
 class PlatformSettings(_Settings):
     """Knobs of `modelyard serve`: the gateway, the control plane and their state."""
 
@@ -198,6 +206,12 @@ class PlatformSettings(_Settings):
     metrics_token: str | None = Field(
         None,
         description="Bearer token a Prometheus scraper may use for /metrics (or an admin key).",
+    )
+    prefix_cache_scope: PrefixCacheScope = Field(
+        PrefixCacheScope.TENANT,
+        description="tenant: each tenant's requests share cached prompt prefixes only among "
+        "themselves; shared: across tenants too (more hits; a tenant can tell from a hit that "
+        "someone sent the same prefix).",
     )
     local_artifact_roots: list[Path] = Field(
         default_factory=list,

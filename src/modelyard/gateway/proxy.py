@@ -30,6 +30,7 @@ from modelyard.config import PlatformSettings
 from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call, take_usage
 from modelyard.gateway.async_results import AsyncResults
 from modelyard.gateway.auth import Authenticator, Principal
+from modelyard.gateway.cache_scope import scope_prefix_cache
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import ConcurrencyLimiter, concurrency_beside
@@ -384,6 +385,8 @@ class Gateway:
             _fill_sampling_defaults(payload, route, kind)
             if kind != "embeddings":
                 payload["priority"] = principal.tier.rank
+                # Last, so no default and no client value outlives it.
+                scope_prefix_cache(payload, self.settings.prefix_cache_scope, principal.tenant_id)
             route.arrive()
             cold = not route.ready_replicas and route.activate is not None
             if getattr(req, "stream", False):
@@ -423,6 +426,8 @@ class Gateway:
         if route.upstream_model:
             body["model"] = route.upstream_model
         _fill_sampling_defaults(body, route, kind)
+        if kind != "embeddings":
+            scope_prefix_cache(body, self.settings.prefix_cache_scope, principal.tenant_id)
         call = Call(
             principal=principal,
             route=route,
