@@ -43,9 +43,8 @@ OTHER_PROMPT = (
 )
 
 
-@pytest.fixture(scope="module")
-def platform(
-    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+def _serve(
+    tmp_path_factory: pytest.TempPathFactory, extra_env: dict[str, str]
 ) -> Iterator[PlatformProcess]:
     models = tmp_path_factory.mktemp("models")
     build_model(models / "tiny", "llama")
@@ -54,6 +53,7 @@ def platform(
         "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
         "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
         "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
+        **extra_env,
     }
     p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
     try:
@@ -62,6 +62,21 @@ def platform(
         yield p
     finally:
         p.stop()
+
+
+@pytest.fixture(scope="module")
+def platform(
+    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+) -> Iterator[PlatformProcess]:
+    """The default scope (`tenant`)."""
+    yield from _serve(tmp_path_factory, {})
+
+
+@pytest.fixture()
+def shared_platform(
+    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+) -> Iterator[PlatformProcess]:
+    yield from _serve(tmp_path_factory, {"MODELYARD_PREFIX_CACHE_SCOPE": "shared"})
 
 
 class Tenant:
@@ -153,6 +168,17 @@ def test_a_bad_cache_salt_is_refused_by_name(platform: PlatformProcess) -> None:
     )
     assert r.status_code == 400, r.text
     assert "cache_salt" in r.text
+
+
+def test_the_shared_scope_shares_across_tenants(shared_platform: PlatformProcess) -> None:
+    a = Tenant(shared_platform, "shared-a")
+    b = Tenant(shared_platform, "shared-b")
+    assert a.cached_tokens() == 0
+    assert b.cached_tokens() > 0  # the operator chose hits over the side channel
+    # A client may still keep its prompts to itself with a salt of its own.
+    assert b.cached_tokens(OTHER_PROMPT, cache_salt="b-only") == 0
+    assert a.cached_tokens(OTHER_PROMPT) == 0
+    assert b.cached_tokens(OTHER_PROMPT, cache_salt="b-only") > 0
 
 
 def test_scopes_set_the_salt_the_worker_sees() -> None:
