@@ -14,6 +14,14 @@ from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Batch, BatchItem
 
+# Line separators that JSON leaves unescaped but Python's `str.splitlines()` (and some other
+# readers) split on: escaped, every line of an output file stays one line for any reader.
+_SEPARATORS = (
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+    (b"\xc2\x85", b"\\u0085"),
+)
+
 
 def _line(item: BatchItem) -> bytes:
     response = None
@@ -23,7 +31,7 @@ def _line(item: BatchItem) -> bytes:
             "request_id": item.request_id,
             "body": item.response,
         }
-    return orjson.dumps(
+    line = orjson.dumps(
         {
             "id": f"batch_req_{item.id}",
             "custom_id": item.custom_id,
@@ -31,6 +39,9 @@ def _line(item: BatchItem) -> bytes:
             "error": item.error,
         }
     )
+    for raw, escaped in _SEPARATORS:
+        line = line.replace(raw, escaped)
+    return line
 
 
 def finalize(db: Database, files: FileService, batch_id: str) -> None:
