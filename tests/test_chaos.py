@@ -196,6 +196,7 @@ def test_postgres_restarted_under_traffic(chaos: Chaos, postgres_server: Postgre
     # A key of the tenant that has not been used yet: no lookup of it to fall back on.
     unused = create_key(chaos.p.api(), tenant, name="unused")["key"]
     traffic.wait_count(6)
+    log_from = len(chaos.p.output())
     postgres_server.kill()
     TALLY["postgres killed"] += 1
     time.sleep(1.5)  # the auth cache (1 s) has expired: the traffic's key is looked up again
@@ -213,6 +214,10 @@ def test_postgres_restarted_under_traffic(chaos: Chaos, postgres_server: Postgre
         assert refused.retry_after, refused
     settle_usage(chaos, tenant, [*outcomes, during[0]])
     assert_clean(outcomes, {503})
+    # The outage is logged once per component, not a traceback per request, retry or poll.
+    logged = chaos.p.output()[log_from:]
+    assert "Traceback" not in logged, logged
+    assert logged.count("batch runner: the database is unreachable") == 1, logged
 
 
 def test_worker_killed_under_streaming_and_unary_load(chaos: Chaos) -> None:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
+from sqlalchemy.exc import InterfaceError, OperationalError
+
 from modelyard.gateway.quota import LimitsUnavailable, QuotaCounter, month_of
 from modelyard.gateway.usage_journal import UsageJournal
 from modelyard.store import repository as repo
@@ -173,7 +175,14 @@ class UsageRecorder:
             self._wake.clear()
             try:
                 await self.flush()
+                if backoff > self.flush_interval_s:
+                    log.warning("usage records are written again")
                 backoff = self.flush_interval_s
+            except (OperationalError, InterfaceError) as exc:
+                # The database is down: one warning per outage, not a traceback per retry.
+                if backoff == self.flush_interval_s:
+                    log.warning("writing usage records failed (kept, retrying): %s", exc)
+                backoff = min(backoff * 2, 5.0)
             except Exception:
                 log.exception("writing usage records failed; keeping them and retrying")
                 backoff = min(backoff * 2, 5.0)
