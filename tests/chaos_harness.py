@@ -144,9 +144,12 @@ def send(
     max_tokens: int,
     timeout: float = 60.0,
     on_first_data: Callable[[], None] | None = None,
+    on_done: Callable[[], None] | None = None,
 ) -> Outcome:
     """One chat request; never raises: what happened is in the outcome. A stream calls
-    `on_first_data` once its first event has arrived (to inject a fault mid-answer)."""
+    `on_first_data` once its first event has arrived (to inject a fault mid-answer), and
+    `on_done` as soon as its `[DONE]` has (before reading the end of the response, as a
+    client that stops at [DONE] would)."""
     body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "stream": stream,
             "ignore_eos": True}  # fmt: skip
     headers = {"authorization": f"Bearer {key}"}
@@ -174,6 +177,8 @@ def send(
                     on_first_data = None
                 if line == "data: [DONE]":
                     done = True
+                    if on_done is not None:
+                        on_done()
                 elif line.startswith("data: ") and '"error"' in line[:20]:
                     errored = True
             return Outcome(request_id, 200, done and not errored, True,

@@ -20,7 +20,8 @@ What the platform does while a dependency is down (asserted here, for docs/secur
 - The platform killed: requests in flight get a connection error; every request answered
   before the kill is billed (its row was journaled on disk before the answer left, and the
   journal is replayed at the next start); batches resume after the restart without losing or
-  repeating an item.
+  repeating an item. Not yet for a stream whose client stops reading at `[DONE]` and the kill
+  comes before the response's end (strict xfail below: the relay records after `[DONE]`).
 """
 
 from __future__ import annotations
@@ -268,6 +269,29 @@ def test_an_answer_is_billed_even_if_the_platform_dies_right_after(chaos: Chaos)
         assert outcome.complete, outcome
         answered.append(outcome)
         chaos.p.stop(signal.SIGKILL)
+        TALLY["platform killed"] += 1
+        chaos.restart()
+        admin = chaos.p.api()
+        wait_status(admin, admin.get("/v1/endpoints").json()["data"][0]["endpoint_id"], "ready")
+    settle_usage(chaos, tenant, answered, timeout=5)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product gap (gateway/proxy.py Gateway._relay): the stream's usage is recorded in the "
+    "relay's `finally`, after `[DONE]` was yielded and the worker's stream ended; awaiting "
+    "self._finish(call) just before yielding `data: [DONE]` closes it (3 of 3 billed with it)",
+)
+def test_a_stream_is_billed_even_if_the_platform_dies_as_its_done_arrives(chaos: Chaos) -> None:
+    """The platform is SIGKILLed the moment the client has read `[DONE]` (before the end of the
+    HTTP response): the answer was whole, so it must be billed after the restart."""
+    tenant, key = chaos.tenant("sigkill-at-done")
+    answered: list[Outcome] = []
+    for _ in range(3):
+        outcome = send(chaos.p.url, key, "tiny", True, max_tokens=4,
+                       on_done=lambda: chaos.p.stop(signal.SIGKILL))  # fmt: skip
+        assert outcome.complete, outcome
+        answered.append(outcome)
         TALLY["platform killed"] += 1
         chaos.restart()
         admin = chaos.p.api()
