@@ -4,11 +4,13 @@ still served from its last good lookup (for at most `stale_ttl_s`), any other ke
 meanwhile is refused.
 
 The outage is real: the authenticator's database is swapped for a PostgreSQL URL on a port
-where nothing listens, so every lookup fails to connect as it would with the server down."""
+where nothing listens, so every lookup fails to connect as it would with the server down, or
+on a socket that accepts connections and never answers (a hung server)."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,3 +82,26 @@ async def test_keys_during_a_database_outage(database: Database) -> None:
     await asyncio.sleep(0.06)
     assert (await refused(auth, known)).status == 401
     assert (await auth.authenticate(f"Bearer {never_used}")).tenant_id
+
+
+async def test_a_hung_database_counts_as_down_after_the_lookup_timeout(database: Database) -> None:
+    """A server that takes the connection and never answers must not hold requests for the
+    driver's connect timeout (minutes): after `lookup_timeout_s` the key falls back as above."""
+    known, _ = add_key(database)
+    auth = Authenticator(database, cache_ttl_s=0.05, lookup_timeout_s=0.5)
+    principal = await auth.authenticate(f"Bearer {known}")
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # the kernel completes the handshakes; nothing ever reads or answers
+    down = Database(f"postgresql+psycopg://postgres@127.0.0.1:{hung.getsockname()[1]}/test")
+    auth.db = down
+    try:
+        await asyncio.sleep(0.1)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await auth.authenticate(f"Bearer {known}") == principal
+        assert (await refused(auth, "sk-my-no-such-key")).status == 503
+        assert loop.time() - started < 30  # not the driver's connect timeout
+    finally:
+        hung.close()  # resets the waiting connections: the lookups' threads end
+        down.dispose()

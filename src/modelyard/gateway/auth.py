@@ -163,10 +163,14 @@ class Authenticator:
         cache_size: int = 10_000,
         negative_cache_size: int = 1_000,
         stale_ttl_s: float = 300.0,
+        lookup_timeout_s: float = 3.0,
     ) -> None:
         self.db = db
         self.cache_ttl_s = cache_ttl_s
         self.stale_ttl_s = stale_ttl_s
+        # A database that hangs (not refusing: unreachable host, stuck server) counts as down
+        # after this long, so requests fall back instead of waiting on the connect timeout.
+        self.lookup_timeout_s = lookup_timeout_s
         self._outage = False  # logged once per outage, not per request
         self._known = _LRU(cache_size)
         self._unknown = _LRU(negative_cache_size)
@@ -219,8 +223,10 @@ class Authenticator:
             principal = cached[0]
         else:
             try:
-                principal = await asyncio.to_thread(self._lookup, key_hash)
-            except _UNREACHABLE as exc:
+                principal = await asyncio.wait_for(
+                    asyncio.to_thread(self._lookup, key_hash), self.lookup_timeout_s
+                )
+            except _UNREACHABLE as exc:  # TimeoutError is an OSError
                 principal = self._last_good(key_hash, now, exc)
             else:
                 if self._outage:
@@ -237,7 +243,8 @@ class Authenticator:
         """The database is unreachable: the key's last good lookup if recent enough, else 503."""
         if not self._outage:
             log.warning("the database is unreachable for key lookups (%s); serving keys looked "
-                        "up in the last %gs from cache", exc, self.stale_ttl_s)  # fmt: skip
+                        "up in the last %gs from cache", str(exc) or repr(exc),
+                        self.stale_ttl_s)  # fmt: skip
             self._outage = True
         found = self._known.last_good(key_hash, now - self.stale_ttl_s)
         if found is None or found[0] is None:
