@@ -199,3 +199,31 @@ async def test_a_journal_whose_rows_could_not_be_written_is_kept(tmp_path: Path)
     db.dispose()
     assert journal.path.exists() and len(journal_lines(folder)) == 1
     assert os.stat(journal.path).st_mode & 0o777 == 0o600
+
+
+async def test_the_journal_is_not_emptied_while_another_flush_is_writing(
+    database: Database, tmp_path: Path
+) -> None:
+    """The usage export flushes too: a flush that finds nothing queued must not empty the
+    journal while another flush's batch is still being inserted."""
+    import sqlite3
+
+    journal = UsageJournal(tmp_path / "j")
+    recorder = UsageRecorder(database, MemoryQuotaCounter(), journal=journal)
+    await recorder.record(event("in-flight"))
+    blocker = sqlite3.connect(tmp_path / "usage.db", isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # the writer's insert waits for this lock
+    try:
+        writing = asyncio.create_task(recorder.flush())
+        for _ in range(100):
+            if not recorder._pending:  # taken by the first flush, now waiting on the lock
+                break
+            await asyncio.sleep(0.01)
+        await recorder.flush()  # nothing queued: returns at once
+        assert len(journal.path.read_bytes().splitlines()) == 1  # still on disk
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    await writing
+    assert journal.path.stat().st_size == 0 and rows_in(database) == ["in-flight"]
+    await recorder.stop()

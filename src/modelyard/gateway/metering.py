@@ -75,6 +75,7 @@ class UsageRecorder:
         self.flush_interval_s = flush_interval_s
         self.journal = journal  # None: rows wait only in memory until written (tests)
         self._pending: list[dict[str, Any]] = []
+        self._writing = 0  # batches being inserted (flushes may overlap)
         # Recent request ids, so a duplicate report does not count twice against the quota
         # either; the table's unique key is what guarantees one row.
         self._seen: OrderedDict[str, None] = OrderedDict()
@@ -158,13 +159,17 @@ class UsageRecorder:
     async def flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending[:1000], self._pending[1000:]
+            self._writing += 1
             try:
                 self.written += await asyncio.to_thread(self._insert, batch)
             except Exception:
                 self._pending = batch + self._pending
                 raise
-        # Nothing awaited since the queue was found empty: every journaled row is committed.
-        if self.journal is not None:
+            finally:
+                self._writing -= 1
+        # Nothing queued and no other flush (e.g. the usage export's) has a batch in flight:
+        # every journaled row is committed.
+        if self.journal is not None and not self._writing:
             self.journal.committed()
 
     async def _run(self) -> None:
