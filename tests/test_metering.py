@@ -227,3 +227,22 @@ async def test_the_journal_is_not_emptied_while_another_flush_is_writing(
     await writing
     assert journal.path.stat().st_size == 0 and rows_in(database) == ["in-flight"]
     await recorder.stop()
+
+
+def test_a_row_the_database_refuses_is_set_aside_not_blocking_the_start(
+    database: Database, tmp_path: Path
+) -> None:
+    """A row the database refuses (here one lacking a required field, as from another version)
+    must not stop the platform from starting: the good rows are billed, the refused one kept
+    for an operator."""
+    folder = tmp_path / "j"
+    dead = UsageJournal(folder)
+    dead.append(asdict(event("good")))
+    dead.append({k: v for k, v in asdict(event("odd")).items() if k != "model"})
+    dead.close(remove=False)
+    live = UsageJournal(folder)
+    assert live.replay(insert(database)) == (2, 1)
+    assert rows_in(database) == ["good"]
+    (rejected,) = folder.glob("*.rejected")
+    assert b'"odd"' in rejected.read_bytes()
+    live.close(remove=True)

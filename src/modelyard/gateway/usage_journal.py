@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class UsageJournal:
                     continue  # removed between our open and our lock
                 rows = list(_rows(path))
                 for i in range(0, len(rows), _REPLAY_BATCH):
-                    new += insert(rows[i : i + _REPLAY_BATCH])
+                    new += _insert_or_set_aside(insert, rows[i : i + _REPLAY_BATCH], path)
                 read += len(rows)
                 path.unlink()
             finally:
@@ -103,6 +104,32 @@ class UsageJournal:
         if read:
             log.warning("usage journal: replayed %d rows, %d of them not yet billed", read, new)
         return read, new
+
+
+def _insert_or_set_aside(
+    insert: Callable[[list[dict[str, Any]]], int], rows: list[dict[str, Any]], path: Path
+) -> int:
+    """Insert a batch; if the database refuses it (not: cannot be reached, which fails the
+    start and keeps the journal), insert row by row and set the refused rows aside in
+    `<journal>.rejected` for an operator, so one bad row neither blocks the start nor is lost."""
+    try:
+        return insert(rows)
+    except (OperationalError, InterfaceError):
+        raise
+    except Exception:
+        log.exception("usage journal %s: a batch was refused; retrying row by row", path.name)
+    new = 0
+    for row in rows:
+        try:
+            new += insert([row])
+        except (OperationalError, InterfaceError):
+            raise
+        except Exception as exc:
+            log.error("usage journal %s: row %s refused (%s), set aside", path.name,
+                      row.get("request_id"), exc)  # fmt: skip
+            with path.with_suffix(".rejected").open("ab") as f:
+                f.write(orjson.dumps(row) + b"\n")
+    return new
 
 
 def _rows(path: Path) -> Iterator[dict[str, Any]]:
