@@ -225,8 +225,9 @@ def test_postgres_restarted_under_traffic(chaos: Chaos, postgres_server: Postgre
     strict=True,
     reason="product gap (api/errors.py install_error_handlers): a database error outside key "
     "lookups (files, batches, keys, usage routes) falls to the catch-all handler, a 500 with a "
-    "traceback per request; SQLAlchemy's OperationalError/InterfaceError (and the pool's "
-    "TimeoutError) should be a 503 `database_unavailable` with Retry-After",
+    "traceback per request (or a reset connection); SQLAlchemy's OperationalError and "
+    "InterfaceError (and the pool's TimeoutError) should be a 503 `database_unavailable` with "
+    "Retry-After",
 )
 def test_routes_that_need_the_database_answer_503_while_it_is_down(
     chaos: Chaos, postgres_server: PostgresServer
