@@ -20,8 +20,7 @@ What the platform does while a dependency is down (asserted here, for docs/secur
 - The platform killed: requests in flight get a connection error; every request answered
   before the kill is billed (its row was journaled on disk before the answer left, and the
   journal is replayed at the next start); batches resume after the restart without losing or
-  repeating an item. Not yet for a stream whose client stops reading at `[DONE]` and the kill
-  comes before the response's end (strict xfail below: the relay records after `[DONE]`).
+  repeating an item; a stream is recorded before its `[DONE]` leaves.
 """
 
 from __future__ import annotations
@@ -221,14 +220,6 @@ def test_postgres_restarted_under_traffic(chaos: Chaos, postgres_server: Postgre
     assert logged.count("batch runner: the database is unreachable") == 1, logged
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product gap (api/errors.py install_error_handlers): a database error outside key "
-    "lookups (files, batches, keys, usage routes) falls to the catch-all handler, a 500 with a "
-    "traceback per request (or a reset connection); SQLAlchemy's OperationalError and "
-    "InterfaceError (and the pool's TimeoutError) should be a 503 `database_unavailable` with "
-    "Retry-After",
-)
 def test_routes_that_need_the_database_answer_503_while_it_is_down(
     chaos: Chaos, postgres_server: PostgresServer
 ) -> None:
@@ -301,12 +292,6 @@ def test_an_answer_is_billed_even_if_the_platform_dies_right_after(chaos: Chaos)
     settle_usage(chaos, tenant, answered, timeout=5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product gap (gateway/proxy.py Gateway._relay): the stream's usage is recorded in the "
-    "relay's `finally`, after `[DONE]` was yielded and the worker's stream ended; awaiting "
-    "self._finish(call) just before yielding `data: [DONE]` closes it (3 of 3 billed with it)",
-)
 def test_a_stream_is_billed_even_if_the_platform_dies_as_its_done_arrives(chaos: Chaos) -> None:
     """The platform is SIGKILLed the moment the client has read `[DONE]` (before the end of the
     HTTP response): the answer was whole, so it must be billed after the restart."""

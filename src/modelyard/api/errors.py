@@ -12,6 +12,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from modelyard.api.responses import JSONResponse
@@ -121,6 +123,19 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and message == "Not Found":
             message = "Unknown request URL. Please check the URL and method."
         return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    @app.exception_handler(PoolTimeout)
+    async def _database_down(_: Request, exc: Exception) -> JSONResponse:
+        # The database is unreachable (not a bug): the client may retry, no traceback per request.
+        log.warning("database unavailable: %s", str(exc).splitlines()[0] if str(exc) else repr(exc))
+        return APIError(
+            503,
+            "The platform's database is unavailable right now; please retry shortly.",
+            code="database_unavailable",
+            headers={"retry-after": "5"},
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

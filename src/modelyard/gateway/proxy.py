@@ -659,6 +659,9 @@ class Gateway:
                 while b"\n\n" in buffer:
                     event, buffer = buffer.split(b"\n\n", 1)
                     if self._inspect(call, event, wants_usage):
+                        if event == b"data: [DONE]":
+                            # Billed (journaled on disk) before the client sees the end.
+                            await self._finish(call)
                         yield event + b"\n\n"
                         delivered = event == b"data: [DONE]"
             complete = True

@@ -36,7 +36,14 @@ def make_engine(url: str) -> Engine:
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    # A bounded connect: a database that drops connections silently must not hold threads.
+    return create_engine(
+        url,
+        pool_size=10,
+        max_overflow=20,
+        pool_pre_ping=True,
+        connect_args={"connect_timeout": 3},
+    )
 
 
 def migrate(engine: Engine) -> None:
