@@ -15,6 +15,7 @@ from modelyard import __version__
 from modelyard.api import (
     routes_admin,
     routes_batch,
+    routes_console,
     routes_endpoints,
     routes_inference,
     routes_registry,
@@ -60,6 +61,7 @@ def create_platform_app(platform: Platform) -> FastAPI:
     for module in (routes_inference, routes_endpoints, routes_registry, routes_admin, routes_batch):
         app.include_router(module.router)
     app.include_router(routes_webhooks.router)
+    app.include_router(routes_console.router)
     install_openapi(app)
 
     async def platform_admin(request: Request) -> Principal | None:

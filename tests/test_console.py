@@ -1,0 +1,296 @@
+"""The web console in a real browser (Debian's Chromium driven by Playwright) against a real
+`modelyard serve`: sign in, a streamed chat in the playground, keys created and revoked, a batch
+uploaded and completed, the usage chart; screenshots at 1280 px and 375 px are kept as artifacts
+(under the pytest tmp dir, and in `MODELYARD_SCREENSHOT_DIR` when it is set)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.platform_harness import (
+    PlatformProcess,
+    batch_line,
+    create_key,
+    create_tenant,
+    deploy,
+    jsonl,
+)
+from tests.tiny_models import build_model
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+WIDE = {"width": 1280, "height": 860}
+PHONE = {"width": 375, "height": 812}
+
+
+def _require_browser() -> None:
+    """Skip (saying why) without Chromium or Playwright; under CI that is a failure instead."""
+    missing = None
+    if not CHROMIUM.exists():
+        missing = f"{CHROMIUM} is missing (apt-get install chromium; `make test` does it as root)"
+    elif not _has_playwright():
+        missing = "the playwright package is missing (pip install -e '.[test]')"
+    if missing is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"browser tests cannot run under CI: {missing}")
+    print(f"skipping the console browser tests: {missing}")
+    pytest.skip(missing)
+
+
+def _has_playwright() -> bool:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Shots:
+    """Screenshots as test artifacts: always under the tmp dir, also in MODELYARD_SCREENSHOT_DIR."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folders = [folder]
+        extra = os.environ.get("MODELYARD_SCREENSHOT_DIR")
+        if extra:
+            self.folders.append(Path(extra))
+        for f in self.folders:
+            f.mkdir(parents=True, exist_ok=True)
+
+    def take(self, page: Any, name: str) -> Path:
+        png = page.screenshot(full_page=False)
+        for f in self.folders:
+            (f / f"{name}.png").write_bytes(png)
+        print(f"screenshot {name}: {[str(f / (name + '.png')) for f in self.folders]}")
+        return self.folders[0] / f"{name}.png"
+
+
+@pytest.fixture(scope="module")
+def platform(
+    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+) -> Iterator[PlatformProcess]:
+    _require_browser()
+    models = tmp_path_factory.mktemp("console-models")
+    build_model(models / "tiny", "llama")
+    env = {
+        "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
+        "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models)]),
+        "MODELYARD_PRICES": json.dumps({"tiny": {"input": 1.0, "output": 2.0}}),
+        "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
+    }
+    p = PlatformProcess(tmp_path_factory.mktemp("console-data"), env).start()
+    try:
+        deploy(p.api(), "tiny", str(models / "tiny"), public=True)
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def tenant_key(platform: PlatformProcess) -> str:
+    admin = platform.api()
+    tenant_id = create_tenant(admin, "console-tenant")
+    return str(create_key(admin, tenant_id, scopes=["admin", "inference"])["key"])
+
+
+@pytest.fixture(scope="module")
+def browser(platform: PlatformProcess) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture()
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport=WIDE)
+    p = context.new_page()
+    p.set_default_timeout(30_000)
+    problems: list[str] = []
+    # A CSP violation or a script error fails the test: the console must work under its policy.
+    p.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+    p.on(
+        "console",
+        lambda msg: (
+            problems.append(f"console {msg.type}: {msg.text}")
+            if msg.type == "error" and "Content Security Policy" in msg.text
+            else None
+        ),
+    )
+    p.problems = problems
+    try:
+        yield p
+    finally:
+        context.close()
+    assert not problems, problems
+
+
+@pytest.fixture()
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Shots:
+    return Shots(tmp_path_factory.getbasetemp() / "console-screenshots")
+
+
+def sign_in(page: Any, url: str, key: str) -> None:
+    page.goto(url + "/")
+    page.get_by_label("API key", exact=True).fill(key)
+    page.get_by_role("button", name="Sign in").click()
+    page.locator("#shell").wait_for(state="visible")
+
+
+def test_console_is_served_with_a_strict_policy_and_docs_keep_schemas(
+    platform: PlatformProcess,
+) -> None:
+    r = httpx.get(platform.url + "/")
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    csp = r.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    assert "unsafe-inline" not in csp
+    again = httpx.get(platform.url + "/", headers={"if-none-match": r.headers["etag"]})
+    assert again.status_code == 304
+    js = httpx.get(platform.url + "/console/app.js")
+    assert js.headers["content-type"].startswith("text/javascript")
+    assert httpx.get(platform.url + "/console/..%2Fapp.py").status_code == 404
+    spec = httpx.get(platform.url + "/openapi.json").json()
+    assert "/" not in spec["paths"] and not any(p.startswith("/console") for p in spec["paths"])
+    assert spec["components"]["securitySchemes"], "bearer auth is declared"
+    chat = spec["paths"]["/v1/chat/completions"]["post"]
+    assert "requestBody" in chat
+
+
+def test_sign_in_shows_the_api_message_for_a_bad_key(page: Any, platform: PlatformProcess) -> None:
+    page.goto(platform.url + "/")
+    page.get_by_label("API key", exact=True).fill("sk-my-not-a-real-key")
+    page.get_by_label("API key", exact=True).press("Enter")  # the keyboard works: Enter submits
+    error = page.locator("#signin-error")
+    error.wait_for(state="visible")
+    assert "key" in error.inner_text().lower()
+    assert page.evaluate("sessionStorage.length") == 0
+
+
+def test_streamed_chat_keys_batch_and_usage(
+    page: Any, platform: PlatformProcess, tenant_key: str, shots: Shots
+) -> None:
+    sign_in(page, platform.url, tenant_key)
+    assert platform.url + "/" == page.url.split("#")[0]  # the key never reaches the URL
+    assert page.evaluate("document.cookie") == ""
+
+    # ----- playground: tokens arrive over time, TTFT shows ------------------------------------
+    page.locator("#chat-model").select_option("tiny")
+    page.get_by_label("Temperature").fill("0")
+    page.get_by_label("Max tokens").fill("48")
+    page.get_by_label("System prompt").fill("You are a concise assistant.")
+    page.get_by_label("Message").fill("Tell me about paged attention.")
+    # The output's length each time the DOM changed: growth in steps means tokens streamed.
+    page.evaluate(
+        """() => { window.__lengths = [];
+        new MutationObserver(() => window.__lengths.push(
+          document.getElementById('chat-output').textContent.length))
+        .observe(document.getElementById('chat-output'), {childList: true, subtree: true,
+                                                          characterData: true}); }"""
+    )
+    cdp = page.context.new_cdp_session(page)
+    # Slow the network so the stream is visibly mid-way for the screenshot.
+    cdp.send(
+        "Network.emulateNetworkConditions",
+        {"offline": False, "latency": 0, "downloadThroughput": 3000, "uploadThroughput": -1},
+    )
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function(
+        "() => document.getElementById('chat-output').textContent.length > 15", timeout=60_000
+    )
+    if page.locator("#chat-output.streaming").count():
+        shots.take(page, "console")  # the README's picture: the playground mid-stream
+    page.locator("#chat-send:not([disabled])").wait_for(timeout=60_000)
+    cdp.send(
+        "Network.emulateNetworkConditions",
+        {"offline": False, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1},
+    )
+    assert page.locator("#flash").inner_text() == ""
+    lengths = [n for n in page.evaluate("window.__lengths") if n > 0]
+    assert len(set(lengths)) >= 3 and lengths == sorted(lengths), lengths
+    assert page.locator("#chat-ttft").inner_text().endswith(" ms")
+    assert page.locator("#chat-output").get_attribute("aria-live") == "polite"
+    if not (shots.folders[0] / "console.png").exists():
+        shots.take(page, "console")
+    page.set_viewport_size(PHONE)
+    shots.take(page, "console-playground-375")
+    page.set_viewport_size(WIDE)
+
+    # ----- keys: created (shown once), works, revoked, refused --------------------------------
+    page.get_by_role("link", name="API keys").click()
+    page.locator("#key-name").fill("from-console")
+    page.get_by_role("button", name="Create key").click()
+    secret = page.locator("#key-secret")
+    secret.wait_for(state="visible")
+    new_key = secret.input_value()
+    assert new_key.startswith("sk-")
+    with httpx.Client(base_url=platform.url, headers={"authorization": f"Bearer {new_key}"}) as c:
+        assert c.get("/v1/models").status_code == 200
+        page.get_by_role("button", name="Revoke key from-console").click()
+        page.locator("#keys-list .badge.revoked").wait_for()
+        assert c.get("/v1/models").status_code == 401
+
+    # ----- batch: upload a JSONL, see it complete, results downloadable -----------------------
+    page.get_by_role("link", name="Files & batches").click()
+    lines = [batch_line(f"item-{i}", f"Hello {i}", max_tokens=3) for i in range(3)]
+    page.get_by_label("Batch input (JSONL)").set_input_files(
+        {"name": "requests.jsonl", "mimeType": "application/jsonl", "buffer": jsonl(lines)}
+    )
+    page.get_by_role("button", name="Upload and start").click()
+    page.locator("#batches-list .badge.completed").wait_for(timeout=60_000)
+    assert "3/3 done" in page.locator("#batches-list").inner_text()
+    with page.expect_download() as download:
+        page.get_by_role("button", name="Download results", exact=False).first.click()
+    results = Path(download.value.path()).read_text().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in results) == ["item-0", "item-1", "item-2"]
+
+    # ----- usage: an SVG bar for today ------------------------------------------------------
+    page.get_by_role("link", name="Usage").click()
+    today = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+    bar = page.locator(f'#usage-day svg rect.bar[data-label="{today}"]')
+    bar.wait_for()
+    assert float(bar.get_attribute("data-value") or 0) > 0
+    assert page.locator('#usage-model svg rect.bar[data-label="tiny"]').count() == 1
+    shots.take(page, "console-usage-1280")
+    page.set_viewport_size(PHONE)
+    shots.take(page, "console-usage-375")
+
+    # ----- sign out clears the key -------------------------------------------------------
+    page.set_viewport_size(WIDE)
+    page.get_by_role("button", name="Sign out").click()
+    page.locator("#signin").wait_for(state="visible")
+    assert page.evaluate("sessionStorage.length") == 0
+
+
+def test_platform_admin_sees_tenants_and_fleet(
+    page: Any, platform: PlatformProcess, shots: Shots
+) -> None:
+    sign_in(page, platform.url, platform.admin_key)
+    page.get_by_role("link", name="Fleet").click()
+    page.locator("#fleet-devices table").wait_for()
+    assert "tiny" in page.locator("#fleet-scaling").inner_text()
+    shots.take(page, "console-fleet-1280")
+    page.get_by_role("link", name="Tenants").click()
+    page.locator("#tenants-list table").wait_for()
+    assert "system" in page.locator("#tenants-list").inner_text()
