@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from modelyard.api.errors import APIError
 from modelyard.gateway.auth import Authenticator, generate_key
+from modelyard.protocol.errors import APIError
 from modelyard.store import repository as repo
 from modelyard.store.db import Database, sqlite_url
 from tests.conftest import free_port

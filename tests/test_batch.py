@@ -36,10 +36,9 @@ from modelyard.batch.service import BatchService
 from modelyard.batch.validation import BatchFileInvalid, validate_file
 from modelyard.batch.webhook_policy import WebhookPolicy
 from modelyard.config import PlatformSettings
-from modelyard.gateway.auth import Principal
+from modelyard.core.identity import Limits, Principal
+from modelyard.core.routing import EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.metering import UsageEvent
-from modelyard.gateway.ratelimit import Limits
-from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.store import repository as repo
 from modelyard.store.artifacts import ArtifactStore
 from modelyard.store.db import Database
@@ -625,7 +624,7 @@ async def test_batch_items_wait_while_interactive_requests_fill_the_endpoint(
         endpoint_id="ep-1", tenant_id=who.tenant_id, model_name="tiny", public=False,
         version_id=None, max_tokens_cap=64, replicas=[replica],
     )  # fmt: skip
-    r.routing.put(route)
+    r.routing.publish(route)
     batch = r.batch(who, 4)
     r.runner.start()
     try:

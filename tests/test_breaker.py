@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from modelyard.gateway.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from modelyard.core.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 
 def test_opens_above_the_error_rate_then_half_opens_and_closes() -> None:

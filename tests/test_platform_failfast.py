@@ -23,14 +23,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from modelyard.api.errors import APIError
 from modelyard.config import PlatformSettings
-from modelyard.gateway.auth import Principal, Tier
+from modelyard.core.identity import Limits, Principal, Tier
+from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.proxy import _NO_LIMITS, Gateway, _Call
 from modelyard.gateway.quota import MemoryQuotaCounter
-from modelyard.gateway.ratelimit import Limits, MemoryRateLimiter
-from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.gateway.ratelimit import MemoryRateLimiter
+from modelyard.protocol.errors import APIError
 from tests.platform_harness import PlatformProcess, create_key, deploy, wait_status
 from tests.tiny_models import build_model
 
@@ -40,7 +40,9 @@ ENGINE = json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"})
 # ----- the admission queue, on the gateway's own code path ---------------------------------------
 
 
-def _gateway(routing: RoutingTable, queue_size: int = 8) -> Gateway:
+def _gateway(
+    routing: RoutingTable, queue_size: int = 8, activate: Activate | None = None
+) -> Gateway:
     settings = PlatformSettings(admission_queue_size=queue_size, admission_timeout_s=10.0)
     # Authentication and metering are not on this path: admission only picks a replica.
     return Gateway(
@@ -51,6 +53,7 @@ def _gateway(routing: RoutingTable, queue_size: int = 8) -> Gateway:
         routing,
         None,  # type: ignore[arg-type]
         GatewayMetrics(),
+        activate=activate,
     )
 
 
@@ -59,7 +62,7 @@ def _route(routing: RoutingTable, slots: int = 1) -> tuple[EndpointRoute, Replic
     replica = ReplicaRoute("rep-1", "http://127.0.0.1:9", max_concurrency=slots)
     replica.outstanding = slots  # full: every request from here on queues
     route.replicas.append(replica)
-    routing.put(route)
+    routing.publish(route)
     return route, replica
 
 
@@ -205,16 +208,15 @@ async def test_under_overload_the_lower_tier_is_refused_first() -> None:
 async def test_an_unavailable_endpoint_fails_at_once_and_wakes_its_waiters() -> None:
     routing = RoutingTable()
     route, replica = _route(routing)
-    gateway = _gateway(routing)
-    route.activate = lambda: None  # the control plane has a replica starting
-    replica.ready = False
+    # The control plane has a replica starting.
+    gateway = _gateway(routing, activate=lambda _endpoint_id: None)
+    routing.mark_unready(replica, route)
     # No replica serves, and nothing said waiting is pointless: a request waits (loading)...
     waiting = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
     await asyncio.sleep(0.05)
     assert not waiting.done()
     # ...until the control plane says none will come up by waiting; then it is a 503 at once.
-    route.unavailable, route.retry_after_s = "its model failed to start", 30
-    routing.changed(route)
+    routing.set_unavailable(route, "its model failed to start", 30)
     with pytest.raises(APIError) as exc:
         await asyncio.wait_for(waiting, 2.0)
     assert exc.value.status == 503 and exc.value.headers["retry-after"] == "30"

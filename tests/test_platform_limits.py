@@ -20,15 +20,15 @@ import pytest
 from aiohttp import web
 from starlette.requests import Request
 
-from modelyard.api.errors import APIError
 from modelyard.config import PlatformSettings
+from modelyard.core.routing import EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.auth import Authenticator, generate_key
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.proxy import Gateway
 from modelyard.gateway.quota import MemoryQuotaCounter, month_of
 from modelyard.gateway.ratelimit import MemoryRateLimiter
-from modelyard.gateway.router import EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.protocol.errors import APIError
 from modelyard.registry_client import RegistryClient
 from modelyard.store import repository as repo
 from modelyard.store.db import Database, sqlite_url
@@ -399,7 +399,7 @@ async def test_the_engine_priority_comes_from_the_tenant_tier(database: Database
     routing = RoutingTable()
     route = EndpointRoute("ep-1", "system", "m", public=True, version_id=None, max_tokens_cap=64)
     route.replicas.append(ReplicaRoute("rep-1", f"http://127.0.0.1:{port}", max_concurrency=8))
-    routing.put(route)
+    routing.publish(route)
     quota = MemoryQuotaCounter()
     recorder = UsageRecorder(database, quota)
     auth = Authenticator(database)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from modelyard.core.identity import Limits
 from modelyard.gateway.quota import (
     ConcurrencyLimiter,
     LimitsUnavailable,
@@ -20,7 +21,6 @@ from modelyard.gateway.quota import (
 )
 from modelyard.gateway.ratelimit import (
     Decision,
-    Limits,
     MemoryQuotaCounter,
     MemoryRateLimiter,
     QuotaCounter,

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from modelyard.api.schemas import DeployRequest, SamplingDefaults
 from modelyard.batch.files import FileService
 from modelyard.batch.runner import BatchRunner
 from modelyard.batch.service import BatchService
@@ -26,13 +25,14 @@ from modelyard.config import PlatformSettings
 from modelyard.control.backends.local import LocalBackend
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.registry import Registry
+from modelyard.core.identity import Principal
+from modelyard.core.routing import RoutingTable
 from modelyard.engine.models.loader import BUNDLED_MODELS, ModelNotFoundError, resolve_model_path
-from modelyard.gateway.auth import Authenticator, Principal, generate_key
+from modelyard.gateway.auth import Authenticator, generate_key
 from modelyard.gateway.metering import UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.proxy import Gateway
 from modelyard.gateway.ratelimit import (
-    Limits,
     MemoryQuotaCounter,
     MemoryRateLimiter,
     QuotaCounter,
@@ -41,8 +41,8 @@ from modelyard.gateway.ratelimit import (
     RedisRateLimiter,
     month_of,
 )
-from modelyard.gateway.router import RoutingTable
 from modelyard.gateway.usage_journal import UsageJournal
+from modelyard.protocol.management import DeployRequest, SamplingDefaults
 from modelyard.store import repository as repo
 from modelyard.store.artifacts import ArtifactStore, make_owner_only
 from modelyard.store.db import Database
@@ -104,8 +104,16 @@ class Platform:
         self.endpoints = EndpointManager(
             settings, self.db, self.registry, self.backend, self.routing
         )
+        # The gateway reaches the control plane only through this verb (scale from zero).
         self.gateway = Gateway(
-            settings, self.auth, self.limiter, self.quota, self.routing, self.recorder, self.metrics
+            settings,
+            self.auth,
+            self.limiter,
+            self.quota,
+            self.routing,
+            self.recorder,
+            self.metrics,
+            activate=self.endpoints.activate,
         )
         self.files = FileService(self.db, self.store, settings.max_file_bytes)
         self.batches = BatchService(
@@ -189,16 +197,7 @@ class Platform:
         with self.db.session() as s:
             tenant = repo.system_tenant(s)
             assert tenant is not None
-            return Principal(
-                key_id="bootstrap",
-                key_name="bootstrap",
-                tenant_id=tenant.id,
-                tenant_name=tenant.name,
-                scopes=frozenset({"admin", "inference"}),
-                limits=Limits(None, None),
-                monthly_token_quota=None,
-                platform_admin=True,
-            )
+            return Principal.system(tenant)
 
     async def _deploy_default_models(self) -> None:
         """Register the bundled models (once) and deploy them as public endpoints."""

@@ -21,15 +21,16 @@ from modelyard.api import (
     routes_registry,
     routes_webhooks,
 )
-from modelyard.api.errors import APIError, install_error_handlers
-from modelyard.api.middleware import BodySizeLimit
-from modelyard.api.oip import install_oip_error_handlers
+from modelyard.api.errors import install_error_handlers
 from modelyard.api.openapi_edge import BEARER_ONLY, BEARER_OPTIONAL, install_openapi
 from modelyard.api.openapi_responses import Health, ok
 from modelyard.api.preauth import PreAuthenticate
 from modelyard.api.text_guard import StorableText
-from modelyard.gateway.auth import Principal
+from modelyard.core.identity import Principal
 from modelyard.platform import Platform
+from modelyard.protocol.errors import APIError
+from modelyard.protocol.middleware import BodySizeLimit
+from modelyard.protocol.oip import install_oip_error_handlers
 
 
 def create_platform_app(platform: Platform) -> FastAPI:

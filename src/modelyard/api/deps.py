@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from modelyard.gateway.auth import Principal
+from modelyard.core.identity import Principal
 from modelyard.platform import Platform
 
 # auto_error=False: the 401 is ours (OpenAI's shape), not FastAPI's 403.

@@ -1,128 +1,86 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+"""The platform's errors at its HTTP edge: the ONE place domain errors become HTTP statuses.
 
-Every failure the API can see becomes an `APIError`, and `install_error_handlers` maps the
-framework's own failures (validation, malformed JSON, unknown routes) onto the same shape.
+`install_error_handlers` adds to the wire handlers (`modelyard.protocol.errors`) a handler that
+turns any `DomainError` raised inside (control, batch, gateway, store) into the OpenAI-shaped
+error with its status and headers, and one that answers a database outage with a 503.
+`to_api_error` is the same mapping for code paths that build a response themselves (the
+gateway's handler path).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 
-from modelyard.api.responses import JSONResponse
+from modelyard.core.errors import (
+    Conflict,
+    DomainError,
+    Forbidden,
+    Invalid,
+    NotFound,
+    Overloaded,
+    QuotaExceeded,
+    RateLimited,
+    TimedOut,
+    TooLarge,
+    Unauthorized,
+    Unavailable,
+    UpstreamFailed,
+)
+from modelyard.protocol.errors import APIError
+from modelyard.protocol.errors import install_error_handlers as install_wire_error_handlers
+from modelyard.protocol.oip import OIPError, is_oip_path
+from modelyard.protocol.responses import JSONResponse
 
 log = logging.getLogger(__name__)
 
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-    504: "timeout_error",
+__all__ = ["install_error_handlers", "to_api_error"]
+
+
+# The one mapping from the platform's domain errors to HTTP statuses.
+STATUS_BY_ERROR: dict[type[DomainError], int] = {
+    Invalid: 400,
+    Unauthorized: 401,
+    Forbidden: 403,
+    NotFound: 404,
+    Conflict: 409,
+    TooLarge: 413,
+    RateLimited: 429,
+    QuotaExceeded: 429,
+    Overloaded: 503,
+    Unavailable: 503,
+    UpstreamFailed: 502,
+    TimedOut: 504,
 }
 
 
-INTERNAL_ERROR = "The server had an error while processing your request. Sorry about that!"
+def status_of(exc: DomainError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_BY_ERROR:
+            return STATUS_BY_ERROR[cls]  # type: ignore[index]
+    return 500
 
 
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str | None = None,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type or _TYPE_BY_STATUS.get(status, "server_error")
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def error_body(
-    message: str, type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def field_path(loc: Sequence[Any]) -> str | None:
-    """A pydantic error location as OpenAI writes a `param`: `messages[0].content`."""
-    path = ""
-    for part in loc:
-        if part == "body" and not path:
-            continue
-        if isinstance(part, int):
-            path += f"[{part}]"
-        else:
-            path += f".{part}" if path else str(part)
-    return path or None
-
-
-def validation_error(errors: Sequence[Any]) -> APIError:
-    """The 400 for pydantic's (or FastAPI's) list of validation errors: the first one, by name."""
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return bad_request(
-            f"We could not parse the JSON body of your request: {first.get('msg', 'invalid JSON')}",
-            code="invalid_json",
-        )
-    param = field_path(first.get("loc", ()))
-    if first.get("type") == "missing":
-        return bad_request(
-            f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
-        )
-    message = first.get("msg", "invalid request")
-    if param:
-        message = f"Invalid value for '{param}': {message}"
-    return bad_request(message, param, "invalid_value")
+def to_api_error(exc: DomainError) -> APIError:
+    """The OpenAI-shaped wire error for a domain error (same message, code, param, headers)."""
+    return APIError(
+        status_of(exc), exc.message, param=exc.param, code=exc.code, headers=dict(exc.headers)
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    install_wire_error_handlers(app)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = str(exc.detail) if exc.detail else "error"
-        if exc.status_code == 404 and message == "Not Found":
-            message = "Unknown request URL. Please check the URL and method."
-        return APIError(exc.status_code, message, headers=dict(exc.headers or {})).response()
+    @app.exception_handler(DomainError)
+    async def _domain_error(request: Request, exc: DomainError) -> Response:
+        error = to_api_error(exc)
+        if is_oip_path(request.url.path):  # the Open Inference Protocol's own error shape
+            return OIPError(error.status, error.message, error.headers).response()
+        return error.response()
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(InterfaceError)
@@ -136,9 +94,3 @@ def install_error_handlers(app: FastAPI) -> None:
             code="database_unavailable",
             headers={"retry-after": "5"},
         ).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        # The exception's text stays in the log: it can name tables, paths or other tenants' data.
-        return APIError(500, INTERNAL_ERROR).response()

@@ -15,9 +15,9 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from modelyard.api.embeddings import EmbeddingRequest
-from modelyard.api.oip import InferRequest
-from modelyard.api.protocol import ChatCompletionRequest, CompletionRequest
+from modelyard.protocol.embeddings import EmbeddingRequest
+from modelyard.protocol.oip import InferRequest
+from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 BEARER = "HTTPBearer"  # FastAPI names the scheme after the HTTPBearer class
 _REF = "#/components/schemas/{model}"

@@ -23,8 +23,10 @@ from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelyard.api.deps import SCOPE_OF_DEPENDENCY, get_principal
-from modelyard.api.errors import APIError
-from modelyard.gateway.auth import Principal
+from modelyard.api.errors import to_api_error
+from modelyard.core.errors import DomainError
+from modelyard.core.identity import Principal
+from modelyard.protocol.errors import APIError
 
 Authenticate = Callable[[str | None], Awaitable[Principal]]
 
@@ -98,6 +100,9 @@ class PreAuthenticate:
                     await self._check(scope)
                 except APIError as exc:
                     refusal = exc
+                    raise _Refused from None
+                except DomainError as exc:  # a missing scope
+                    refusal = to_api_error(exc)
                     raise _Refused from None
             return await receive()
 

@@ -15,18 +15,19 @@ from fastapi.responses import Response
 from sqlalchemy.exc import IntegrityError
 
 from modelyard.api.deps import get_admin, get_platform
-from modelyard.api.errors import APIError
-from modelyard.api.responses import JSONResponse
-from modelyard.api.schemas import (
+from modelyard.control.usage import parse_time, summarize, to_csv
+from modelyard.core.identity import Principal
+from modelyard.gateway.auth import generate_key
+from modelyard.platform import Platform
+from modelyard.protocol.errors import APIError
+from modelyard.protocol.management import (
     TENANT_CEILINGS,
     KeyCreate,
     KeyUpdate,
     TenantCreate,
     TenantUpdate,
 )
-from modelyard.control.usage import parse_time, summarize, to_csv
-from modelyard.gateway.auth import Principal, generate_key
-from modelyard.platform import Platform
+from modelyard.protocol.responses import JSONResponse
 from modelyard.store import repository as repo
 from modelyard.store.tables import ApiKey, Tenant
 

@@ -13,7 +13,6 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from modelyard.api.deps import get_inference, get_platform
-from modelyard.api.errors import bad_request
 from modelyard.api.openapi_responses import (
     BatchList,
     BatchObject,
@@ -22,10 +21,11 @@ from modelyard.api.openapi_responses import (
     FileObject,
     ok,
 )
-from modelyard.api.responses import JSONResponse
 from modelyard.api.text_guard import storable
-from modelyard.gateway.auth import Principal
+from modelyard.core.identity import Principal
 from modelyard.platform import Platform
+from modelyard.protocol.errors import bad_request
+from modelyard.protocol.responses import JSONResponse
 
 router = APIRouter()
 

@@ -10,11 +10,11 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from modelyard.api.deps import base_url, get_admin, get_platform, get_principal
-from modelyard.api.errors import APIError
-from modelyard.api.responses import JSONResponse
-from modelyard.api.schemas import DeployRequest
-from modelyard.gateway.auth import Principal
+from modelyard.core.identity import Principal
 from modelyard.platform import Platform
+from modelyard.protocol.errors import APIError
+from modelyard.protocol.management import DeployRequest
+from modelyard.protocol.responses import JSONResponse
 from modelyard.store import repository as repo
 
 router = APIRouter()

@@ -8,9 +8,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from modelyard.api.deps import get_platform, get_principal
-from modelyard.api.embeddings import EmbeddingRequest
-from modelyard.api.errors import APIError
-from modelyard.api.oip import InferRequest, protocol_shaped
 from modelyard.api.openapi_edge import BEARER_ONLY, json_body
 from modelyard.api.openapi_responses import (
     ChatCompletion,
@@ -20,10 +17,13 @@ from modelyard.api.openapi_responses import (
     ModelObject,
     ok,
 )
-from modelyard.api.protocol import ChatCompletionRequest, CompletionRequest
-from modelyard.gateway.auth import Principal
-from modelyard.gateway.router import EndpointRoute
+from modelyard.core.identity import Principal
+from modelyard.core.routing import EndpointRoute
 from modelyard.platform import Platform
+from modelyard.protocol.embeddings import EmbeddingRequest
+from modelyard.protocol.errors import APIError
+from modelyard.protocol.oip import InferRequest, protocol_shaped
+from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
 

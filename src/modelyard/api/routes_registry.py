@@ -13,12 +13,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 
 from modelyard.api.deps import get_admin, get_platform
-from modelyard.api.errors import APIError
-from modelyard.api.responses import JSONResponse
-from modelyard.api.schemas import VersionCreate
 from modelyard.control.registry import check_model_name
-from modelyard.gateway.auth import Principal
+from modelyard.core.identity import Principal
 from modelyard.platform import Platform
+from modelyard.protocol.errors import APIError
+from modelyard.protocol.management import VersionCreate
+from modelyard.protocol.responses import JSONResponse
 from modelyard.store.artifacts import ArtifactError, IntegrityError, check_sha256
 
 router = APIRouter()

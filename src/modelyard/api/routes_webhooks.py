@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends
 
 from modelyard.api.deps import get_platform, get_principal
 from modelyard.batch.webhook import tenant_secret
-from modelyard.gateway.auth import Principal
+from modelyard.core.identity import Principal
 from modelyard.platform import Platform
 
 router = APIRouter()

@@ -18,7 +18,7 @@ import orjson
 from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from modelyard.api.errors import APIError, bad_request
+from modelyard.protocol.errors import APIError, bad_request
 
 
 def find_bad_text(value: Any, path: str = "") -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from modelyard.gateway.router import EndpointRoute
+from modelyard.core.routing import EndpointRoute
 
 # How often a held-back item looks again at its endpoint: interactive load changes fast, and
 # the look is a few attribute reads.

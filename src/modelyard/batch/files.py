@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from modelyard.api.errors import APIError
+from modelyard.core.errors import Invalid, NotFound, TooLarge
 from modelyard.store import repository as repo
 from modelyard.store.artifacts import ArtifactStore
 from modelyard.store.db import Database
@@ -32,8 +32,8 @@ def file_view(f: File) -> dict[str, Any]:
     }
 
 
-def _not_found(file_id: str) -> APIError:
-    return APIError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
+def _not_found(file_id: str) -> NotFound:
+    return NotFound(f"No such File object: {file_id}", param="file_id", code="not_found")
 
 
 class FileService:
@@ -46,18 +46,20 @@ class FileService:
         self, tenant_id: str, source: Path, filename: str, purpose: str
     ) -> dict[str, Any]:
         if purpose not in PURPOSES:
-            raise APIError(
-                400, f"purpose must be one of {', '.join(PURPOSES)}", param="purpose",
+            raise Invalid(
+                f"purpose must be one of {', '.join(PURPOSES)}",
+                param="purpose",
                 code="invalid_value",
-            )  # fmt: skip
+            )
         size = source.stat().st_size
         if size > self.max_bytes:
-            raise APIError(
-                413, f"file is larger than the limit of {self.max_bytes} bytes", param="file",
+            raise TooLarge(
+                f"file is larger than the limit of {self.max_bytes} bytes",
+                param="file",
                 code="file_too_large",
-            )  # fmt: skip
+            )
         if size == 0:
-            raise APIError(400, "the file is empty", param="file", code="empty_file")
+            raise Invalid("the file is empty", param="file", code="empty_file")
         blob = self.store.put_file(source)
         return self._record(tenant_id, blob.sha256, blob.size, filename, purpose)
 

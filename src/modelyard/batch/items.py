@@ -10,13 +10,12 @@ from typing import Any
 
 from sqlalchemy import update
 
-from modelyard.api.errors import APIError
 from modelyard.batch.service import ItemStatus
 from modelyard.config import PlatformSettings
-from modelyard.gateway.auth import Principal, Tier
+from modelyard.core.identity import Principal
 from modelyard.gateway.metering import UsageEvent
 from modelyard.gateway.proxy import Gateway
-from modelyard.gateway.ratelimit import Limits
+from modelyard.protocol.errors import APIError
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import ApiKey, Batch, BatchItem, Tenant
@@ -34,19 +33,7 @@ def load_principal(db: Database, batch: Batch) -> Principal:
         key = s.get(ApiKey, batch.key_id)
         tenant = s.get(Tenant, batch.tenant_id)
         assert tenant is not None
-        return Principal(
-            key_id=batch.key_id,
-            key_name=key.name if key else "",
-            tenant_id=tenant.id,
-            tenant_name=tenant.name,
-            scopes=frozenset({"inference"}),
-            limits=Limits(None, None),
-            monthly_token_quota=tenant.monthly_token_quota,
-            platform_admin=False,
-            tier=Tier(tenant.tier or Tier.STANDARD),
-            max_concurrent_requests=tenant.max_concurrent_requests,
-            max_concurrent_batch_items=tenant.max_concurrent_batch_items,
-        )
+        return Principal.for_batch(batch.key_id, key, tenant)
 
 
 class ItemRunner:

@@ -30,9 +30,9 @@ from modelyard.batch.service import ACTIVE, TERMINAL, BatchStatus, ItemStatus
 from modelyard.batch.validation import BatchFileInvalid, validate_file
 from modelyard.batch.webhook_policy import WebhookPolicy
 from modelyard.config import PlatformSettings
-from modelyard.gateway.auth import Principal
+from modelyard.core.identity import Principal
+from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.proxy import Gateway
-from modelyard.gateway.router import EndpointRoute
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import ApiKey, Batch, BatchItem

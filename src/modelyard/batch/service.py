@@ -14,11 +14,11 @@ from typing import Any
 
 from sqlalchemy import select
 
-from modelyard.api.errors import APIError
 from modelyard.batch.files import FileService
 from modelyard.batch.validation import ENDPOINTS
 from modelyard.batch.webhook_policy import WebhookPolicy, WebhookRefused
-from modelyard.gateway.auth import Principal
+from modelyard.core.errors import Conflict, Invalid, NotFound
+from modelyard.core.identity import Principal
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Batch
@@ -62,10 +62,11 @@ def parse_window(window: str) -> timedelta:
     match = _WINDOW.match(window)
     seconds = int(match.group(1)) * _UNITS[match.group(2)] if match else 0
     if not 1 <= seconds <= 7 * 86400:
-        raise APIError(
-            400, "completion_window must look like 24h (between 1s and 7d)",
-            param="completion_window", code="invalid_value",
-        )  # fmt: skip
+        raise Invalid(
+            "completion_window must look like 24h (between 1s and 7d)",
+            param="completion_window",
+            code="invalid_value",
+        )
     return timedelta(seconds=seconds)
 
 
@@ -98,8 +99,8 @@ def batch_view(b: Batch) -> dict[str, Any]:
     }
 
 
-def _not_found(batch_id: str) -> APIError:
-    return APIError(404, f"No such batch: {batch_id}", param="batch_id", code="not_found")
+def _not_found(batch_id: str) -> NotFound:
+    return NotFound(f"No such batch: {batch_id}", param="batch_id", code="not_found")
 
 
 class BatchService:
@@ -115,10 +116,11 @@ class BatchService:
         try:
             self.webhooks.check(url)
         except WebhookRefused as exc:
-            raise APIError(
-                400, f"metadata.webhook_url is refused: {exc}", param="metadata.webhook_url",
+            raise Invalid(
+                f"metadata.webhook_url is refused: {exc}",
+                param="metadata.webhook_url",
                 code="invalid_webhook_url",
-            ) from exc  # fmt: skip
+            ) from exc
 
     def create(
         self,
@@ -129,18 +131,20 @@ class BatchService:
         metadata: dict[str, str] | None,
     ) -> dict[str, Any]:
         if endpoint not in ENDPOINTS:
-            raise APIError(
-                400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint",
+            raise Invalid(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}",
+                param="endpoint",
                 code="invalid_value",
-            )  # fmt: skip
+            )
         window = parse_window(completion_window)
         self._check_webhook(metadata)
         source = self.files.get_row(principal.tenant_id, input_file_id)
         if source.purpose != "batch":
-            raise APIError(
-                400, f"file {input_file_id} has purpose {source.purpose!r}, not 'batch'",
-                param="input_file_id", code="invalid_value",
-            )  # fmt: skip
+            raise Invalid(
+                f"file {input_file_id} has purpose {source.purpose!r}, not 'batch'",
+                param="input_file_id",
+                code="invalid_value",
+            )
         now = repo.now()
         row = Batch(
             id=repo.new_id("batch"),
@@ -208,8 +212,8 @@ class BatchService:
             if b is None or b.tenant_id != tenant_id:
                 raise _not_found(batch_id)
             if b.status in TERMINAL:
-                raise APIError(
-                    409, f"batch {batch_id} is already {b.status}", code="batch_not_cancellable"
+                raise Conflict(
+                    f"batch {batch_id} is already {b.status}", code="batch_not_cancellable"
                 )
             if b.status != BatchStatus.CANCELLING:
                 b.status = BatchStatus.CANCELLING

@@ -29,7 +29,7 @@ from modelyard.control.backends.base import (
 )
 from modelyard.control.devices import pinning_env
 from modelyard.control.placement import Placement, ReplicaRequest
-from modelyard.gateway.router import ReplicaRoute
+from modelyard.core.routing import ReplicaRoute, RoutingTable
 from modelyard.store import repository as repo
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,15 @@ class _Model:
 
 
 class EncoderPool:
-    def __init__(self, settings: PlatformSettings, backend: Backend, placement: Placement) -> None:
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        backend: Backend,
+        placement: Placement,
+        routing: RoutingTable,
+    ) -> None:
         self.settings = settings
+        self.routing = routing
         self.backend = backend
         self.placement = placement
         self.handle: ReplicaHandle | None = None
@@ -138,8 +145,7 @@ class EncoderPool:
             for name, model in self._models.items():
                 await self._put(name, model.path)
                 for route in model.routes:
-                    route.url = self.handle.url  # type: ignore[union-attr]
-                    route.ready = True
+                    self.routing.readmit(route, url=self.handle.url)  # type: ignore[union-attr]
 
     async def register(self, name: str, path: Path) -> ReplicaRoute:
         """Serve `path` under `name`; returns a route for the endpoint's routing entry."""

@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from modelyard.api.errors import APIError
-from modelyard.api.schemas import DeployRequest
 from modelyard.config import EngineSettings, PlatformSettings
 from modelyard.control.autoscaler import Autoscaler, ScalingPolicy
 from modelyard.control.backends.base import Backend
@@ -28,16 +26,12 @@ from modelyard.control.prewarm import TrafficHistory
 from modelyard.control.registry import Registry, ResolvedVersion
 from modelyard.control.replicas import ReplicaController
 from modelyard.control.scaling import LoadTracker, Scaler
-from modelyard.control.state import (
-    EndpointState,
-    EndpointStatus,
-    Replica,
-    ReplicaState,
-    engine_env,
-    spawn,
-)
-from modelyard.gateway.auth import Principal
-from modelyard.gateway.router import EndpointRoute, RoutingTable
+from modelyard.control.state import EndpointState, Replica, engine_env, spawn
+from modelyard.core.errors import Conflict, Forbidden, Invalid, NotFound
+from modelyard.core.identity import Principal
+from modelyard.core.routing import EndpointRoute, RoutingTable
+from modelyard.core.status import EndpointStatus, ReplicaState, StatusTrigger
+from modelyard.protocol.management import DeployRequest
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint
@@ -66,7 +60,7 @@ class EndpointManager:
             settings, backend, routing, registry, lambda: self.endpoints,
             self._set_status, self._update_status, self._mark_good,
         )  # fmt: skip
-        self.encoders = EncoderPool(settings, backend, self.replicas.placement)
+        self.encoders = EncoderPool(settings, backend, self.replicas.placement, routing)
         self.node_cache = self.replicas.node_cache
         self.warm_pool = self.replicas.warm_pool
         self.history = TrafficHistory()
@@ -110,8 +104,7 @@ class EndpointManager:
         self, principal: Principal, artifact: str
     ) -> tuple[Path | None, ResolvedVersion | None]:
         if artifact.startswith(("s3://", "gs://", "http://", "https://")):
-            raise APIError(
-                400,
+            raise Invalid(
                 f"remote artifacts ({artifact.split(':', 1)[0]}://) need an object store, and "
                 "none is configured; upload the model with `modelyard models push` and deploy "
                 "it by its registry name",
@@ -124,16 +117,14 @@ class EndpointManager:
         path = Path(artifact).expanduser().resolve()
         roots = [r.resolve() for r in self.settings.local_artifact_roots]
         if not principal.platform_admin and not any(path.is_relative_to(r) for r in roots):
-            raise APIError(
-                403,
+            raise Forbidden(
                 "deploying from a server path needs the platform admin (or a path under "
                 "MODELYARD_LOCAL_ARTIFACT_ROOTS); push the model to the registry instead",
                 param="model_artifact",
                 code="path_not_allowed",
             )
         if not path.exists():
-            raise APIError(
-                400,
+            raise Invalid(
                 f"{path} does not exist on the server",
                 param="model_artifact",
                 code="artifact_not_found",
@@ -143,15 +134,14 @@ class EndpointManager:
     async def deploy(self, principal: Principal, req: DeployRequest) -> dict[str, Any]:
         principal.require("admin")
         if req.framework not in SUPPORTED_FRAMEWORKS:
-            raise APIError(
-                400,
+            raise Invalid(
                 f"framework {req.framework!r} is not supported; use 'native' (modelyard's own "
                 "engine: continuous batching, paged KV cache, OpenAI-compatible)",
                 param="framework",
                 code="unsupported_framework",
             )
         if req.public and not principal.platform_admin:
-            raise APIError(403, "only the platform admin can deploy public endpoints", "public")
+            raise Forbidden("only the platform admin can deploy public endpoints", param="public")
         engine_env(req.engine)  # a bad option is a 400 now, not a failed replica later
         path, version = await asyncio.to_thread(
             self._resolve_artifact, principal, req.model_artifact
@@ -179,8 +169,7 @@ class EndpointManager:
         def insert() -> None:
             with self.db.session() as s:
                 if repo.live_endpoint_by_name(s, principal.tenant_id, req.model_name):
-                    raise APIError(
-                        409,
+                    raise Conflict(
                         f"an endpoint named {req.model_name!r} already exists; delete it first",
                         param="model_name",
                         code="endpoint_exists",
@@ -217,9 +206,8 @@ class EndpointManager:
         policy = ScalingPolicy.from_deploy(row.hardware, row.scaling)
         state.autoscaler = Autoscaler(policy)
         state.load = LoadTracker(policy.metric)
-        route.activate = lambda: self._activate(state)
         self.endpoints[row.id] = state
-        self.routing.put(route)
+        self.routing.publish(route)
         spawn(state, self._provision(state))
         return state
 
@@ -233,7 +221,7 @@ class EndpointManager:
             state.kind = await asyncio.to_thread(detect, state.model_path)
         except Exception as exc:
             why = f"cannot prepare the model files: {exc}"
-            await self._set_status(state, EndpointStatus.FAILED, why)
+            await self._set_status(state, EndpointStatus.FAILED, why, StatusTrigger.PREPARE_FAILED)
             return
         if state.kind != LLM:
             await self._provision_encoder(state)
@@ -252,16 +240,16 @@ class EndpointManager:
         except Exception as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             why = f"the encoder host refused the model: {exc}"
-            await self._set_status(state, EndpointStatus.FAILED, why)
+            trigger = StatusTrigger.ENCODER_HOST_FAILED
+            await self._set_status(state, EndpointStatus.FAILED, why, trigger)
             return
         replica.handle = self.encoders.handle
         replica.devices = self.encoders.devices
         replica.state = ReplicaState.READY
         replica.ready_after_s = time.time() - replica.started_at
-        state.route.upstream_model = state.row.id
-        state.route.replicas = [replica.route]
-        self.routing.generation += 1
-        await self._set_status(state, EndpointStatus.READY, None)
+        self.routing.set_upstream_model(state.route, state.row.id)
+        self.routing.set_replicas(state.route, [replica.route])
+        await self._set_status(state, EndpointStatus.READY, None, StatusTrigger.ENCODER_HOST_READY)
 
     async def _reconcile_encoders(self) -> None:
         live = [
@@ -274,31 +262,42 @@ class EndpointManager:
             return
         for state in live:
             for route in state.route.replicas:
-                route.ready = False
+                self.routing.mark_unready(route, state.route)
         restarts = self.encoders.restarts
         try:
             await self.encoders.ensure()  # restarts it and registers every model again
         except Exception as exc:
             log.warning("encoder host restart failed: %s", exc)
             for state in live:
-                await self._set_status(state, EndpointStatus.DEGRADED, f"encoder host down: {exc}")
+                await self._set_status(
+                    state,
+                    EndpointStatus.DEGRADED,
+                    f"encoder host down: {exc}",
+                    StatusTrigger.ENCODER_HOST_FAILED,
+                )
             return
         for state in live:
             for replica in state.replicas:
                 replica.handle = self.encoders.handle
                 replica.devices = self.encoders.devices
             state.restarts += self.encoders.restarts - restarts
-            await self._set_status(state, EndpointStatus.READY, None)
+            recovered = StatusTrigger.ENCODER_HOST_READY
+            await self._set_status(state, EndpointStatus.READY, None, recovered)
 
     async def _set_status(
-        self, state: EndpointState, status: EndpointStatus, message: str | None
+        self,
+        state: EndpointState,
+        status: EndpointStatus,
+        message: str | None,
+        trigger: StatusTrigger,
     ) -> None:
+        """One transition of the endpoint's status, naming what caused it."""
         if state.status is status and state.message == message:
             self._publish_availability(state)
             return
         if state.status in (EndpointStatus.DRAINING, EndpointStatus.DELETED):
             return
-        state.status, state.message = status, message
+        state.status, state.trigger, state.message = status, trigger, message
         self._publish_availability(state)
 
         def write() -> None:
@@ -324,9 +323,8 @@ class EndpointManager:
                 reason, retry_after = "no device has room for it", 30
             elif state.status is EndpointStatus.DEGRADED:
                 reason = "no replica is serving it right now; it is being replaced"
-        if (reason, retry_after) != (route.unavailable, route.retry_after_s):
-            route.unavailable, route.retry_after_s = reason, retry_after
-            self.routing.changed(route)  # wakes requests waiting for a replica
+        # Wakes requests waiting for a replica when it changes.
+        self.routing.set_unavailable(route, reason, retry_after)
 
     # ----- health and repair -----------------------------------------------------------------
 
@@ -360,6 +358,13 @@ class EndpointManager:
         self.replicas.converge(state)
         await self._update_status(state)
 
+    def activate(self, endpoint_id: str) -> None:
+        """The gateway's verb (handed to it by the composition root): a request arrived for
+        `endpoint_id` while no replica serves it."""
+        state = self.endpoints.get(endpoint_id)
+        if state is not None:
+            self._activate(state)
+
     def _activate(self, state: EndpointState) -> None:
         """A request for an endpoint with no replica serving: have one started now."""
         closed = (EndpointStatus.DRAINING, EndpointStatus.DELETED, EndpointStatus.FAILED)
@@ -371,6 +376,7 @@ class EndpointManager:
             return  # one is starting already (or the endpoint is still being provisioned)
         state.desired = max(state.desired, 1)
         state.status, state.message = EndpointStatus.PROVISIONING, "scaling from zero"
+        state.trigger = StatusTrigger.SCALE_FROM_ZERO
         self._publish_availability(state)
         spawn(state, self.replicas.run(state, self.replicas.new_replica(state)))
 
@@ -382,8 +388,8 @@ class EndpointManager:
         principal.require("admin")
         state = self._get(principal, endpoint_id)
         if state.kind not in (None, LLM):
-            raise APIError(
-                400, "encoder endpoints are updated by deploying again", "model_artifact"
+            raise Invalid(
+                "encoder endpoints are updated by deploying again", param="model_artifact"
             )
         version = await asyncio.to_thread(self.registry.resolve, principal.tenant_id, artifact)
         assert version is not None
@@ -398,8 +404,9 @@ class EndpointManager:
         await asyncio.to_thread(self._write_version, state, version.version_id, ref)
         state.clear_failures()
         state.next_restart_at = 0.0
-        state.fell_back = False
-        await self._set_status(state, EndpointStatus.ROLLING_OUT, f"rolling out {ref}")
+        await self._set_status(
+            state, EndpointStatus.ROLLING_OUT, f"rolling out {ref}", StatusTrigger.ROLLOUT_STARTED
+        )
         return {
             "endpoint_id": endpoint_id,
             "status": EndpointStatus.ROLLING_OUT,
@@ -412,7 +419,7 @@ class EndpointManager:
             assert row is not None
             row.version_id, row.artifact = version_id, artifact
         state.row.version_id, state.row.artifact = version_id, artifact
-        state.route.version_id = version_id
+        self.routing.set_version(state.route, version_id)
 
     async def _mark_good(self, state: EndpointState) -> None:
         """The endpoint's version serves: it is what a failing rollout will fall back to."""
@@ -451,16 +458,15 @@ class EndpointManager:
             f"({why[:300]}); serving the last good version {version.model_name}:{version.version}"
         )
         log.warning("endpoint %s: %s", state.row.id, message)
-        state.status = EndpointStatus.ROLLING_BACK
-        state.fell_back = True
-        await self._set_status(state, EndpointStatus.DEGRADED, message)
+        state.status, state.trigger = EndpointStatus.ROLLING_BACK, StatusTrigger.ROLLED_BACK
+        await self._set_status(state, EndpointStatus.DEGRADED, message, StatusTrigger.ROLLED_BACK)
 
     async def _update_status(self, state: EndpointState) -> None:
         """ready = every desired replica serves; before that provisioning; after it degraded,
         with why (fewer serve than desired, or none while a replacement starts); failed and
         unschedulable stay until a replica serves; scaled_to_zero when the autoscaler wants
         none and none runs."""
-        if state.fell_back and state.status is EndpointStatus.DEGRADED:
+        if state.trigger is StatusTrigger.ROLLED_BACK and state.status is EndpointStatus.DEGRADED:
             self._publish_availability(state)
             return  # stays reported until the next rollout
         if state.rollout_from is not None:
@@ -471,21 +477,32 @@ class EndpointManager:
         running = [r for r in state.replicas if r.state not in gone]
         served = state.status in (EndpointStatus.READY, EndpointStatus.DEGRADED)
         why = self._why_degraded(state)
+        changed = StatusTrigger.REPLICAS_CHANGED
         if state.desired == 0 and not running:  # draining ones too must be gone
-            await self._set_status(state, EndpointStatus.SCALED_TO_ZERO, None)
+            await self._set_status(
+                state, EndpointStatus.SCALED_TO_ZERO, None, StatusTrigger.SCALED_TO_ZERO
+            )
         elif ready >= state.desired:
-            await self._set_status(state, EndpointStatus.READY, None)
+            await self._set_status(state, EndpointStatus.READY, None, changed)
         elif served and ready:
             message = f"{ready} of {state.desired} replicas ready" + (f": {why}" if why else "")
-            await self._set_status(state, EndpointStatus.DEGRADED, message)
+            await self._set_status(state, EndpointStatus.DEGRADED, message, changed)
         elif served:  # it served, and now no replica does
             message = f"no replica serving ({why or 'replicas lost'}); replacing it"
-            await self._set_status(state, EndpointStatus.DEGRADED, message)
+            await self._set_status(state, EndpointStatus.DEGRADED, message, changed)
         elif state.status is EndpointStatus.SCALED_TO_ZERO:  # the autoscaler woke it
-            await self._set_status(state, EndpointStatus.PROVISIONING, "scaling from zero")
+            await self._set_status(
+                state,
+                EndpointStatus.PROVISIONING,
+                "scaling from zero",
+                StatusTrigger.SCALE_FROM_ZERO,
+            )
         elif state.status is EndpointStatus.PROVISIONING:
             await self._set_status(
-                state, EndpointStatus.PROVISIONING, f"{ready} of {state.desired} replicas ready"
+                state,
+                EndpointStatus.PROVISIONING,
+                f"{ready} of {state.desired} replicas ready",
+                changed,
             )
         else:  # failed or unschedulable: kept, with their reason, until a replica serves
             self._publish_availability(state)
@@ -507,7 +524,7 @@ class EndpointManager:
             principal.platform_admin or state.row.tenant_id == principal.tenant_id
         )
         if not visible or state is None:
-            raise APIError(404, f"endpoint {endpoint_id!r} not found", code="endpoint_not_found")
+            raise NotFound(f"endpoint {endpoint_id!r} not found", code="endpoint_not_found")
         return state
 
     def view(self, state: EndpointState, base_url: str) -> dict[str, Any]:
@@ -566,8 +583,8 @@ class EndpointManager:
         state = self._get(principal, endpoint_id)
         if state.status is EndpointStatus.DRAINING:
             return {"endpoint_id": endpoint_id, "status": EndpointStatus.DRAINING}
-        await self._set_status(state, EndpointStatus.DRAINING, None)
-        state.status = EndpointStatus.DRAINING
+        await self._set_status(state, EndpointStatus.DRAINING, None, StatusTrigger.DELETING)
+        state.status, state.trigger = EndpointStatus.DRAINING, StatusTrigger.DELETING
         self.routing.remove(endpoint_id)  # no new requests from here on
         spawn(state, self._drain_and_stop(state))
         return {"endpoint_id": endpoint_id, "status": EndpointStatus.DRAINING}
@@ -590,7 +607,7 @@ class EndpointManager:
         for replica in state.replicas:
             replica.state = ReplicaState.STOPPED
         await asyncio.to_thread(self._mark_deleted, state.row.id)
-        state.status = EndpointStatus.DELETED
+        state.status, state.trigger = EndpointStatus.DELETED, StatusTrigger.DELETING
         self.endpoints.pop(state.row.id, None)
 
     def _mark_deleted(self, endpoint_id: str) -> None:

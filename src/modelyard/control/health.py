@@ -15,8 +15,9 @@ import httpx
 
 from modelyard.config import PlatformSettings
 from modelyard.control.backends.base import Backend
-from modelyard.control.state import EndpointState, Replica, ReplicaState
-from modelyard.gateway.router import RoutingTable
+from modelyard.control.state import EndpointState, Replica
+from modelyard.core.routing import RoutingTable
+from modelyard.core.status import ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class ReplicaHealth:
         if replica.route is not None and capacity:
             # The spec's admission formula: KV memory / the KV one request needs on average.
             per_request = self.settings.admission_tokens_per_request
-            replica.route.max_concurrency = max(1, capacity // per_request)
+            self.routing.set_capacity(replica.route, max(1, capacity // per_request))
         return None
 
     async def check_health(self, state: EndpointState) -> None:
@@ -84,9 +85,8 @@ class ReplicaHealth:
                 replica.health_failures = 0
                 replica.state = ReplicaState.READY
                 replica.error = None
-                if replica.route is not None and not replica.route.ready:
-                    replica.route.ready = True
-                    self.routing.changed(state.route)
+                if replica.route is not None:
+                    self.routing.readmit(replica.route, state.route)
                 continue
             replica.health_failures += 1
             if not self.backend.alive(replica.handle):  # it died while being probed
@@ -100,9 +100,8 @@ class ReplicaHealth:
                 # No new requests until a probe passes: a request sent there would hang or fail.
                 replica.state = ReplicaState.UNHEALTHY
                 replica.error = f"replica {replica.replica_id} {problem}"
-                if replica.route is not None and replica.route.ready:
-                    replica.route.ready = False
-                    self.routing.changed(state.route)
+                if replica.route is not None:
+                    self.routing.mark_unready(replica.route, state.route)
         state.replicas = [
             r for r in state.replicas if r.state not in (ReplicaState.FAILED, ReplicaState.STOPPED)
         ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modelyard.api.errors import APIError
+from modelyard.core.errors import Conflict, Invalid, NotFound
 from modelyard.store import repository as repo
 from modelyard.store.artifacts import ArtifactError, ArtifactStore, check_relative_path, scan_folder
 from modelyard.store.db import Database
@@ -25,8 +25,7 @@ FORMATS = ("hf", "gguf")
 
 def check_model_name(name: str) -> str:
     if not _NAME.match(name):
-        raise APIError(
-            400,
+        raise Invalid(
             f"invalid model name {name!r}: use letters, digits, '.', '_' and '-' "
             "(at most 128, starting with a letter or digit)",
             param="name",
@@ -41,8 +40,7 @@ def detect_format(paths: list[str]) -> str:
     ggufs = [p for p in paths if p.endswith(".gguf")]
     if len(ggufs) == 1:
         return "gguf"
-    raise APIError(
-        400,
+    raise Invalid(
         "cannot tell the model format: expected a Hugging Face folder (config.json + weights) "
         "or exactly one .gguf file",
         param="files",
@@ -54,7 +52,7 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
     """`name` → (name, None = newest); `name:3` → (name, 3)."""
     name, sep, version = ref.partition(":")
     if sep and not version.isdigit():
-        raise APIError(400, f"invalid model reference {ref!r} (use NAME or NAME:VERSION)")
+        raise Invalid(f"invalid model reference {ref!r} (use NAME or NAME:VERSION)")
     return check_model_name(name), int(version) if sep else None
 
 
@@ -93,26 +91,24 @@ class Registry:
     ) -> ResolvedVersion:
         check_model_name(model_name)
         if not files:
-            raise APIError(400, "a version needs at least one file", param="files")
+            raise Invalid("a version needs at least one file", param="files")
         manifest: dict[str, dict[str, Any]] = {}
         total = 0
         for path, meta in files.items():
             try:
                 check_relative_path(path)
             except ArtifactError as exc:
-                raise APIError(400, str(exc), param="files", code="invalid_manifest") from exc
+                raise Invalid(str(exc), param="files", code="invalid_manifest") from exc
             sha = str(meta.get("sha256", ""))
             if not _SHA256.match(sha) or not self.has_blob(tenant_id, sha):
-                raise APIError(
-                    400,
+                raise Invalid(
                     f"file {path!r}: blob {sha!r} has not been uploaded (PUT /v1/blobs/{{sha256}})",
                     param="files",
                     code="missing_blob",
                 )
             size = self.store.size(sha)
             if "size" in meta and int(meta["size"]) != size:
-                raise APIError(
-                    400,
+                raise Invalid(
                     f"file {path!r}: size {meta['size']} does not match the blob's {size}",
                     param="files",
                     code="invalid_manifest",
@@ -121,7 +117,7 @@ class Registry:
             total += size
         fmt = fmt or detect_format(list(manifest))
         if fmt not in FORMATS:
-            raise APIError(400, f"format must be one of {', '.join(FORMATS)}", param="format")
+            raise Invalid(f"format must be one of {', '.join(FORMATS)}", param="format")
         with self.db.session() as s:
             model = repo.get_model(s, tenant_id, model_name) or repo.create_model(
                 s, tenant_id, model_name
@@ -150,8 +146,7 @@ class Registry:
         if version is None:
             if missing_ok:
                 return None
-            raise APIError(
-                404,
+            raise NotFound(
                 f"model {ref!r} is not in the registry",
                 param="model_artifact",
                 code="model_not_found",
@@ -187,10 +182,9 @@ class Registry:
         with self.db.session() as s:
             model = repo.get_model(s, tenant_id, check_model_name(name))
             if model is None:
-                raise APIError(404, f"model {name!r} is not in the registry", code="not_found")
+                raise NotFound(f"model {name!r} is not in the registry", code="not_found")
             if repo.endpoints_using_model(s, tenant_id, model.id):
-                raise APIError(
-                    409,
+                raise Conflict(
                     f"model {name!r} is deployed; delete its endpoints first",
                     code="model_in_use",
                 )

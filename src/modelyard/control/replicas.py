@@ -26,16 +26,17 @@ from modelyard.control.node_cache import NodeCache
 from modelyard.control.placement import Placement, ReplicaRequest
 from modelyard.control.registry import Registry
 from modelyard.control.sizing import replica_bytes_per_device
-from modelyard.control.state import EndpointState, EndpointStatus, Replica, ReplicaState, spawn
+from modelyard.control.state import EndpointState, Replica, spawn
 from modelyard.control.warm_pool import WarmPool
-from modelyard.gateway.router import ReplicaRoute, RoutingTable
+from modelyard.core.routing import ReplicaRoute, RoutingTable
+from modelyard.core.status import EndpointStatus, ReplicaState, StatusTrigger
 from modelyard.store import repository as repo
 
 log = logging.getLogger(__name__)
 
 _MAX_RESTART_BACKOFF_S = 60.0
 
-SetStatus = Callable[[EndpointState, EndpointStatus, str | None], Awaitable[None]]
+SetStatus = Callable[[EndpointState, EndpointStatus, str | None, StatusTrigger], Awaitable[None]]
 UpdateStatus = Callable[[EndpointState], Awaitable[None]]
 MarkGood = Callable[[EndpointState], Awaitable[None]]
 
@@ -128,7 +129,12 @@ class ReplicaController(ReplicaHealth):
         state.failed_devices.update(replica.devices)
         self.release(replica)
         if not state.serving:
-            await self.set_status(state, EndpointStatus.FAILED, f"replica failed to start: {exc}")
+            await self.set_status(
+                state,
+                EndpointStatus.FAILED,
+                f"replica failed to start: {exc}",
+                StatusTrigger.REPLICA_START_FAILED,
+            )
 
     async def _run(self, state: EndpointState, replica: Replica) -> None:
         assert state.model_path is not None
@@ -182,7 +188,8 @@ class ReplicaController(ReplicaHealth):
         if replica.replica_id in result.unschedulable:
             why = result.unschedulable[replica.replica_id]
             replica.state, replica.error = ReplicaState.FAILED, f"unschedulable: {why}"
-            spawn(state, self.set_status(state, EndpointStatus.UNSCHEDULABLE, why))
+            unschedulable = EndpointStatus.UNSCHEDULABLE
+            spawn(state, self.set_status(state, unschedulable, why, StatusTrigger.NO_ROOM))
             return False
         devices = result.assignments[replica.replica_id]
         replica.placement_id = replica.replica_id
@@ -219,8 +226,7 @@ class ReplicaController(ReplicaHealth):
         replica.ready_after_s = time.time() - replica.started_at
         replica.route = ReplicaRoute(replica.replica_id, replica.handle.url)
         await self.probe(replica)  # its load report and admission limit, before traffic
-        state.route.replicas.append(replica.route)
-        self.routing.changed(state.route)
+        self.routing.add_replica(state.route, replica.route)
         await self.update_status(state)
 
     def default_engine_env(self) -> dict[str, str]:
@@ -231,9 +237,8 @@ class ReplicaController(ReplicaHealth):
         return env
 
     def drop_route(self, state: EndpointState, replica: Replica) -> None:
-        if replica.route is not None and replica.route in state.route.replicas:
-            state.route.replicas.remove(replica.route)
-            self.routing.changed(state.route)
+        if replica.route is not None:
+            self.routing.drop_replica(state.route, replica.route)
 
     def converge(self, state: EndpointState) -> None:
         """Start or drain replicas until the live ones of the endpoint's version match
@@ -245,7 +250,7 @@ class ReplicaController(ReplicaHealth):
             for replica in stale:
                 replica.state = ReplicaState.DRAINING
                 if replica.route is not None:
-                    replica.route.ready = False
+                    self.routing.mark_unready(replica.route)
                 spawn(state, self.drain(state, replica))
         missing = state.desired - len(live)
         if missing > 0 and time.monotonic() >= state.next_restart_at:
@@ -259,7 +264,7 @@ class ReplicaController(ReplicaHealth):
             for replica in scale_down_order(live, self.placement)[:-missing]:
                 replica.state = ReplicaState.DRAINING
                 if replica.route is not None:
-                    replica.route.ready = False
+                    self.routing.mark_unready(replica.route)
                     spawn(state, self.drain(state, replica))
 
     async def drain(self, state: EndpointState, replica: Replica) -> None:

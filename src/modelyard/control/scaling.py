@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from modelyard.config import PlatformSettings
 from modelyard.control.autoscaler import Decision, Observation
 from modelyard.control.prewarm import TrafficHistory, should_prewarm
-from modelyard.control.status import EndpointStatus, ReplicaState
-from modelyard.gateway.router import EndpointRoute
+from modelyard.core.routing import EndpointRoute
+from modelyard.core.status import EndpointStatus, ReplicaState
 
 if TYPE_CHECKING:
     from modelyard.control.state import EndpointState

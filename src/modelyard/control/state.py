@@ -12,13 +12,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from modelyard.api.errors import APIError
 from modelyard.config import EngineSettings
 from modelyard.control.autoscaler import Autoscaler, Decision
 from modelyard.control.backends.base import ReplicaHandle
 from modelyard.control.scaling import LoadTracker
-from modelyard.control.status import LIVE, EndpointStatus, ReplicaState
-from modelyard.gateway.router import EndpointRoute, ReplicaRoute
+from modelyard.core.errors import Invalid
+from modelyard.core.routing import EndpointRoute, ReplicaRoute
+from modelyard.core.status import LIVE, EndpointStatus, ReplicaState, StatusTrigger
 from modelyard.store.tables import Endpoint
 
 
@@ -66,6 +66,7 @@ class EndpointState:
     failed_devices: set[str] = field(default_factory=set)  # where loads failed since then
     next_restart_at: float = 0.0
     status: EndpointStatus = EndpointStatus.PROVISIONING
+    trigger: StatusTrigger = StatusTrigger.DEPLOYED  # what caused the last status change
     message: str | None = None
     last_error: str | None = None
     kind: str | None = None  # llm, or an encoder kind served by the shared encoder host
@@ -77,7 +78,6 @@ class EndpointState:
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=20))
 
     rollout_from: str | None = None  # the version a rollout in progress replaces
-    fell_back: bool = False  # a failed rollout fell back to the last good version (reported)
 
     def clear_failures(self) -> None:
         """A replica served, or the version changed: no backoff, every device is a candidate."""
@@ -103,13 +103,13 @@ def engine_env(options: dict[str, Any]) -> tuple[dict[str, str], EngineSettings]
     """Validate engine options against `EngineSettings` and turn them into worker env vars."""
     unknown = sorted(set(options) - set(EngineSettings.model_fields))
     if unknown:
-        raise APIError(400, f"unknown engine option(s): {', '.join(unknown)}", param="engine")
+        raise Invalid(f"unknown engine option(s): {', '.join(unknown)}", param="engine")
     try:
         settings = EngineSettings(**options)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"engine.{where}: {first['msg']}", param=f"engine.{where}") from exc
+        raise Invalid(f"engine.{where}: {first['msg']}", param=f"engine.{where}") from exc
     env = {f"MODELYARD_{k.upper()}": str(v) for k, v in options.items()}
     return env, settings
 

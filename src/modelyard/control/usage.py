@@ -8,8 +8,8 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from modelyard.api.errors import APIError
 from modelyard.config import ModelPrice
+from modelyard.core.errors import Invalid
 from modelyard.store.repository import as_utc
 from modelyard.store.tables import UsageRecord
 
@@ -30,8 +30,8 @@ def parse_time(value: str | int | None, param: str) -> datetime | None:
             return datetime.fromtimestamp(int(value), UTC)
         ts = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
     except (ValueError, OverflowError) as exc:
-        raise APIError(
-            400, f"{param} must be unix seconds or ISO 8601, got {value!r}", param=param
+        raise Invalid(
+            f"{param} must be unix seconds or ISO 8601, got {value!r}", param=param
         ) from exc
     return ts if ts.tzinfo else ts.replace(tzinfo=UTC)
 
@@ -65,7 +65,7 @@ def summarize(
     batch_discount: float = 0.0,
 ) -> list[dict[str, Any]]:
     if group_by not in GROUPS:
-        raise APIError(400, f"group_by must be one of {', '.join(GROUPS)}", param="group_by")
+        raise Invalid(f"group_by must be one of {', '.join(GROUPS)}", param="group_by")
     groups: dict[str, dict[str, Any]] = {}
     for row in rows:
         key = _group_key(row, group_by)

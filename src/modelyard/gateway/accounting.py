@@ -22,13 +22,13 @@ from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelyard.api.errors import APIError
-from modelyard.gateway.auth import Principal
+from modelyard.core.identity import Principal
+from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import ConcurrencyLimiter, LimitsUnavailable, QuotaCounter, month_of
 from modelyard.gateway.ratelimit import Decision, RateLimiter
-from modelyard.gateway.router import EndpointRoute
+from modelyard.protocol.errors import APIError
 from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from typing import Any
 
 from fastapi.responses import Response
 
-from modelyard.api.errors import APIError
-from modelyard.api.responses import JSONResponse
+from modelyard.protocol.errors import APIError
+from modelyard.protocol.responses import JSONResponse
 
 
 @dataclass

@@ -24,14 +24,12 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from enum import StrEnum
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from modelyard.api.errors import APIError
-from modelyard.gateway.ratelimit import Limits
+from modelyard.core.identity import Principal
+from modelyard.protocol.errors import APIError
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 
@@ -54,70 +52,8 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-class Tier(StrEnum):
-    """A tenant's service tier, set by the platform admin: under overload the lower tier waits
-    (or is refused) first, in the admission queue and in the engine."""
-
-    FREE = "free"
-    STANDARD = "standard"
-    PRIORITY = "priority"
-
-    @property
-    def rank(self) -> int:
-        """0 is served first: the engine priority of the tier's interactive requests."""
-        return _TIER_RANK[self]
-
-
-_TIER_RANK = {Tier.PRIORITY: 0, Tier.STANDARD: 1, Tier.FREE: 2}
-
-
-@dataclass(frozen=True)
-class Principal:
-    key_id: str
-    key_name: str
-    tenant_id: str
-    tenant_name: str
-    scopes: frozenset[str]
-    limits: Limits
-    monthly_token_quota: int | None
-    platform_admin: bool  # an admin key of the system tenant: operates the whole platform
-    tier: Tier = Tier.STANDARD
-    # The tenant's ceilings on work in flight (None: no ceiling), set by the platform admin.
-    max_concurrent_requests: int | None = None
-    max_concurrent_batch_items: int | None = None
-
-    def require(self, scope: str) -> None:
-        if scope not in self.scopes:
-            raise APIError(
-                403,
-                f"This API key lacks the '{scope}' scope required for this operation.",
-                code="insufficient_scope",
-            )
-
-    def require_platform_admin(self) -> None:
-        if not self.platform_admin:
-            raise APIError(
-                403, "Only the platform administrator can do this.", code="insufficient_scope"
-            )
-
-    def tenant_filter(self, requested: str | None = None) -> str | None:
-        """The tenant whose data a call may see: its own, or any one the platform admin names."""
-        if self.platform_admin:
-            return requested
-        if requested is not None and requested != self.tenant_id:
-            raise APIError(404, "No such tenant.", code="not_found")
-        return self.tenant_id
-
-
 def _unauthorized(message: str) -> APIError:
     return APIError(401, message, type="invalid_request_error", code="invalid_api_key")
-
-
-def _capped(key_limit: int | None, ceiling: int | None) -> int | None:
-    """A key's limit within its tenant's ceiling: a key may be tighter, never looser."""
-    if ceiling is None:
-        return key_limit
-    return ceiling if key_limit is None else min(key_limit, ceiling)
 
 
 class _LRU:
@@ -189,23 +125,7 @@ class Authenticator:
                 return None
             tenant = repo.get_tenant(s, key.tenant_id)
             assert tenant is not None
-            scopes = frozenset(filter(None, key.scopes.split(",")))
-            return Principal(
-                key_id=key.id,
-                key_name=key.name,
-                tenant_id=tenant.id,
-                tenant_name=tenant.name,
-                scopes=scopes,
-                limits=Limits(
-                    rpm=_capped(key.rpm_limit, tenant.max_rpm),
-                    tpm=_capped(key.tpm_limit, tenant.max_tpm),
-                ),
-                monthly_token_quota=tenant.monthly_token_quota,
-                platform_admin=tenant.is_system and "admin" in scopes,
-                tier=Tier(tenant.tier or Tier.STANDARD),
-                max_concurrent_requests=tenant.max_concurrent_requests,
-                max_concurrent_batch_items=tenant.max_concurrent_batch_items,
-            )
+            return Principal.for_key(key, tenant)
 
     async def authenticate(self, authorization: str | None) -> Principal:
         if not authorization:

@@ -22,26 +22,37 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from modelyard.api.disconnect import run_until_disconnect
-from modelyard.api.embeddings import EmbeddingRequest
-from modelyard.api.errors import APIError, bad_request, error_body, validation_error
-from modelyard.api.protocol import PROMPT_TOKENS_HEADER, ChatCompletionRequest, CompletionRequest
 from modelyard.config import PlatformSettings
-from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call, take_usage
-from modelyard.gateway.async_results import AsyncResults
-from modelyard.gateway.auth import Authenticator, Principal
-from modelyard.gateway.cache_scope import scope_prefix_cache
-from modelyard.gateway.metering import UsageEvent, UsageRecorder
-from modelyard.gateway.metrics import GatewayMetrics
-from modelyard.gateway.quota import ConcurrencyLimiter, concurrency_beside
-from modelyard.gateway.ratelimit import QuotaCounter, RateLimiter
-from modelyard.gateway.router import (
+from modelyard.core.identity import Principal
+from modelyard.core.routing import (
+    Activate,
     AdmissionRefused,
     EndpointRoute,
     ReplicaRoute,
     RoutingTable,
     Waiter,
     admission_rank,
+)
+from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call, take_usage
+from modelyard.gateway.async_results import AsyncResults
+from modelyard.gateway.auth import Authenticator
+from modelyard.gateway.cache_scope import scope_prefix_cache
+from modelyard.gateway.metering import UsageEvent, UsageRecorder
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.quota import ConcurrencyLimiter, concurrency_beside
+from modelyard.gateway.ratelimit import QuotaCounter, RateLimiter
+from modelyard.protocol.disconnect import run_until_disconnect
+from modelyard.protocol.embeddings import EmbeddingRequest
+from modelyard.protocol.errors import APIError, bad_request, error_body, validation_error
+from modelyard.protocol.openai import PROMPT_TOKENS_HEADER, ChatCompletionRequest, CompletionRequest
+from modelyard.protocol.sse import (
+    DATA_PREFIX,
+    DONE,
+    DONE_EVENT,
+    EVENT_END,
+    sse_comment,
+    sse_data,
+    sse_raw,
 )
 
 log = logging.getLogger(__name__)
@@ -130,8 +141,11 @@ class Gateway:
         recorder: UsageRecorder,
         metrics: GatewayMetrics,
         slots: ConcurrencyLimiter | None = None,
+        activate: Activate | None = None,
     ) -> None:
         self.settings = settings
+        # The control plane's verb for scale from zero (None: no endpoint scales from zero).
+        self.activate = activate
         self.auth = auth
         self.limiter = limiter
         self.quota = quota
@@ -269,9 +283,9 @@ class Gateway:
                             code="model_unavailable",
                             headers={"retry-after": str(route.retry_after_s)},
                         )
-                    if tried or route.activate is None:
+                    if tried or self.activate is None:
                         return None
-                    route.activate()
+                    self.activate(route.endpoint_id)
                     waited = loop.time() - started
                     if waited > s.scale_from_zero_timeout_s:
                         raise APIError(
@@ -346,7 +360,7 @@ class Gateway:
                 if isinstance(exc, aiohttp.ClientConnectorError):
                     # Nobody listens there: bench it until the control plane's next health
                     # probe finds it answering again.
-                    replica.ready = False
+                    self.routing.bench(replica)
                 elif attempt == 0:
                     # The worker closed the connection before answering: a pooled keep-alive
                     # connection it had just closed, or it died with the request. Nothing
@@ -388,7 +402,7 @@ class Gateway:
                 # Last, so no default and no client value outlives it.
                 scope_prefix_cache(payload, self.settings.prefix_cache_scope, principal.tenant_id)
             route.arrive()
-            cold = not route.ready_replicas and route.activate is not None
+            cold = not route.ready_replicas and self.activate is not None
             if getattr(req, "stream", False):
                 wants_usage = bool(req.stream_options and req.stream_options.include_usage)
                 # Always ask for usage, so the stream can be billed; the client sees the usage
@@ -603,8 +617,7 @@ class Gateway:
             notes: asyncio.Queue[bytes] = asyncio.Queue()
 
             async def progress(waited: float) -> None:
-                note = f": loading {call.route.model_name}, {waited:.0f}s\n\n"
-                await notes.put(note.encode())
+                await notes.put(sse_comment(f"loading {call.route.model_name}, {waited:.0f}s"))
 
             opening = asyncio.ensure_future(self._send(call, payload, True, progress=progress))
             try:
@@ -618,8 +631,8 @@ class Gateway:
                 response, replica = opening.result()
             except APIError as exc:
                 await self._refund(call)
-                yield b"data: " + orjson.dumps(exc.body()) + b"\n\n"
-                yield b"data: [DONE]\n\n"
+                yield sse_data(exc.body())
+                yield DONE
                 return
             finally:
                 if not opening.done():
@@ -631,8 +644,8 @@ class Gateway:
                     response.release()
                     call.route.release(replica)
                 await self._refund(call)
-                yield b"data: " + content + b"\n\n"
-                yield b"data: [DONE]\n\n"
+                yield sse_raw(content)
+                yield DONE
                 return
             call.prompt_tokens = int(response.headers.get(PROMPT_TOKENS_HEADER, 0))
             async for chunk in self._relay(call, response, replica, wants_usage):
@@ -656,14 +669,14 @@ class Gateway:
         try:
             async for chunk in response.content.iter_any():
                 buffer += chunk
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
+                while EVENT_END in buffer:
+                    event, buffer = buffer.split(EVENT_END, 1)
                     if self._inspect(call, event, wants_usage):
-                        if event == b"data: [DONE]":
+                        if event == DONE_EVENT:
                             # Billed (journaled on disk) before the client sees the end.
                             await self._finish(call)
-                        yield event + b"\n\n"
-                        delivered = event == b"data: [DONE]"
+                        yield event + EVENT_END
+                        delivered = event == DONE_EVENT
             complete = True
         except (TimeoutError, aiohttp.ClientError) as exc:
             call.status = "error"
@@ -674,8 +687,8 @@ class Gateway:
                 else f"the model server failed mid-stream: {exc!r}"
             )
             error = error_body(message, "server_error", None, "upstream_error")
-            yield b"data: " + orjson.dumps(error) + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            yield sse_data(error)
+            yield DONE
         except (asyncio.CancelledError, GeneratorExit):
             # A client that closes right after [DONE] (before the worker's end of stream
             # reached here) got the whole answer.
@@ -694,7 +707,7 @@ class Gateway:
 
     def _inspect(self, call: Call, event: bytes, wants_usage: bool) -> bool:
         """Meter one SSE event; False if it must not reach the client."""
-        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+        if not event.startswith(DATA_PREFIX) or event == DONE_EVENT:
             return True
         try:
             obj = orjson.loads(event[6:])

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 # The quota counters live in `quota.py`; re-exported because callers import them from here.
+from modelyard.core.identity import Limits
 from modelyard.gateway.quota import (
     MemoryQuotaCounter,
     QuotaCounter,
@@ -32,20 +33,6 @@ _EPS = 1e-9
 _IDLE_GRACE_MS = 120_000
 # Memory buckets that have refilled completely are forgotten every this many acquires.
 _SWEEP_EVERY = 1024
-
-
-@dataclass(frozen=True)
-class Limits:
-    """A key's limits per minute; None means unlimited."""
-
-    rpm: int | None
-    tpm: int | None
-
-    def __post_init__(self) -> None:
-        for name in ("rpm", "tpm"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ caps, sampling ranges); the engine trusts what passes (`modelyard.engine.admissi
 
 from __future__ import annotations
 
-from modelyard.api.errors import APIError, bad_request
-from modelyard.api.protocol import _SamplingFields
 from modelyard.engine.admission import RequestRejected
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.sampling_params import MAX_N, SamplingParams
+from modelyard.protocol.errors import APIError, bad_request
+from modelyard.protocol.openai import _SamplingFields
 
 # One API request may hold several prompts, each with n choices: this bounds their product.
 MAX_CHOICES = MAX_N

@@ -11,11 +11,11 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
-from modelyard.api.errors import install_error_handlers
-from modelyard.api.middleware import BodySizeLimit
-from modelyard.api.protocol import ChatCompletionRequest, CompletionRequest
-from modelyard.api.responses import JSONResponse
 from modelyard.engine.async_engine import AsyncEngine
+from modelyard.protocol.errors import install_error_handlers
+from modelyard.protocol.middleware import BodySizeLimit
+from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
+from modelyard.protocol.responses import JSONResponse
 from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.openai_serving import OpenAIServing
 

@@ -31,29 +31,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from modelyard import __version__
-from modelyard.api.disconnect import run_until_disconnect
-from modelyard.api.embeddings import (
-    MAX_INPUTS,
-    EmbeddingRequest,
-    embedding_response,
-    model_not_found,
-)
-from modelyard.api.errors import APIError, bad_request, install_error_handlers
-from modelyard.api.middleware import BodySizeLimit
-from modelyard.api.oip import (
-    VERSION,
-    OIPError,
-    classifier_outputs,
-    embedding_outputs,
-    infer_response,
-    install_oip_error_handlers,
-    model_metadata,
-    parse_infer_request,
-    read_texts,
-    select_outputs,
-    top_k,
-)
-from modelyard.api.responses import json_response
 from modelyard.encoders.batcher import DynamicBatcher
 from modelyard.encoders.embedding import EmbeddingModel
 from modelyard.encoders.errors import (
@@ -66,6 +43,29 @@ from modelyard.encoders.errors import (
 from modelyard.encoders.host import ModelHost, ModelSpec
 from modelyard.encoders.loading import ModelKind, embedding_dimension, platform
 from modelyard.encoders.metrics import EncoderMetrics
+from modelyard.protocol.disconnect import run_until_disconnect
+from modelyard.protocol.embeddings import (
+    MAX_INPUTS,
+    EmbeddingRequest,
+    embedding_response,
+    model_not_found,
+)
+from modelyard.protocol.errors import APIError, bad_request, install_error_handlers
+from modelyard.protocol.middleware import BodySizeLimit
+from modelyard.protocol.oip import (
+    VERSION,
+    OIPError,
+    classifier_outputs,
+    embedding_outputs,
+    infer_response,
+    install_oip_error_handlers,
+    model_metadata,
+    parse_infer_request,
+    read_texts,
+    select_outputs,
+    top_k,
+)
+from modelyard.protocol.responses import json_response
 
 log = logging.getLogger(__name__)
 

@@ -17,25 +17,25 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from modelyard.api.disconnect import run_until_disconnect
-from modelyard.api.errors import APIError, bad_request, error_body
-from modelyard.api.protocol import (
-    PROMPT_TOKENS_HEADER,
-    ChatCompletionRequest,
-    CompletionRequest,
-    _SamplingFields,
-)
-from modelyard.api.responses import JSONResponse
 from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
 from modelyard.engine.faults import RequestFailed
 from modelyard.engine.llm_engine import RequestOutput
 from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.sequence import TokenLogprob
 from modelyard.engine.tokenizer import ChatTemplateError
+from modelyard.protocol.disconnect import run_until_disconnect
+from modelyard.protocol.errors import APIError, bad_request, error_body
+from modelyard.protocol.openai import (
+    PROMPT_TOKENS_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
+from modelyard.protocol.responses import JSONResponse
+from modelyard.protocol.sse import DONE, sse_data
 from modelyard.worker.admission import admit, check_choices
 from modelyard.worker.metrics import RequestTimer, WorkerMetrics
 
@@ -69,10 +69,6 @@ class _Usage:
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
         }
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 class OpenAIServing:
@@ -224,7 +220,7 @@ class OpenAIServing:
         try:
             if role_chunk is not None:
                 for i in range(len(jobs) * req.n):
-                    yield _sse({**base, "choices": [role_chunk(i)]})
+                    yield sse_data({**base, "choices": [role_chunk(i)]})
             async for pi, out in self._merged(request_id, jobs, req):
                 usage.add(pi, out)
                 if any(d.token_ids for d in out.deltas):
@@ -233,19 +229,19 @@ class OpenAIServing:
                     index = pi * req.n + d.index
                     if d.text or d.logprobs:
                         chunk = choice_chunk(index, d.text, d.logprobs, None)
-                        yield _sse({**base, "choices": [chunk]})
+                        yield sse_data({**base, "choices": [chunk]})
                     if d.finish_reason is None:
                         continue
                     # The finish gets a chunk of its own with an empty delta, as OpenAI sends it;
                     # usage never rides on it (clients that add up usage chunks count once).
                     reason = d.finish_reason
-                    yield _sse({**base, "choices": [choice_chunk(index, "", [], reason)]})
+                    yield sse_data({**base, "choices": [choice_chunk(index, "", [], reason)]})
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": usage.as_dict()})
+                yield sse_data({**base, "choices": [], "usage": usage.as_dict()})
             timer.done()
         except (RequestTimeout, EngineDeadError, RequestFailed) as exc:
-            yield _sse(self._stream_error(exc))
-        yield b"data: [DONE]\n\n"
+            yield sse_data(self._stream_error(exc))
+        yield DONE
 
     # ----- chat ------------------------------------------------------------------------------
 

@@ -21,11 +21,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from modelyard.api.errors import INTERNAL_ERROR, APIError
-from modelyard.api.responses import json_response
-from modelyard.encoders.classifier import Scores
+from modelyard.protocol.errors import INTERNAL_ERROR, APIError
+from modelyard.protocol.responses import json_response
 
 VERSION = "1"  # every hosted model has one version
+
+# A classifier's answer for one text: (label, score) pairs, best first (as the classifier
+# writes them; a plain type here so the wire format needs no model code).
+Scores = list[tuple[str, float]]
 
 
 log = logging.getLogger(__name__)
@@ -228,14 +231,18 @@ def protocol_shaped(response: Response) -> Response:
 _FRAMING = ("content-length", "content-type")
 
 
+def is_oip_path(path: str) -> bool:
+    """Whether a request path is the Open Inference Protocol's (its errors take its shape)."""
+    return path == OIP_PREFIX or path.startswith(OIP_PREFIX + "/")
+
+
 def install_oip_error_handlers(app: FastAPI) -> None:
     """Under `/v2/` every error, the framework's own included, takes the protocol's shape;
     elsewhere the OpenAI handlers `install_error_handlers` put in place still answer."""
     openai_handlers = dict(app.exception_handlers)
 
     def is_oip(request: Request) -> bool:
-        path = request.url.path
-        return path == OIP_PREFIX or path.startswith(OIP_PREFIX + "/")
+        return is_oip_path(request.url.path)
 
     @app.exception_handler(OIPError)
     async def _oip(_: Request, exc: OIPError) -> Response:

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from modelyard.api.errors import error_body
+from modelyard.protocol.errors import error_body
 
 
 class BodySizeLimit:

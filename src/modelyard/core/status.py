@@ -30,3 +30,21 @@ class ReplicaState(StrEnum):
 
 
 LIVE = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaState.UNHEALTHY})
+
+
+class StatusTrigger(StrEnum):
+    """Why an endpoint's status last changed (as Ray Serve's `DeploymentStatusTrigger`): code
+    that must know what happened reads this, never the status message."""
+
+    DEPLOYED = "deployed"  # created, or adopted again at a restart: its replicas are starting
+    PREPARE_FAILED = "prepare_failed"  # its model files could not be fetched or recognised
+    REPLICA_START_FAILED = "replica_start_failed"
+    NO_ROOM = "no_room"  # placement found no device with room for a replica
+    REPLICAS_CHANGED = "replicas_changed"  # replicas came up, were lost or replaced
+    SCALE_FROM_ZERO = "scale_from_zero"  # a request or the autoscaler wants a replica again
+    SCALED_TO_ZERO = "scaled_to_zero"  # the autoscaler wants none and none runs
+    ENCODER_HOST_READY = "encoder_host_ready"  # the shared encoder host serves its model
+    ENCODER_HOST_FAILED = "encoder_host_failed"  # it refused the model, or is down
+    ROLLOUT_STARTED = "rollout_started"
+    ROLLED_BACK = "rolled_back"  # a rollout failed; the last good version serves again
+    DELETING = "deleting"

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from modelyard.api.errors import APIError, bad_request
+from modelyard.protocol.errors import APIError, bad_request
 
 MAX_INPUTS = 2048  # OpenAI's own limit on the inputs of one request
 

@@ -1,11 +1,16 @@
 """The routing table: which endpoints a tenant can address by model name, and their replicas.
 
-The control plane writes it (each change bumps `generation`); the gateway reads it on every
-request and picks, among the ready replicas whose circuit breaker lets requests through and
-which are below their admission limit, the one with the fewest requests in flight. Requests that
-find every replica full wait in the endpoint's `AdmissionQueue`, best tier first. When no replica
-serves and none will come up by waiting, the control plane says why in `unavailable`, so requests
-fail at once instead of waiting for a replica that is not coming.
+Only the control plane writes it, through its verbs (`publish`, `remove`, `add_replica`,
+`drop_replica`, `set_replicas`, `mark_unready`, `readmit`, `set_unavailable`,
+`set_upstream_model`; each bumps `generation` and wakes waiting requests); the gateway reads it
+on every request (`resolve`, `pick`) and may `bench` a replica it could not reach until the
+control plane's next health check readmits it. `pick` chooses, among the ready replicas whose
+circuit breaker lets requests through and which are below their admission limit, the one with
+the fewest requests in flight. Requests that find every replica full wait in the endpoint's
+`AdmissionQueue`, best tier first. When no replica serves and none will come up by waiting, the
+control plane says why (`set_unavailable`), so requests fail at once instead of waiting for a
+replica that is not coming. The gateway asks for a replica of an endpoint with none (scale from
+zero) through an `Activate` callable the composition root hands it.
 """
 
 from __future__ import annotations
@@ -15,11 +20,16 @@ import bisect
 import contextlib
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from modelyard.gateway.breaker import CircuitBreaker
+from modelyard.core.breaker import CircuitBreaker
+
+
+class Activate(Protocol):
+    """Asks the control plane for a replica of an endpoint that has none (scale from zero)."""
+
+    def __call__(self, endpoint_id: str) -> None: ...
 
 
 @dataclass(eq=False)
@@ -52,8 +62,6 @@ class EndpointRoute:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     requests_total: int = 0
     last_request_at: float | None = None
-    # Asks the control plane for a replica when there is none (scale from zero).
-    activate: Callable[[], None] | None = None
     # Set by the control plane while no replica serves and none will come up by waiting (the
     # endpoint failed, or its replacement is still starting): a reason a tenant may read, and
     # when to retry. None while one serves, or while one is loading for a scale from zero.
@@ -202,28 +210,103 @@ class AdmissionQueue:
 
 
 class RoutingTable:
+    """Endpoints and their replicas: written by the control plane's verbs, read by the
+    gateway."""
+
     def __init__(self) -> None:
         self.generation = 0
         self._endpoints: dict[str, EndpointRoute] = {}
 
-    def put(self, route: EndpointRoute) -> None:
+    # ----- written by the control plane ---------------------------------------------------------
+
+    def publish(self, route: EndpointRoute) -> None:
+        """An endpoint becomes addressable (or its entry is replaced)."""
         self._endpoints[route.endpoint_id] = route
         self.generation += 1
 
     def remove(self, endpoint_id: str) -> EndpointRoute | None:
+        """The endpoint takes no new requests; waiting ones are woken (to fail)."""
         self.generation += 1
         route = self._endpoints.pop(endpoint_id, None)
         if route is not None:
             route.notify()
         return route
 
-    def get(self, endpoint_id: str) -> EndpointRoute | None:
-        return self._endpoints.get(endpoint_id)
+    def add_replica(self, route: EndpointRoute, replica: ReplicaRoute) -> None:
+        """A started, healthy replica joins the endpoint's routing."""
+        route.replicas.append(replica)
+        self._changed(route)
 
-    def changed(self, route: EndpointRoute) -> None:
-        """The control plane added, removed or re-admitted replicas of `route`."""
+    def drop_replica(self, route: EndpointRoute, replica: ReplicaRoute) -> None:
+        """A replica leaves the endpoint's routing (stopped, failed, drained)."""
+        if replica in route.replicas:
+            route.replicas.remove(replica)
+            self._changed(route)
+
+    def set_replicas(self, route: EndpointRoute, replicas: list[ReplicaRoute]) -> None:
+        """The endpoint's replicas are exactly `replicas` (the shared encoder host's entry)."""
+        route.replicas = list(replicas)
+        self._changed(route)
+
+    def mark_unready(self, replica: ReplicaRoute, route: EndpointRoute | None = None) -> bool:
+        """No new requests for `replica` (draining, or its health check failed); requests in
+        flight finish. False if it was out of routing already."""
+        if not replica.ready:
+            return False
+        replica.ready = False
+        self.generation += 1
+        if route is not None:
+            route.notify()
+        return True
+
+    def readmit(
+        self, replica: ReplicaRoute, route: EndpointRoute | None = None, url: str | None = None
+    ) -> bool:
+        """`replica` takes requests again (its health check passed, or it restarted at `url`).
+        False if nothing changed."""
+        moved = url is not None and url != replica.url
+        if replica.ready and not moved:
+            return False
+        if url is not None:
+            replica.url = url
+        replica.ready = True
+        self.generation += 1
+        if route is not None:
+            route.notify()
+        return True
+
+    def set_unavailable(self, route: EndpointRoute, reason: str | None, retry_after_s: int) -> None:
+        """Whether waiting can bring a replica: `reason` (for tenants) while none serves and
+        none will come up by waiting, None otherwise; waiting requests are woken to re-check."""
+        if (reason, retry_after_s) == (route.unavailable, route.retry_after_s):
+            return
+        route.unavailable, route.retry_after_s = reason, retry_after_s
+        self._changed(route)
+
+    def set_capacity(self, replica: ReplicaRoute, max_concurrency: int | None) -> None:
+        """The replica's admission limit, from its KV cache capacity (its health report)."""
+        if replica.max_concurrency != max_concurrency:
+            replica.max_concurrency = max_concurrency
+            self.generation += 1
+
+    def set_version(self, route: EndpointRoute, version_id: str | None) -> None:
+        """The registry version the endpoint now serves (a rollout or a rollback)."""
+        route.version_id = version_id
+        self.generation += 1
+
+    def set_upstream_model(self, route: EndpointRoute, name: str | None) -> None:
+        """The model's name on its replicas when it differs from the public one."""
+        route.upstream_model = name
+        self.generation += 1
+
+    def _changed(self, route: EndpointRoute) -> None:
         self.generation += 1
         route.notify()
+
+    # ----- read by the gateway ------------------------------------------------------------------
+
+    def get(self, endpoint_id: str) -> EndpointRoute | None:
+        return self._endpoints.get(endpoint_id)
 
     def visible(self, tenant_id: str) -> list[EndpointRoute]:
         """The tenant's own endpoints, then public ones whose name it does not shadow."""
@@ -259,3 +342,9 @@ class RoutingTable:
         chosen = min(candidates, key=lambda r: r.outstanding)
         chosen.breaker.on_send(now)
         return chosen
+
+    @staticmethod
+    def bench(replica: ReplicaRoute) -> None:
+        """The gateway could not reach `replica`: no more requests until the control plane's
+        next health check readmits it (the generation does not move: that is control's)."""
+        replica.ready = False

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from modelyard.api.errors import APIError
+from modelyard.protocol.errors import APIError
 
 T = TypeVar("T")
 

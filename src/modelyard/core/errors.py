@@ -1,0 +1,76 @@
+"""Domain errors: what went wrong, in the platform's words, with no HTTP in them.
+
+Control, batch, store and gateway raise these; the platform's HTTP edge maps each class to a
+status in one place (`modelyard.api.errors`). `code`, `param`, `retry_after_s` and `headers`
+travel with the error so the edge writes the same OpenAI-shaped body the callers expect.
+"""
+
+from __future__ import annotations
+
+
+class DomainError(Exception):
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})
+        if retry_after_s is not None:
+            self.headers.setdefault("retry-after", str(retry_after_s))
+
+
+class Invalid(DomainError):
+    """The request is malformed or asks for something impossible."""
+
+
+class Unauthorized(DomainError):
+    """No or unknown credentials."""
+
+
+class Forbidden(DomainError):
+    """The caller is known but may not do this."""
+
+
+class NotFound(DomainError):
+    """The named thing does not exist (or the caller may not see it)."""
+
+
+class Conflict(DomainError):
+    """The thing exists in a state that forbids this (already there, busy, finished)."""
+
+
+class TooLarge(DomainError):
+    """The request or its payload is over a size limit."""
+
+
+class RateLimited(DomainError):
+    """Too many requests or tokens for the caller's limits right now."""
+
+
+class QuotaExceeded(DomainError):
+    """The caller's quota (monthly tokens, batch budget) is spent."""
+
+
+class Overloaded(DomainError):
+    """The platform has no room for the request right now; retrying later may succeed."""
+
+
+class Unavailable(DomainError):
+    """A part the request needs is not available (not ready, failed, being replaced)."""
+
+
+class UpstreamFailed(DomainError):
+    """A replica or other upstream answered with a failure or could not be reached."""
+
+
+class TimedOut(DomainError):
+    """The request did not finish in its time limit."""
