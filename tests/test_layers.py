@@ -1,0 +1,242 @@
+"""The platform's layering (docs/architecture.md), checked over the source's own imports.
+
+Each package may import only from its own layer's allowed set; `control` may import the model
+code (engine, encoders, worker) only lazily, inside a function, so a control or gateway process
+starts without torch. Imports under `if TYPE_CHECKING:` are annotations only and are not counted.
+
+`KNOWN_VIOLATIONS` and `KNOWN_TORCH_IMPORTERS` list what is still wrong, each with who removes
+it; the tests fail on a new violation AND on a listed one that no longer occurs, so the lists
+only shrink.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "modelyard"
+
+# Top-level part of modelyard -> the parts it may import at module level (itself always).
+_BELOW_API = {
+    "config", "core", "protocol", "store", "engine", "encoders", "worker", "gateway",
+    "control", "batch",
+}  # fmt: skip
+ALLOWED: dict[str, set[str]] = {
+    "protocol": set(),
+    "config": set(),
+    "core": {"config"},
+    "store": {"config", "core", "protocol"},
+    "engine": {"config"},
+    "encoders": {"config"},
+    "worker": {"config", "core", "protocol", "engine", "encoders"},
+    "gateway": {"config", "core", "protocol", "store"},
+    "control": {"config", "core", "protocol", "store"},
+    "batch": {"config", "core", "protocol", "store", "gateway"},
+    "api": _BELOW_API,
+    "console": _BELOW_API | {"api"},
+    # The composition root and the command line wire everything.
+    "platform": _BELOW_API | {"api", "console", "registry_client"},
+    "cli": _BELOW_API | {"api", "console", "platform", "registry_client"},
+    "registry_client": _BELOW_API,
+}
+# Imported only inside functions (never at module import): the model code, which loads torch.
+LAZY: dict[str, set[str]] = {"control": {"engine", "encoders", "worker"}}
+
+# (importer, imported module, "lazy" or "module") still wrong today, by who removes them.
+KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
+    # control imports model code at module import, so torch loads with it (issue 11 item 6, the
+    # control helper): the model-kind probe reads configs through the loaders, sizing asks the
+    # encoders' loader for weight sizes, the local backend imports the worker's server for
+    # its command line. Make them lazy or move the plain parts down.
+    ("modelyard.control.backends.local", "modelyard.worker.server", "module"),
+    ("modelyard.control.model_kind", "modelyard.encoders.loading", "module"),
+    ("modelyard.control.model_kind", "modelyard.engine.models.config", "module"),
+    ("modelyard.control.sizing", "modelyard.encoders.loading", "module"),
+    # The platform's routes reach the composition root for its `Platform` type (api -> platform,
+    # and platform -> api through its app: a circle). Fix with the gateway/control split: the
+    # routes depend on the services they use (typed in core or on their packages), not on
+    # `Platform`.
+    ("modelyard.api.app", "modelyard.platform", "module"),
+    ("modelyard.api.deps", "modelyard.platform", "module"),
+    ("modelyard.api.routes_admin", "modelyard.platform", "module"),
+    ("modelyard.api.routes_batch", "modelyard.platform", "module"),
+    ("modelyard.api.routes_endpoints", "modelyard.platform", "module"),
+    ("modelyard.api.routes_inference", "modelyard.platform", "module"),
+    ("modelyard.api.routes_registry", "modelyard.platform", "module"),
+    ("modelyard.api.routes_webhooks", "modelyard.platform", "module"),
+}
+
+# Modules of the import-light packages that still pull torch in when imported (same owners).
+KNOWN_TORCH_IMPORTERS: set[str] = {
+    "modelyard.control.backends.local",
+    "modelyard.control.endpoints",
+    "modelyard.control.model_kind",
+    "modelyard.control.replicas",
+    "modelyard.control.sizing",
+    "modelyard.control.warm_pool",
+}
+TORCH_FREE_PACKAGES = ("gateway", "control", "core", "protocol", "store", "batch")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    return (SRC / f"{name}.py").is_file() or (SRC / name).is_dir()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported modelyard module, whether at module level) for every import in `path`, except
+    those under `if TYPE_CHECKING:`."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child, top)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((a.name, top) for a in node.names if a.name.startswith("modelyard."))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base == "modelyard":  # `from modelyard import x`: x is a module, or a name
+                found.extend(
+                    (f"modelyard.{a.name}" if _is_module(a.name) else "modelyard", top)
+                    for a in node.names
+                )
+            elif base.startswith("modelyard."):
+                found.append((base, top))
+        inner = top and not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), str(path)), True)
+    return found
+
+
+def _part(module: str) -> str:
+    """`modelyard.gateway.proxy` -> `gateway`; the package itself (its version) -> `""`."""
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def layer_violations() -> set[tuple[str, str, str]]:
+    out: set[tuple[str, str, str]] = set()
+    for path in sorted(SRC.rglob("*.py")):
+        importer = _module_name(path)
+        part = _part(importer)
+        if part not in ALLOWED:  # `modelyard/__init__.py`, migrations' own tree
+            continue
+        allowed = ALLOWED[part] | {part, ""}
+        for imported, top in _imports(path):
+            target = _part(imported)
+            if target in allowed or (not top and target in LAZY.get(part, set())):
+                continue
+            out.add((importer, imported, "module" if top else "lazy"))
+    return out
+
+
+def test_every_package_is_listed() -> None:
+    parts = {p.stem if p.is_file() else p.name for p in SRC.iterdir() if p.name != "__pycache__"}
+    parts -= {"__init__", "py"}
+    missing = {p for p in parts if not p.startswith(".") and p not in ALLOWED}
+    assert not missing, f"add these to ALLOWED in tests/test_layers.py: {sorted(missing)}"
+
+
+def test_imports_point_down() -> None:
+    found = layer_violations()
+    new = found - KNOWN_VIOLATIONS
+    gone = KNOWN_VIOLATIONS - found
+    assert not new, "imports against the layering (docs/architecture.md):\n" + "\n".join(
+        f"  {a} imports {b} ({where} level)" for a, b, where in sorted(new)
+    )
+    assert not gone, "fixed; remove from KNOWN_VIOLATIONS:\n" + "\n".join(
+        f"  {v}" for v in sorted(gone)
+    )
+
+
+_TORCH_PROBE = textwrap.dedent(
+    """
+    import importlib, json, pkgutil, sys
+
+    class NoTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ImportError("modelyard-layers: torch is blocked")
+            return None
+
+    blocked = sys.argv[1] == "blocked"
+    known = set(json.loads(sys.argv[2]))
+    if blocked:
+        sys.meta_path.insert(0, NoTorch())
+    names = []
+    for part in json.loads(sys.argv[3]):
+        package = importlib.import_module("modelyard." + part)
+        names.append(package.__name__)
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if ".migrations" not in info.name:
+                names.append(info.name)
+    needs_torch = []
+    for name in names:
+        if name in known and not blocked:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            if "modelyard-layers: torch is blocked" not in str(exc):
+                raise
+            needs_torch.append(name)
+    print(json.dumps({"needs_torch": needs_torch, "torch": "torch" in sys.modules}))
+    """
+)
+
+
+def _probe(mode: str) -> dict[str, object]:
+    import json
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _TORCH_PROBE,
+            mode,
+            json.dumps(sorted(KNOWN_TORCH_IMPORTERS)),
+            json.dumps(TORCH_FREE_PACKAGES),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_control_and_gateway_import_without_torch() -> None:
+    # Which modules need torch to import at all: exactly the known ones.
+    blocked = _probe("blocked")
+    needs = set(blocked["needs_torch"])  # type: ignore[arg-type]
+    assert not needs - KNOWN_TORCH_IMPORTERS, (
+        f"these now import torch at module import: {sorted(needs - KNOWN_TORCH_IMPORTERS)}"
+    )
+    assert not KNOWN_TORCH_IMPORTERS - needs, (
+        f"fixed; remove from KNOWN_TORCH_IMPORTERS: {sorted(KNOWN_TORCH_IMPORTERS - needs)}"
+    )
+    # And importing every other module of those packages, as a process would, loads no torch.
+    plain = _probe("plain")
+    assert plain["torch"] is False
