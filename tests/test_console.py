@@ -91,7 +91,8 @@ def platform(
     build_model(models / "tiny", "llama")
     env = {
         "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
-        "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models)]),
+        # The cache folder too: the README's screenshot deploys SmolLM2 from there.
+        "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models), str(cache_dir)]),
         "MODELYARD_PRICES": json.dumps({"tiny": {"input": 1.0, "output": 2.0}}),
         "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
     }
@@ -151,11 +152,22 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Shots:
     return Shots(tmp_path_factory.getbasetemp() / "console-screenshots")
 
 
+def throttle(page: Any, bytes_per_s: int) -> Any:
+    """Slow the page's downloads (-1: no limit), so that a stream is visibly mid-way."""
+    cdp = page.context.new_cdp_session(page)
+    cdp.send(
+        "Network.emulateNetworkConditions",
+        {"offline": False, "latency": 0, "downloadThroughput": bytes_per_s, "uploadThroughput": -1},
+    )
+    return cdp
+
+
 def sign_in(page: Any, url: str, key: str) -> None:
     page.goto(url + "/")
     page.get_by_label("API key", exact=True).fill(key)
     page.get_by_role("button", name="Sign in").click()
     page.locator("#shell").wait_for(state="visible")
+    page.locator("#signin").wait_for(state="hidden")
 
 
 def test_console_is_served_with_a_strict_policy_and_docs_keep_schemas(
@@ -209,32 +221,25 @@ def test_streamed_chat_keys_batch_and_usage(
         .observe(document.getElementById('chat-output'), {childList: true, subtree: true,
                                                           characterData: true}); }"""
     )
-    cdp = page.context.new_cdp_session(page)
-    # Slow the network so the stream is visibly mid-way for the screenshot.
-    cdp.send(
-        "Network.emulateNetworkConditions",
-        {"offline": False, "latency": 0, "downloadThroughput": 3000, "uploadThroughput": -1},
-    )
+    throttle(page, 3000)
     page.get_by_role("button", name="Send").click()
     page.wait_for_function(
         "() => document.getElementById('chat-output').textContent.length > 15", timeout=60_000
     )
     if page.locator("#chat-output.streaming").count():
-        shots.take(page, "console")  # the README's picture: the playground mid-stream
+        shots.take(page, "console-playground-1280")  # mid-stream
     page.locator("#chat-send:not([disabled])").wait_for(timeout=60_000)
-    cdp.send(
-        "Network.emulateNetworkConditions",
-        {"offline": False, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1},
-    )
+    throttle(page, -1)
     assert page.locator("#flash").inner_text() == ""
     lengths = [n for n in page.evaluate("window.__lengths") if n > 0]
     assert len(set(lengths)) >= 3 and lengths == sorted(lengths), lengths
     assert page.locator("#chat-ttft").inner_text().endswith(" ms")
     assert page.locator("#chat-output").get_attribute("aria-live") == "polite"
-    if not (shots.folders[0] / "console.png").exists():
-        shots.take(page, "console")
+    if not (shots.folders[0] / "console-playground-1280.png").exists():
+        shots.take(page, "console-playground-1280")
     page.set_viewport_size(PHONE)
     shots.take(page, "console-playground-375")
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
     page.set_viewport_size(WIDE)
 
     # ----- keys: created (shown once), works, revoked, refused --------------------------------
@@ -275,6 +280,7 @@ def test_streamed_chat_keys_batch_and_usage(
     shots.take(page, "console-usage-1280")
     page.set_viewport_size(PHONE)
     shots.take(page, "console-usage-375")
+    assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
 
     # ----- sign out clears the key -------------------------------------------------------
     page.set_viewport_size(WIDE)
@@ -294,3 +300,28 @@ def test_platform_admin_sees_tenants_and_fleet(
     page.get_by_role("link", name="Tenants").click()
     page.locator("#tenants-list table").wait_for()
     assert "system" in page.locator("#tenants-list").inner_text()
+
+
+@pytest.mark.skipif(
+    not os.environ.get("MODELYARD_SCREENSHOT_DIR"),
+    reason="makes the README picture (docs/console.png) only with MODELYARD_SCREENSHOT_DIR set",
+)
+def test_readme_screenshot(
+    page: Any, platform: PlatformProcess, smollm2_folder: Path, shots: Shots
+) -> None:
+    """The playground mid-stream at 1280 px, with SmolLM2 so that the reply reads as text."""
+    deploy(platform.api(), "smollm2", str(smollm2_folder), public=True)
+    sign_in(page, platform.url, platform.admin_key)
+    page.locator("#chat-model").select_option("smollm2")
+    page.get_by_label("Max tokens").fill("160")
+    page.get_by_label("System prompt").fill("You are a concise assistant.")
+    page.get_by_label("Message").fill("Explain what a paged KV cache is, in a short paragraph.")
+    throttle(page, 1500)
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function(
+        "() => document.getElementById('chat-output').textContent.length > 160", timeout=120_000
+    )
+    page.wait_for_timeout(400)  # let the tokens/s figure settle
+    assert page.locator("#chat-output.streaming").count() == 1
+    shots.take(page, "console")
+    page.get_by_role("button", name="Stop").click()

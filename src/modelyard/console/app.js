@@ -52,6 +52,7 @@ function route() {
     section.hidden = section.id !== `view-${name}`;
   }
   flash("");
+  window.scrollTo(0, 0);
   guard(() => VIEWS[name].show(role));
 }
 
@@ -81,7 +82,7 @@ async function signIn(event) {
   }
   $("signin-key").value = "";
   enter();
-  $("main").focus();
+  $("main").focus({ preventScroll: true });
 }
 
 function signOut() {

@@ -63,13 +63,15 @@ async function send(event) {
       output.append(text);
       output.scrollTop = output.scrollHeight;
       setStat("chat-tokens", String(chunks));
-      if (now > first) setStat("chat-tps", ((chunks - 1) / ((now - first) / 1000)).toFixed(1));
+      // Chunks arrive in bursts: a rate over less than a quarter second would mislead.
+      if (now - first > 250) setStat("chat-tps", ((chunks - 1) / ((now - first) / 1000)).toFixed(1));
     }
     const tokens = usage?.completion_tokens ?? chunks;
     setStat("chat-tokens", String(tokens));
     if (first !== null) {
       const seconds = (performance.now() - first) / 1000;
       if (seconds > 0 && tokens > 1) setStat("chat-tps", ((tokens - 1) / seconds).toFixed(1));
+      else setStat("chat-tps", "–");
     }
   } catch (err) {
     if (err.name !== "AbortError") flash(err.message);
