@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.modelyard-installed
 PORT ?= 8000
 
-.PHONY: install run worker test lint format bench bench-gateway clean
+.PHONY: install run worker test chromium lint format bench bench-gateway clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,10 +25,21 @@ run: $(STAMP)
 worker: $(STAMP)
 	$(BIN)/modelyard worker --model smollm2 --host 127.0.0.1 --port $(PORT)
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+
+# The console's browser tests drive Debian's Chromium (never a downloaded browser): install it
+# through the system package manager when it is missing, as root; otherwise say why not.
+chromium:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; \
+		else \
+			echo "chromium: /usr/bin/chromium is missing and this is not root; the console's browser tests will skip (run: sudo apt-get install -y chromium)"; \
+		fi; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
