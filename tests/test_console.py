@@ -83,12 +83,17 @@ class Shots:
 
 
 @pytest.fixture(scope="module")
-def platform(
-    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
-) -> Iterator[PlatformProcess]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _require_browser()
-    models = tmp_path_factory.mktemp("console-models")
-    build_model(models / "tiny", "llama")
+    root = tmp_path_factory.mktemp("console-models")
+    build_model(root / "tiny", "llama")
+    return root
+
+
+@pytest.fixture(scope="module")
+def platform(
+    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path, models: Path
+) -> Iterator[PlatformProcess]:
     env = {
         "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
         # The cache folder too: the README's screenshot deploys SmolLM2 from there.
@@ -287,6 +292,49 @@ def test_streamed_chat_keys_batch_and_usage(
     page.get_by_role("button", name="Sign out").click()
     page.locator("#signin").wait_for(state="visible")
     assert page.evaluate("sessionStorage.length") == 0
+
+
+def test_deploy_from_the_registry_with_progress_and_api_errors_shown(
+    page: Any, platform: PlatformProcess, tenant_key: str, models: Path
+) -> None:
+    from modelyard.registry_client import RegistryClient
+
+    RegistryClient(platform.url, tenant_key).push(models / "tiny", "tiny-reg")
+    sign_in(page, platform.url, tenant_key)
+    page.get_by_role("link", name="Endpoints").click()
+    page.get_by_label("Registry model").select_option("tiny-reg:1")
+    assert page.get_by_label("Endpoint model name").input_value() == "tiny-reg"
+    page.get_by_role("button", name="Deploy").click()
+    progress = page.locator("#deploy-progress")
+    progress.get_by_text("tiny-reg: ready").wait_for(timeout=90_000)
+    assert progress.locator("progress").get_attribute("value") == "100"
+    page.locator("#endpoints-list .badge.ready").wait_for()
+    assert "1/1 ready" in page.locator("#endpoints-list").inner_text()
+    # A second deploy of the same name: the API refuses it, and its own message is shown.
+    page.get_by_role("button", name="Deploy").click()
+    flash = page.locator("#flash")
+    flash.wait_for(state="visible")
+    message = flash.inner_text()
+    duplicate = page.request.post(
+        platform.url + "/v1/models/deploy",
+        headers={"authorization": f"Bearer {tenant_key}"},
+        data={"model_name": "tiny-reg", "model_artifact": "tiny-reg:1"},
+    )
+    assert duplicate.status >= 400 and message == duplicate.json()["error"]["message"]
+
+
+def test_keyboard_reaches_every_section(page: Any, platform: PlatformProcess) -> None:
+    sign_in(page, platform.url, platform.admin_key)
+    page.keyboard.press("Shift+Tab")  # from <main> back into the navigation
+    for _ in range(12):
+        focused = page.evaluate("document.activeElement.dataset.view || ''")
+        if focused == "fleet":
+            break
+        page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.dataset.view") == "fleet"
+    page.keyboard.press("Enter")
+    page.locator("#view-fleet").wait_for(state="visible")
+    page.locator("#fleet-devices table").wait_for()
 
 
 def test_platform_admin_sees_tenants_and_fleet(
