@@ -344,10 +344,22 @@ def test_platform_admin_sees_tenants_and_fleet(
     page.get_by_role("link", name="Fleet").click()
     page.locator("#fleet-devices table").wait_for()
     assert "tiny" in page.locator("#fleet-scaling").inner_text()
+    assert "tiny (rep-" in page.locator("#fleet-devices").inner_text()
     shots.take(page, "console-fleet-1280")
     page.get_by_role("link", name="Tenants").click()
     page.locator("#tenants-list table").wait_for()
     assert "system" in page.locator("#tenants-list").inner_text()
+    tenant_id = create_tenant(platform.api(), "console-tiers")
+    page.reload()  # the tenant list is read when the view opens
+    page.locator("#tenants-list table").wait_for()
+    page.locator("#view-tenants").get_by_label("Tenant", exact=True).select_option(tenant_id)
+    page.get_by_label("New tier").select_option("priority")
+    page.locator("#view-tenants").get_by_label("Max replicas").fill("3")
+    page.get_by_role("button", name="Update tenant").click()
+    row = page.locator("#tenants-list tr", has_text="console-tiers")
+    row.locator(".badge.priority").wait_for()
+    assert "replicas 3" in row.inner_text()
+    assert platform.api().get(f"/v1/tenants/{tenant_id}").json()["max_replicas"] == 3
 
 
 @pytest.mark.skipif(

@@ -1,7 +1,7 @@
 // Platform admin views: tenants (tier, quota, ceilings) and the fleet (devices, the replicas
 // placed on each, memory) with every endpoint's autoscaling decisions and their reasons.
-import { get, post } from "./api.js";
-import { $, badge, bytes, el, fill, guard, table } from "./ui.js";
+import { get, patch, post } from "./api.js";
+import { $, badge, bytes, el, fill, guard, options, table } from "./ui.js";
 
 export function initTenants() {
   $("tenant-form").addEventListener("submit", (event) => {
@@ -14,6 +14,28 @@ export function initTenants() {
         monthly_token_quota: quota ? Number(quota) : null,
       });
       $("tenant-form").reset();
+      await showTenants();
+    });
+  });
+}
+
+const EDITABLE = ["monthly_token_quota", "max_rpm", "max_tpm", "max_concurrent_requests",
+  "max_concurrent_batch_items", "max_endpoints", "max_replicas"];
+
+export function initTenantUpdate() {
+  $("tenant-update-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    guard(async () => {
+      // Only what was filled in changes; "none" removes a limit.
+      const body = {};
+      if ($("tenant-update-tier").value) body.tier = $("tenant-update-tier").value;
+      for (const name of EDITABLE) {
+        const raw = $(`tenant-update-${name}`).value.trim();
+        if (raw) body[name] = raw === "none" ? null : Number(raw);
+      }
+      const id = $("tenant-update-id").value;
+      await patch(`/v1/tenants/${encodeURIComponent(id)}`, body);
+      $("tenant-update-form").reset();
       await showTenants();
     });
   });
@@ -32,17 +54,20 @@ export async function showTenants() {
   ]);
   fill("tenants-list", table("Tenants",
     ["name", "id", "tier", "monthly token quota", "ceilings"], rows));
+  options($("tenant-update-id"), res.data.map((t) => t.id));
 }
 
 export async function showFleet() {
   const [devices, endpoints] = await Promise.all([get("/v1/devices"), get("/v1/endpoints")]);
+  const owner = new Map(
+    endpoints.data.flatMap((ep) => ep.replicas.items.map((r) => [r.id, ep.model_name])));
   const deviceRows = devices.data.map((d) => [
     el("strong", {}, d.name), d.kind,
     el("span", {}, el("progress", {
       max: String(Math.max(d.memory_bytes, 1)), value: String(d.used_bytes),
       "aria-label": `${d.name} memory used`,
     }), ` ${bytes(d.used_bytes)} of ${bytes(d.memory_bytes)}`),
-    d.replicas.join(", ") || "–",
+    d.replicas.map((id) => (owner.has(id) ? `${owner.get(id)} (${id})` : id)).join(", ") || "–",
   ]);
   fill("fleet-devices", table("Devices", ["device", "kind", "memory", "replicas"], deviceRows));
   const decisions = endpoints.data.flatMap((ep) =>

@@ -12,7 +12,7 @@ import * as admin from "./admin.js";
 
 const VIEWS = {
   playground, endpoints, embeddings, keys, usage, batches,
-  tenants: { init: admin.initTenants, show: admin.showTenants },
+  tenants: { init: () => { admin.initTenants(); admin.initTenantUpdate(); }, show: admin.showTenants },
   fleet: { init: () => {}, show: admin.showFleet },
 };
 const role = { admin: false, platform: false };

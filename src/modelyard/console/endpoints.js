@@ -29,7 +29,8 @@ async function list() {
   const res = await get("/v1/endpoints");
   const rows = res.data.map((ep) => [
     el("strong", {}, ep.model_name), badge(ep.status), replicaSummary(ep),
-    ep.version_id ?? ep.model_artifact,
+    ep.rollout_from ? `${ep.model_artifact} (rolling out from ${ep.rollout_from})`
+      : ep.model_artifact,
     ep.status_message || ep.replicas.last_error || "–",
     el("button", {
       type: "button", class: "danger", "aria-label": `Delete endpoint ${ep.model_name}`,

@@ -24,7 +24,7 @@ export function table(caption, headers, rows, empty = "Nothing yet.") {
   if (!rows.length) return el("p", { class: "muted" }, empty);
   return el("div", { class: "table-wrap" },
     el("table", {},
-      el("caption", { class: "muted" }, caption),
+      el("caption", { class: "sr-only" }, caption),
       el("thead", {}, el("tr", {}, headers.map((h) => el("th", { scope: "col" }, h)))),
       el("tbody", {}, rows.map((r) => el("tr", {}, r.map((c) => el("td", {}, c)))))));
 }
