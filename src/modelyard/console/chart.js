@@ -19,11 +19,10 @@ export function barChart(title, points, unit) {
   const width = 720;
   const height = 220;
   const pad = { top: 20, right: 10, bottom: 40, left: 10 };
-  const svg = node("svg", {
-    viewBox: `0 0 ${width} ${height}`, role: "img", "aria-labelledby": "", class: "bars",
-  });
   const id = `chart-${Math.random().toString(36).slice(2)}`;
-  svg.setAttribute("aria-labelledby", `${id}-t ${id}-d`);
+  const svg = node("svg", {
+    viewBox: `0 0 ${width} ${height}`, role: "img", "aria-labelledby": `${id}-t ${id}-d`,
+  });
   svg.append(node("title", { id: `${id}-t` }, title));
   const described = points.map((p) => `${p.label}: ${format(p.value)} ${unit}`).join("; ");
   svg.append(node("desc", { id: `${id}-d` }, described || "no data"));
