@@ -1,10 +1,11 @@
-"""The platform's errors at its HTTP edge: the ONE place domain errors become HTTP statuses.
+"""The platform's errors at its HTTP edge: where domain errors become HTTP answers.
 
-`install_error_handlers` adds to the wire handlers (`modelyard.protocol.errors`) a handler that
-turns any `DomainError` raised inside (control, batch, gateway, store) into the OpenAI-shaped
-error with its status and headers, and one that answers a database outage with a 503.
-`to_api_error` is the same mapping for code paths that build a response themselves (the
-gateway's handler path).
+`install_error_handlers` adds to the wire handlers (`modelyard.protocol.errors`) ONE handler
+that turns any `DomainError` raised inside (control, batch, gateway, store) into the
+OpenAI-shaped error (the Open Inference Protocol's under `/v2`) with its status and headers, and
+one that answers a database outage with a 503. The kind -> status table is
+`protocol.errors.STATUS_BY_KIND`, so the gateway's handler path and the batch runner, which may
+not import this package, use the same mapping (`APIError.from_domain`).
 """
 
 from __future__ import annotations
@@ -16,22 +17,8 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.responses import Response
 
-from modelyard.core.errors import (
-    Conflict,
-    DomainError,
-    Forbidden,
-    Invalid,
-    NotFound,
-    Overloaded,
-    QuotaExceeded,
-    RateLimited,
-    TimedOut,
-    TooLarge,
-    Unauthorized,
-    Unavailable,
-    UpstreamFailed,
-)
-from modelyard.protocol.errors import APIError
+from modelyard.core.errors import DomainError
+from modelyard.protocol.errors import STATUS_BY_KIND, APIError
 from modelyard.protocol.errors import install_error_handlers as install_wire_error_handlers
 from modelyard.protocol.oip import OIPError, is_oip_path
 from modelyard.protocol.responses import JSONResponse
@@ -41,35 +28,13 @@ log = logging.getLogger(__name__)
 __all__ = ["install_error_handlers", "to_api_error"]
 
 
-# The one mapping from the platform's domain errors to HTTP statuses.
-STATUS_BY_ERROR: dict[type[DomainError], int] = {
-    Invalid: 400,
-    Unauthorized: 401,
-    Forbidden: 403,
-    NotFound: 404,
-    Conflict: 409,
-    TooLarge: 413,
-    RateLimited: 429,
-    QuotaExceeded: 429,
-    Overloaded: 503,
-    Unavailable: 503,
-    UpstreamFailed: 502,
-    TimedOut: 504,
-}
-
-
 def status_of(exc: DomainError) -> int:
-    for cls in type(exc).__mro__:
-        if cls in STATUS_BY_ERROR:
-            return STATUS_BY_ERROR[cls]  # type: ignore[index]
-    return 500
+    return STATUS_BY_KIND.get(exc.kind, 500)
 
 
 def to_api_error(exc: DomainError) -> APIError:
     """The OpenAI-shaped wire error for a domain error (same message, code, param, headers)."""
-    return APIError(
-        status_of(exc), exc.message, param=exc.param, code=exc.code, headers=dict(exc.headers)
-    )
+    return APIError.from_domain(exc)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -12,6 +12,7 @@ from sqlalchemy import update
 
 from modelyard.batch.service import ItemStatus
 from modelyard.config import PlatformSettings
+from modelyard.core.errors import DomainError
 from modelyard.core.identity import Principal
 from modelyard.gateway.metering import UsageEvent
 from modelyard.gateway.proxy import Gateway
@@ -63,6 +64,9 @@ class ItemRunner:
                 )
             except APIError as exc:
                 status, result = exc.status, exc.body()
+            except DomainError as exc:  # the same mapping as the platform's routes
+                error = APIError.from_domain(exc)
+                status, result = error.status, error.body()
             except Exception as exc:  # a bug must not stop the batch: the item records it
                 log.exception("batch %s item %s failed", batch_id, custom_id)
                 status = 500

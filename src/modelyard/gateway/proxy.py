@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from modelyard.config import PlatformSettings
+from modelyard.core.errors import DomainError
 from modelyard.core.identity import Principal
 from modelyard.core.routing import (
     Activate,
@@ -212,7 +213,7 @@ class Gateway:
             await self.accounting.hold(call)
         except BaseException as exc:
             await self._refund(call)
-            if isinstance(exc, APIError):
+            if isinstance(exc, APIError | DomainError):
                 exc.headers.update(decision.headers())
             raise
         return call

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,6 +38,33 @@ _TYPE_BY_STATUS = {
 }
 
 
+# The one table from a domain error's kind (`modelyard.core.errors`) to its HTTP status.
+STATUS_BY_KIND = {
+    "invalid": 400,
+    "unauthorized": 401,
+    "forbidden": 403,
+    "not_found": 404,
+    "conflict": 409,
+    "too_large": 413,
+    "rate_limited": 429,
+    "quota_exceeded": 429,
+    "upstream_failed": 502,
+    "overloaded": 503,
+    "unavailable": 503,
+    "timed_out": 504,
+}
+
+
+class DomainLike(Protocol):
+    """What an edge reads from a domain error (`modelyard.core.errors.DomainError`)."""
+
+    kind: str
+    message: str
+    code: str | None
+    param: str | None
+    headers: dict[str, str]
+
+
 INTERNAL_ERROR = "The server had an error while processing your request. Sorry about that!"
 
 
@@ -59,6 +86,18 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+    @classmethod
+    def from_domain(cls, exc: DomainLike) -> APIError:
+        """The wire error for a domain error: its kind's status, same message, code, param and
+        headers."""
+        return cls(
+            STATUS_BY_KIND.get(exc.kind, 500),
+            exc.message,
+            param=exc.param,
+            code=exc.code,
+            headers=dict(exc.headers),
+        )
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
