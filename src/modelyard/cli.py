@@ -1,4 +1,7 @@
-"""`modelyard …`: the command line (typer + rich). Errors are one clear line, not a traceback."""
+"""`modelyard …`: the command line (typer + rich). Errors are one clear line, not a traceback.
+
+The process commands (`serve`, `worker`, `encoders`) live here; the admin commands talk to a
+running platform over HTTP and live in `modelyard.cli_commands` (registered below)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,37 @@ from typing import Annotated, Any
 
 import typer
 
+from modelyard.cli_commands import admin, chat, common, data, endpoints
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="modelyard inference platform")
 models_app = typer.Typer(no_args_is_help=True, help="The model registry.")
 app.add_typer(models_app, name="models")
+app.command()(admin.login)
+app.command()(admin.whoami)
+app.add_typer(admin.tenants_app, name="tenants")
+app.add_typer(admin.keys_app, name="keys")
+app.add_typer(admin.usage_app, name="usage")
+app.command()(endpoints.deploy)
+app.add_typer(endpoints.endpoints_app, name="endpoints")
+app.add_typer(data.files_app, name="files")
+app.add_typer(data.batches_app, name="batches")
+app.command()(chat.chat)
+
+
+@app.callback()
+def main(
+    profile: Annotated[
+        str | None, typer.Option(help="Profile of config.toml (default: its default_profile).")
+    ] = None,
+    url: Annotated[str | None, typer.Option(help="Platform URL (over MODELYARD_URL).")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(help="API key (over MODELYARD_API_KEY).", show_default=False)
+    ] = None,
+) -> None:
+    """modelyard inference platform. The admin commands find the platform's URL and key in
+    --url/--api-key, then MODELYARD_URL/MODELYARD_API_KEY, then the profile of
+    $XDG_CONFIG_HOME/modelyard/config.toml (`modelyard login` writes it)."""
+    common.selection = common.Selection(profile, url, api_key)
 
 
 def _setup_logging(level: str) -> None:
@@ -84,7 +115,20 @@ def serve(
             typer.echo(f"Public models: {', '.join(models)}")
         typer.echo("")
 
-    platform.on_ready = announce
+    # Load progress of the default models, read over HTTP like any client (cli_commands.endpoints).
+    watcher = endpoints.LoadWatcher(
+        f"http://127.0.0.1:{settings.port}" if settings.host in ("0.0.0.0", "::") else
+        f"http://{settings.host}:{settings.port}",
+        lambda: _boot_key(platform),
+    )  # fmt: skip
+
+    def ready() -> None:
+        announce()
+        watcher.started.set()
+
+    platform.on_ready = ready
+    if settings.default_models:
+        watcher.start()
     uvicorn.run(
         app_,
         host=settings.host,
@@ -92,6 +136,16 @@ def serve(
         log_level=log_level,
         timeout_graceful_shutdown=10,
     )
+
+
+def _boot_key(platform: Any) -> str | None:
+    boot = platform.bootstrap
+    if boot is None:
+        return None
+    if boot.admin_key:
+        return str(boot.admin_key)
+    path = Path(boot.admin_key_file)
+    return path.read_text().strip() if path.is_file() else None
 
 
 @app.command()
@@ -170,24 +224,30 @@ def encoders(
         raise _fail(str(exc)) from exc
 
 
-def _api_key(explicit: str | None, data_dir: Path) -> str:
-    if explicit:
-        return explicit
-    if os.environ.get("MODELYARD_API_KEY"):
-        return os.environ["MODELYARD_API_KEY"]
+def _push_target(url: str | None, api_key: str | None, data_dir: Path) -> tuple[str, str]:
+    """The global resolution (flags, environment, profile), then the data dir's admin key."""
+    from modelyard.cli_commands.profiles import ProfileError
+
+    try:
+        target = common.resolve_with(url, api_key)
+    except ProfileError as exc:
+        raise _fail(str(exc), 1) from exc
+    if target.api_key:
+        return target.url, target.api_key
     key_file = data_dir / "admin_key"
     if key_file.exists():
-        return key_file.read_text().strip()
-    raise _fail("no API key: pass --api-key, set MODELYARD_API_KEY, or run next to the data dir")
+        return target.url, key_file.read_text().strip()
+    raise _fail("no API key: pass --api-key, set MODELYARD_API_KEY, run `modelyard login`, "
+                "or run next to the data dir")  # fmt: skip
 
 
 @models_app.command("push")
 def push(
     path: Annotated[Path, typer.Argument(help="A HF model folder or a .gguf file.")],
     name: Annotated[str, typer.Option(help="Registry name of the model.")],
-    url: Annotated[str, typer.Option(envvar="MODELYARD_URL", help="Platform URL.")] = (
-        "http://127.0.0.1:8000"
-    ),
+    url: Annotated[
+        str | None, typer.Option(help="Platform URL (default: as other commands).")
+    ] = None,
     api_key: Annotated[str | None, typer.Option(help="Admin API key.")] = None,
     data_dir: Annotated[Path, typer.Option(help="Where to find the admin key file.")] = Path(
         ".modelyard"
@@ -198,7 +258,7 @@ def push(
 
     if not path.exists():
         raise _fail(f"{path} does not exist")
-    client = RegistryClient(url, _api_key(api_key, data_dir))
+    client = RegistryClient(*_push_target(url, api_key, data_dir))
     try:
         version = client.push(path, name)
     except RegistryClientError as exc:

@@ -18,6 +18,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from modelyard.cli_commands.client import error_from
 from modelyard.store.artifacts import scan_folder
 
 _CHUNK = 1 << 20
@@ -47,11 +48,7 @@ class RegistryClient:
 
     def _check(self, response: httpx.Response) -> dict[str, Any]:
         if response.status_code >= 400:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text[:200]
-            raise RegistryClientError(f"{response.status_code}: {message}")
+            raise RegistryClientError(str(error_from(response)))
         return response.json() if response.content else {}
 
     def push(self, path: Path, name: str) -> dict[str, Any]:
