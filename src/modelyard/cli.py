@@ -115,20 +115,11 @@ def serve(
             typer.echo(f"Public models: {', '.join(models)}")
         typer.echo("")
 
-    # Load progress of the default models, read over HTTP like any client (cli_commands.endpoints).
-    watcher = endpoints.LoadWatcher(
-        f"http://127.0.0.1:{settings.port}" if settings.host in ("0.0.0.0", "::") else
-        f"http://{settings.host}:{settings.port}",
-        lambda: _boot_key(platform),
-    )  # fmt: skip
-
-    def ready() -> None:
-        announce()
-        watcher.started.set()
-
-    platform.on_ready = ready
+    platform.on_ready = announce
     if settings.default_models:
-        watcher.start()
+        from modelyard.cli_commands.serve_progress import report_loading
+
+        report_loading(platform)
     uvicorn.run(
         app_,
         host=settings.host,
@@ -136,16 +127,6 @@ def serve(
         log_level=log_level,
         timeout_graceful_shutdown=10,
     )
-
-
-def _boot_key(platform: Any) -> str | None:
-    boot = platform.bootstrap
-    if boot is None:
-        return None
-    if boot.admin_key:
-        return str(boot.admin_key)
-    path = Path(boot.admin_key_file)
-    return path.read_text().strip() if path.is_file() else None
 
 
 @app.command()

