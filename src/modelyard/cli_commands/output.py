@@ -46,10 +46,14 @@ def field(name: str) -> Callable[[dict[str, Any]], Any]:
     return lambda row: row.get(name)
 
 
+_WHOLE = frozenset({"ID", "TENANT", "PREFIX", "INPUT", "OUTPUT"})
+
+
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[Column], title: str) -> None:
     t = Table(title=title, title_justify="left")
     for header, _ in columns:
-        t.add_column(header, overflow="fold")
+        # Ids stay whole so that they can be copied; other cells wrap.
+        t.add_column(header, overflow="fold", no_wrap=header in _WHOLE)
     for row in rows:
         t.add_row(*("-" if (v := get(row)) is None else str(v) for _, get in columns))
     console.print(t)
@@ -73,5 +77,11 @@ def details(obj: dict[str, Any], as_json: bool) -> None:
     t.add_column(style="bold")
     t.add_column(overflow="fold")
     for k, v in obj.items():
-        t.add_row(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+        if isinstance(v, (dict, list)):
+            shown = json.dumps(v)
+        elif k.endswith("_at") and isinstance(v, int):
+            shown = when(v)
+        else:
+            shown = str(v)
+        t.add_row(k, shown)
     console.print(t)
