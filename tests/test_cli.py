@@ -106,8 +106,9 @@ def test_deploy_that_fails_exits_non_zero(platform: PlatformProcess, models: Pat
     for weights in broken.glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
     env = {"MODELYARD_URL": platform.url, "MODELYARD_API_KEY": platform.admin_key}
-    done = run_cli("deploy", "broken", str(broken), "--timeout", "120", env=env)
+    done = run_cli("deploy", "broken", str(broken), "--timeout", "120", "--json", env=env)
     assert done.returncode == 1, done.stdout + done.stderr
+    assert json.loads(done.stdout)["status"] == "failed"  # with --json, stdout is the JSON alone
     assert done.stderr.startswith("error: broken is failed: "), done.stderr
     assert "Traceback" not in done.stderr
     for endpoint in cli_json(platform, "endpoints", "list"):

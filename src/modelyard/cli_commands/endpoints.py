@@ -57,12 +57,14 @@ def progress_line(view: dict[str, Any], elapsed: float) -> str:
     return " · ".join(parts)
 
 
-def wait_ready(c: PlatformClient, endpoint_id: str, timeout: float, interval: float = 0.5) -> dict:
+def wait_ready(
+    c: PlatformClient, endpoint_id: str, timeout: float, quiet: bool = False, interval: float = 0.5
+) -> dict:
     """Poll the endpoint until it serves or is stuck: on a terminal one live line redrawn in
     place; otherwise (logs, CI, pipes) a plain line each time the status or replicas change."""
     started = time.monotonic()
     spinner = Spinner("dots", text="deploying…")
-    live = console.is_terminal
+    live = console.is_terminal and not quiet
     last: tuple[Any, ...] | None = None
     with (
         Live(spinner, console=console, transient=True, refresh_per_second=8)
@@ -76,7 +78,7 @@ def wait_ready(c: PlatformClient, endpoint_id: str, timeout: float, interval: fl
             mark = (view.get("status"), _replicas(view), _states(view))
             if live:
                 spinner.update(text=Text(line))
-            elif mark != last and status not in SERVING:
+            elif mark != last and status not in SERVING and not quiet:
                 console.print(line, highlight=False)
             last = mark
             if status in SERVING or status in STUCK:
@@ -115,7 +117,7 @@ def deploy(
             if as_json:
                 print_json(created)
             return
-        view = wait_ready(c, endpoint_id, timeout)
+        view = wait_ready(c, endpoint_id, timeout, quiet=as_json)  # stdout: the JSON alone
     status = status_of(view)
     if as_json:
         print_json(view)
