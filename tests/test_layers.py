@@ -24,6 +24,7 @@ _BELOW_API = {
     "config", "core", "protocol", "store", "engine", "encoders", "worker", "gateway",
     "control", "batch",
 }  # fmt: skip
+_TOP = _BELOW_API | {"api", "console", "platform", "cli", "cli_commands", "registry_client"}
 ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
     "config": set(),
@@ -37,10 +38,11 @@ ALLOWED: dict[str, set[str]] = {
     "batch": {"config", "core", "protocol", "store", "gateway"},
     "api": _BELOW_API,
     "console": _BELOW_API | {"api"},
-    # The composition root and the command line wire everything.
-    "platform": _BELOW_API | {"api", "console", "registry_client"},
-    "cli": _BELOW_API | {"api", "console", "platform", "registry_client"},
-    "registry_client": _BELOW_API,
+    # Layer 7: the composition root, the command line and the registry client use everything.
+    "platform": _TOP,
+    "cli": _TOP,
+    "cli_commands": _TOP,
+    "registry_client": _TOP,
 }
 # Imported only inside functions (never at module import): the model code, which loads torch.
 LAZY: dict[str, set[str]] = {"control": {"engine", "encoders", "worker"}}

@@ -23,17 +23,10 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from modelyard.config import PlatformSettings
+from modelyard.core.admission import AdmissionRefused, Waiter, admission_rank
 from modelyard.core.errors import DomainError
 from modelyard.core.identity import Principal
-from modelyard.core.routing import (
-    Activate,
-    AdmissionRefused,
-    EndpointRoute,
-    ReplicaRoute,
-    RoutingTable,
-    Waiter,
-    admission_rank,
-)
+from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call, take_usage
 from modelyard.gateway.async_results import AsyncResults
 from modelyard.gateway.auth import Authenticator
