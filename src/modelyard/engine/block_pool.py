@@ -32,7 +32,6 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, KVBlock] = {}
-        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -53,7 +52,6 @@ class BlockPool:
         if block.block_hash is not None:
             self._cached.pop(block.block_hash, None)
             block.block_hash = None
-            self.num_evictions += 1
         block.ref_count = 1
         return block
 

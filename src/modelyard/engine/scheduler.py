@@ -35,12 +35,10 @@ class Scheduler:
         kv: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        enable_chunked_prefill: bool = True,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -57,9 +55,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -129,9 +124,7 @@ class Scheduler:
             num_computed = len(cached) * self.kv.block_size
             num_new = seq.num_tokens - num_computed
             if num_new > budget:
-                if not self.enable_chunked_prefill and admitted:
-                    break
-                num_new = budget
+                num_new = budget  # chunked prefill: the rest of the prompt runs next step
             while len(self.running) + len(admitted) >= self.max_num_seqs or not self.kv.allocate(
                 seq, num_new, cached
             ):

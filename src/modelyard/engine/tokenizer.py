@@ -166,10 +166,6 @@ class Tokenizer:
 
     # ----- chat ------------------------------------------------------------------------------
 
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(self.chat_template)
-
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:

@@ -71,10 +71,6 @@ def get_tenant(s: Session, tenant_id: str) -> Tenant | None:
     return s.get(Tenant, tenant_id)
 
 
-def tenant_by_name(s: Session, name: str) -> Tenant | None:
-    return s.scalar(select(Tenant).where(Tenant.name == name))
-
-
 def list_tenants(s: Session) -> Sequence[Tenant]:
     return s.scalars(select(Tenant).order_by(Tenant.created_at)).all()
 
@@ -217,15 +213,6 @@ def deployed_capacity(s: Session, tenant_id: str) -> tuple[int, int]:
     endpoints = live_endpoints(s, tenant_id)
     replicas = sum(int((ep.hardware or {}).get("max_replicas", 1)) for ep in endpoints)
     return len(endpoints), replicas
-
-
-def get_endpoint(s: Session, tenant_id: str | None, endpoint_id: str) -> Endpoint | None:
-    ep = s.get(Endpoint, endpoint_id)
-    if ep is None or ep.deleted_at is not None:
-        return None
-    if tenant_id is not None and ep.tenant_id != tenant_id:
-        return None
-    return ep
 
 
 def live_endpoint_by_name(s: Session, tenant_id: str, model_name: str) -> Endpoint | None:
