@@ -13,16 +13,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from modelyard.config import EngineSettings
 from modelyard.engine.admission import EngineLimits, RequestRejected, check_request
-from modelyard.engine.detokenizer import IncrementalDetokenizer
 from modelyard.engine.faults import RequestFailed, is_fatal
 from modelyard.engine.kv_cache_manager import KVCacheManager
 from modelyard.engine.loading import cpu_has_native_bfloat16, load
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.config import ModelConfig
+from modelyard.engine.requests import EngineRequest, RequestOutput, SequenceDelta
 from modelyard.engine.sampler import Sampler
 from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.scheduler import Scheduler
@@ -43,26 +41,6 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class SequenceDelta:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    finish_reason: FinishReason | None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    deltas: list[SequenceDelta]
-    finished: bool
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    error: RequestFailed | None = None  # the request failed in this step (finished is True)
-
-
-@dataclass
 class EngineStats:
     """Counters since start; gauges are read from the scheduler when asked."""
 
@@ -72,16 +50,6 @@ class EngineStats:
     failed_steps: int = 0  # steps that raised (their requests were retried one by one)
     busy_seconds: float = 0.0
     requests_finished: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer]
-    emitted_tokens: list[int]  # per sequence: generated tokens already reported
-    emitted_logprobs: list[int]
-    reported_finish: list[bool]
 
 
 class LLMEngine:
@@ -104,7 +72,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
         self.sampler = Sampler()
         self.stats = EngineStats()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, EngineRequest] = {}
         self._next_seq_id = 0
 
     @classmethod
@@ -176,38 +144,20 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         arrival = time.monotonic() if arrival is None else arrival
         salt = cache_salt.encode("utf-8") if cache_salt else b""
-        seqs: list[Sequence] = []
-        for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.runner.device)
-                generator.manual_seed(params.seed + index)
-            seq = Sequence(
-                seq_id=self._next_seq_id,
-                request_id=request_id,
-                index=index,
-                prompt_len=len(prompt_token_ids),
-                token_ids=list(prompt_token_ids),
-                params=params,
-                priority=priority,
-                arrival=arrival,
-                leader=seqs[0] if seqs else None,
-                generator=generator,
-                cache_salt=salt,
-            )
-            self._next_seq_id += 1
-            seqs.append(seq)
-        detoks = [
-            IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens
-            )
-            for _ in seqs
-        ]
-        n = len(seqs)
-        self._requests[request_id] = _Request(
-            request_id, seqs, detoks, [0] * n, [0] * n, [False] * n
+        req = EngineRequest.create(
+            request_id,
+            prompt_token_ids,
+            params,
+            self.tokenizer,
+            self.runner.device,
+            self._next_seq_id,
+            priority,
+            arrival,
+            salt,
         )
-        for seq in seqs:
+        self._next_seq_id += len(req.seqs)
+        self._requests[request_id] = req
+        for seq in req.seqs:
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
@@ -313,7 +263,7 @@ class LLMEngine:
                 failed[request_id] = exc
         return sampled, failed
 
-    def _fail(self, req: _Request, exc: BaseException) -> RequestOutput:
+    def _fail(self, req: EngineRequest, exc: BaseException) -> RequestOutput:
         """Take a request out of the engine after its step failed; its blocks are freed."""
         self._requests.pop(req.request_id, None)
         for seq in req.seqs:
@@ -321,23 +271,14 @@ class LLMEngine:
                 seq.finish_reason = FinishReason.ERROR
                 self.scheduler.remove(seq)
         self._count_finished(FinishReason.ERROR)
-        leader = req.seqs[0]
-        return RequestOutput(
-            request_id=req.request_id,
-            deltas=[],
-            finished=True,
-            prompt_tokens=leader.prompt_len,
-            cached_tokens=leader.num_cached_tokens,
-            completion_tokens=sum(s.num_output_tokens for s in req.seqs),
-            error=RequestFailed(f"generation failed in the engine: {exc!r}"),
-        )
+        return req.output([], True, RequestFailed(f"generation failed in the engine: {exc!r}"))
 
     def fail_all(self, exc: BaseException) -> list[RequestOutput]:
         """Fail every request (a step failed where no request can be blamed)."""
         return [self._fail(req, exc) for req in list(self._requests.values())]
 
     def _append_token(
-        self, req: _Request, seq: Sequence, token: int, lp: TokenLogprob | None
+        self, req: EngineRequest, seq: Sequence, token: int, lp: TokenLogprob | None
     ) -> None:
         seq.token_ids.append(token)
         self.stats.generation_tokens += 1
@@ -363,36 +304,10 @@ class LLMEngine:
         counts = self.stats.requests_finished
         counts[reason.value] = counts.get(reason.value, 0) + 1
 
-    def _collect(self, req: _Request) -> RequestOutput:
-        deltas: list[SequenceDelta] = []
-        for i, seq in enumerate(req.seqs):
-            if req.reported_finish[i]:
-                continue
-            new_tokens = seq.output_token_ids[req.emitted_tokens[i] :]
-            if not new_tokens and not seq.finished:
-                continue
-            deltas.append(
-                SequenceDelta(
-                    index=seq.index,
-                    text=req.detoks[i].take_delta(final=seq.finished),
-                    token_ids=new_tokens,
-                    logprobs=seq.logprobs[req.emitted_logprobs[i] :],
-                    finish_reason=seq.finish_reason,
-                )
-            )
-            req.emitted_tokens[i] += len(new_tokens)
-            req.emitted_logprobs[i] = len(seq.logprobs)
-            req.reported_finish[i] = seq.finished
-        finished = all(s.finished for s in req.seqs)
+    def _collect(self, req: EngineRequest) -> RequestOutput:
+        deltas = req.take_deltas()
+        finished = req.finished
         if finished:
             del self._requests[req.request_id]
             self._count_finished(req.seqs[0].finish_reason or FinishReason.STOP)
-        leader = req.seqs[0]
-        return RequestOutput(
-            request_id=req.request_id,
-            deltas=deltas,
-            finished=finished,
-            prompt_tokens=leader.prompt_len,
-            cached_tokens=leader.num_cached_tokens,
-            completion_tokens=sum(s.num_output_tokens for s in req.seqs),
-        )
+        return req.output(deltas, finished)
