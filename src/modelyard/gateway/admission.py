@@ -1,0 +1,161 @@
+"""Admission of one inference request: parse and validate its body, resolve the model for the
+tenant, reserve its tokens against TPM and quota and take a concurrency slot (all or nothing),
+then shape the payload the worker receives (public name → upstream name, the endpoint's
+sampling defaults, the tier's priority, the tenant's prefix-cache scope)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from modelyard.config import PlatformSettings, PrefixCacheScope
+from modelyard.core.errors import DomainError
+from modelyard.core.identity import Principal
+from modelyard.core.routing import EndpointRoute, RoutingTable
+from modelyard.gateway.accounting import Accounting, Call
+from modelyard.gateway.cache_scope import scope_prefix_cache
+from modelyard.protocol.embeddings import EmbeddingRequest
+from modelyard.protocol.errors import APIError, bad_request, validation_error
+from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
+
+# The engine serves lower priorities first: interactive requests get their tenant tier's rank
+# (0 priority, 1 standard, 2 free), batch items this plus the rank, after all interactive ones.
+# Whatever a client sends is overridden, so nobody jumps the queue.
+BATCH_PRIORITY_BASE = 3
+_SCHEMAS: dict[str, type[BaseModel]] = {
+    "chat.completions": ChatCompletionRequest,
+    "completions": CompletionRequest,
+    "embeddings": EmbeddingRequest,
+}
+
+
+def estimate_prompt_tokens(payload: dict[str, Any]) -> int:
+    """A cheap upper-ish estimate (4 characters a token) used to reserve TPM before the worker
+    counts for real; the reservation is reconciled with the true count afterwards."""
+    if "messages" in payload:
+        chars = 0
+        for m in payload.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, dict))
+            chars += 16
+        return chars // 4 + 1
+    prompt = payload.get("prompt", payload.get("input"))
+    if isinstance(prompt, str):
+        return len(prompt) // 4 + 1
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) if isinstance(p, list) else len(str(p)) // 4 + 1 for p in prompt)
+    return 1
+
+
+def parse(kind: str, body: bytes) -> tuple[dict[str, Any], Any]:
+    """The request body as a dict and as its validated schema."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(
+            f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+        ) from exc
+    if not isinstance(payload, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    return payload, validate(kind, payload)
+
+
+def validate(kind: str, payload: dict[str, Any]) -> Any:
+    """A payload already parsed (a batch item's) checked against its schema."""
+    try:
+        return _SCHEMAS[kind].model_validate(payload)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from exc
+
+
+def shape_for_worker(
+    payload: dict[str, Any],
+    route: EndpointRoute,
+    kind: str,
+    principal: Principal,
+    cache_scope: PrefixCacheScope,
+    priority: int,
+) -> None:
+    """What the worker receives, in place: its own model name, the endpoint's sampling
+    defaults for the fields left out (or sent as null), the priority, the cache scope."""
+    if route.upstream_model:
+        payload["model"] = route.upstream_model
+    if kind == "embeddings":
+        return
+    for key, value in route.sampling_defaults.items():
+        if payload.get(key) is None:
+            payload[key] = value
+    payload["priority"] = priority
+    # Last, so no default and no client value outlives it.
+    scope_prefix_cache(payload, cache_scope, principal.tenant_id)
+
+
+class Admission:
+    """Resolve, reserve and hold for one request (see the module's docstring)."""
+
+    def __init__(
+        self, settings: PlatformSettings, routing: RoutingTable, accounting: Accounting
+    ) -> None:
+        self.settings = settings
+        self.routing = routing
+        self.accounting = accounting
+
+    async def admit(
+        self, principal: Principal, payload: dict[str, Any], req: Any, kind: str
+    ) -> Call:
+        """Rate limits, then the quota reservation and a concurrency slot; all or nothing."""
+        route = self.resolve(principal, req.model)
+        reserved = self.reserve(route, payload, req)
+        decision = await self.accounting.acquire(principal, req.model, reserved)
+        call = Call(
+            principal=principal,
+            route=route,
+            kind=kind,
+            request_id=uuid.uuid4().hex,
+            reserved=reserved,
+            decision=decision,
+        )
+        try:
+            await self.accounting.hold(call)
+        except BaseException as exc:
+            await self.accounting.close(call, served=False)
+            if isinstance(exc, APIError | DomainError):
+                exc.headers.update(decision.headers())
+            raise
+        return call
+
+    def reserve(self, route: EndpointRoute, payload: dict[str, Any], req: Any) -> int:
+        """Tokens to hold against TPM until the real count is known."""
+        if isinstance(req, EmbeddingRequest):
+            return estimate_prompt_tokens(payload)
+        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if max_tokens is not None and max_tokens > route.max_tokens_cap:
+            raise bad_request(
+                f"max_tokens is {max_tokens}, above this model's cap of {route.max_tokens_cap}",
+                "max_tokens",
+                "invalid_value",
+            )
+        completion = max_tokens or self.settings.default_reserved_completion_tokens
+        prompt = getattr(req, "prompt", None)
+        batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        n_prompts = len(prompt) if batched else 1
+        return estimate_prompt_tokens(payload) + completion * req.n * n_prompts
+
+    def resolve(self, principal: Principal, model: str) -> EndpointRoute:
+        route = self.routing.resolve(principal.tenant_id, model)
+        if route is None:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        return route

@@ -1,0 +1,258 @@
+"""Relaying a worker's answer to the client: a unary answer whole, a stream event by event
+(metering each event, billing before the final `[DONE]` leaves), a stream for a model still
+loading with SSE comments while it waits. A worker's own error goes back as it is, unbilled.
+
+Each path settles the request exactly once, in its own `finally` (`Accounting.close` is
+idempotent): a stream's settlement lives in its relay generator, since the response outlives
+the handler that returned it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from fastapi.responses import Response, StreamingResponse
+
+from modelyard.config import PlatformSettings
+from modelyard.core.routing import ReplicaRoute
+from modelyard.gateway.accounting import Accounting, Call, take_usage
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.upstream import Upstream, unavailable
+from modelyard.protocol.errors import APIError, error_body
+from modelyard.protocol.openai import PROMPT_TOKENS_HEADER
+from modelyard.protocol.sse import (
+    DATA_PREFIX,
+    DONE,
+    DONE_EVENT,
+    EVENT_END,
+    sse_comment,
+    sse_data,
+    sse_raw,
+)
+
+
+class GuardedStream(StreamingResponse):
+    """A stream that cleans up even if its body never starts (the client left between the
+    handler's return and the first chunk): an unstarted generator's `finally` never runs, so
+    the slot, the reservations and the upstream connection would be held for good."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        call: Call,
+        unstarted: Callable[[], Awaitable[None]],
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+        self._call = call
+        self._unstarted = unstarted
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._call.relaying:
+                await self._unstarted()
+
+
+class Relay:
+    """Unary and streamed answers back to the client (see the module's docstring)."""
+
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        upstream: Upstream,
+        accounting: Accounting,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.settings = settings
+        self.upstream = upstream
+        self.accounting = accounting
+        self.metrics = metrics
+
+    async def unpaid(self, call: Call, content: bytes, headers: dict[str, str]) -> Response:
+        """A worker's own error (already OpenAI-shaped) goes back as it is; nothing is billed."""
+        self.metrics.requests.labels(call.route.model_name, call.status_code).inc()
+        await self.accounting.close(call, served=False)
+        return Response(
+            content, status_code=call.status_code, media_type="application/json", headers=headers
+        )
+
+    async def unary(self, call: Call, payload: bytes, headers: dict[str, str]) -> Response:
+        status, content = await self.upstream.call_unary(call, payload)
+        if status != 200:
+            return await self.unpaid(call, content, headers)
+        body = orjson.loads(content)
+        take_usage(call, body.get("usage") or {})
+        await self.accounting.close(call, served=True)
+        if call.route.upstream_model:  # the client knows the model by its public name
+            body["model"] = call.route.model_name
+            content = orjson.dumps(body)
+        return Response(content, media_type="application/json", headers=headers)
+
+    async def stream(
+        self, call: Call, payload: bytes, wants_usage: bool, headers: dict[str, str]
+    ) -> Response:
+        response, replica = await self.upstream.send(call, payload, stream=True)
+        if response.status != 200:
+            try:
+                content = await response.read()
+            finally:
+                response.release()
+                call.route.release(replica)
+            replica.breaker.record(ok=response.status < 500)
+            call.status_code = response.status
+            return await self.unpaid(call, content, headers)
+        call.prompt_tokens = int(response.headers.get(PROMPT_TOKENS_HEADER, 0))
+
+        async def unstarted() -> None:
+            response.close()
+            call.route.release(replica)
+            await self.accounting.close(call, served=False)
+
+        return GuardedStream(
+            self._relay(call, response, replica, wants_usage), call, unstarted, headers
+        )
+
+    def cold_stream(
+        self, call: Call, payload: bytes, wants_usage: bool, headers: dict[str, str]
+    ) -> StreamingResponse:
+        """A stream for a model that is not loaded yet: SSE comment lines report the loading
+        while the client waits, then the generation streams as usual. An endpoint that no
+        replica will serve by waiting (failed, or a dead replica's replacement starting) gets
+        the 503 itself, before any 200 is sent."""
+        route = call.route
+        if route.unavailable is not None and not route.ready_replicas:
+            raise unavailable(route)
+
+        async def refund() -> None:
+            await self.accounting.close(call, served=False)
+
+        async def body() -> AsyncIterator[bytes]:
+            notes: asyncio.Queue[bytes] = asyncio.Queue()
+
+            async def progress(waited: float) -> None:
+                await notes.put(sse_comment(f"loading {call.route.model_name}, {waited:.0f}s"))
+
+            opening = asyncio.ensure_future(
+                self.upstream.send(call, payload, True, progress=progress)
+            )
+            try:
+                while not opening.done():
+                    note = asyncio.ensure_future(notes.get())
+                    await asyncio.wait({opening, note}, return_when=asyncio.FIRST_COMPLETED)
+                    if note.done():
+                        yield note.result()
+                    else:
+                        note.cancel()
+                response, replica = opening.result()
+            except APIError as exc:
+                await refund()
+                yield sse_data(exc.body())
+                yield DONE
+                return
+            finally:
+                if not opening.done():
+                    opening.cancel()
+            if response.status != 200:
+                try:
+                    content = await response.read()
+                finally:
+                    response.release()
+                    call.route.release(replica)
+                await refund()
+                yield sse_raw(content)
+                yield DONE
+                return
+            call.prompt_tokens = int(response.headers.get(PROMPT_TOKENS_HEADER, 0))
+            async for chunk in self._relay(call, response, replica, wants_usage):
+                yield chunk
+
+        # Until the relay starts nothing was served: a client gone while the model loads (or
+        # before the body started) is refunded.
+        return GuardedStream(body(), call, refund, headers)
+
+    async def _relay(
+        self,
+        call: Call,
+        response: aiohttp.ClientResponse,
+        replica: ReplicaRoute,
+        wants_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        call.relaying = True
+        buffer = b""
+        complete = False
+        delivered = False  # the client has read the final [DONE]
+        try:
+            async for chunk in response.content.iter_any():
+                buffer += chunk
+                while EVENT_END in buffer:
+                    event, buffer = buffer.split(EVENT_END, 1)
+                    if _inspect(call, event, wants_usage):
+                        if event == DONE_EVENT:
+                            # Billed (journaled on disk) before the client sees the end.
+                            await self.accounting.close(call, served=True)
+                        yield event + EVENT_END
+                        delivered = event == DONE_EVENT
+            complete = True
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            call.status = "error"
+            idle = self.settings.gateway_stream_idle_timeout_s
+            message = (
+                f"no data from the model for {idle:g}s"
+                if isinstance(exc, TimeoutError)
+                else f"the model server failed mid-stream: {exc!r}"
+            )
+            error = error_body(message, "server_error", None, "upstream_error")
+            yield sse_data(error)
+            yield DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            # A client that closes right after [DONE] (before the worker's end of stream
+            # reached here) got the whole answer.
+            if not delivered:
+                call.status = "client_disconnected"
+            raise
+        finally:
+            if complete:
+                response.release()
+            else:
+                # Closing the connection is what tells the worker to abort the generation.
+                response.close()
+            call.route.release(replica)
+            replica.breaker.record(ok=call.status != "error")
+            await self.accounting.close(call, served=True)
+
+
+def _inspect(call: Call, event: bytes, wants_usage: bool) -> bool:
+    """Meter one SSE event; False if it must not reach the client."""
+    if not event.startswith(DATA_PREFIX) or event == DONE_EVENT:
+        return True
+    try:
+        obj = orjson.loads(event[6:])
+    except orjson.JSONDecodeError:
+        return True
+    if "error" in obj:
+        call.status = "error"
+        return True
+    choices = obj.get("choices") or []
+    for choice in choices:
+        delta = choice.get("delta") or {}
+        if delta.get("content") or choice.get("text"):
+            call.completion_tokens += 1
+            if call.ttft is None:
+                call.ttft = time.perf_counter() - call.started
+    usage = obj.get("usage")
+    if usage:
+        take_usage(call, usage)
+        # The usage-only chunk was asked for by the gateway, not necessarily the client.
+        return bool(choices) or wants_usage
+    return True
