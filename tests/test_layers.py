@@ -49,14 +49,6 @@ LAZY: dict[str, set[str]] = {"control": {"engine", "encoders", "worker"}}
 
 # (importer, imported module, "lazy" or "module") still wrong today, by who removes them.
 KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
-    # control imports model code at module import, so torch loads with it (issue 11 item 6, the
-    # control helper): the model-kind probe reads configs through the loaders, sizing asks the
-    # encoders' loader for weight sizes, the local backend imports the worker's server for
-    # its command line. Make them lazy or move the plain parts down.
-    ("modelyard.control.backends.local", "modelyard.worker.server", "module"),
-    ("modelyard.control.model_kind", "modelyard.encoders.loading", "module"),
-    ("modelyard.control.model_kind", "modelyard.engine.models.config", "module"),
-    ("modelyard.control.sizing", "modelyard.encoders.loading", "module"),
     # The platform's routes reach the composition root for its `Platform` type (api -> platform,
     # and platform -> api through its app: a circle). Fix with the gateway/control split: the
     # routes depend on the services they use (typed in core or on their packages), not on
@@ -72,14 +64,7 @@ KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
 }
 
 # Modules of the import-light packages that still pull torch in when imported (same owners).
-KNOWN_TORCH_IMPORTERS: set[str] = {
-    "modelyard.control.backends.local",
-    "modelyard.control.endpoints",
-    "modelyard.control.model_kind",
-    "modelyard.control.replicas",
-    "modelyard.control.sizing",
-    "modelyard.control.warm_pool",
-}
+KNOWN_TORCH_IMPORTERS: set[str] = set()
 TORCH_FREE_PACKAGES = ("gateway", "control", "core", "protocol", "store", "batch")
 
 

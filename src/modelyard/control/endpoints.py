@@ -21,7 +21,7 @@ from modelyard.config import EngineSettings, PlatformSettings
 from modelyard.control.autoscaler import Autoscaler, ScalingPolicy
 from modelyard.control.backends.base import Backend
 from modelyard.control.encoder_pool import EncoderPool
-from modelyard.control.model_kind import LLM, detect
+from modelyard.control.model_kind import LLM, UnknownArchitecture, detect
 from modelyard.control.prewarm import TrafficHistory
 from modelyard.control.registry import Registry, ResolvedVersion
 from modelyard.control.replicas import ReplicaController
@@ -146,6 +146,8 @@ class EndpointManager:
         path, version = await asyncio.to_thread(
             self._resolve_artifact, principal, req.model_artifact
         )
+        if path is not None:
+            await asyncio.to_thread(_refuse_unknown_architecture, path)
         row = Endpoint(
             id=repo.new_id("ep"),
             tenant_id=principal.tenant_id,
@@ -636,3 +638,15 @@ def _size_of(path: Path | None) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _refuse_unknown_architecture(path: Path) -> None:
+    """A local folder whose config names a model nothing here serves is refused at deploy (a
+    registry version's files are fetched later: that one fails while provisioning instead).
+    Other problems with the files are left to provisioning, which reports them as the status."""
+    try:
+        detect(path)
+    except UnknownArchitecture:
+        raise
+    except Exception:
+        return

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from modelyard.config import EngineSettings
-from modelyard.encoders.loading import safetensors_numel
 
 _GGUF_BITS_PER_WEIGHT = 4.5
 
@@ -23,6 +22,8 @@ def num_params(model_path: Path) -> int:
     folder = model_path if model_path.is_dir() else model_path.parent
     weights = sorted(folder.glob("*.safetensors"))
     if weights:
+        from modelyard.encoders.loading import safetensors_numel  # lazily: it imports torch
+
         return sum(safetensors_numel(w) for w in weights)
     # pytorch_model*.bin: most are stored in 16-bit.
     return sum(f.stat().st_size // 2 for f in folder.glob("pytorch_model*.bin"))

@@ -16,9 +16,12 @@ import sys
 from pathlib import Path
 
 from modelyard.control.backends.base import ReplicaHandle, ReplicaSpec
-from modelyard.worker.server import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
+
+# The worker exits when the process named here dies (`worker.server.die_with_parent`). Spelled
+# out rather than imported: importing the worker's server would load torch into the platform.
+PARENT_PID_ENV = "MODELYARD_PARENT_PID"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
