@@ -20,7 +20,7 @@ from modelyard.engine.kv_cache_manager import KVCacheManager
 from modelyard.engine.loading import cpu_has_native_bfloat16, load
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.config import ModelConfig
-from modelyard.engine.requests import EngineRequest, RequestOutput, SequenceDelta
+from modelyard.engine.requests import EngineRequest, RequestOutput
 from modelyard.engine.sampler import Sampler
 from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.scheduler import Scheduler
@@ -33,7 +33,6 @@ __all__ = [
     "RequestFailed",
     "RequestOutput",
     "RequestRejected",
-    "SequenceDelta",
     "cpu_has_native_bfloat16",
 ]
 

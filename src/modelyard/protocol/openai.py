@@ -76,7 +76,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
@@ -126,7 +126,7 @@ class _SamplingFields(BaseModel):
         return tuple(self.stop or ())  # type: ignore[arg-type]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -146,7 +146,7 @@ class ChatCompletionRequest(_SamplingFields):
         return None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -10,7 +10,7 @@ from modelyard.engine.admission import RequestRejected
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.sampling_params import MAX_N, SamplingParams
 from modelyard.protocol.errors import APIError, bad_request
-from modelyard.protocol.openai import _SamplingFields
+from modelyard.protocol.openai import SamplingFields
 
 # One API request may hold several prompts, each with n choices: this bounds their product.
 MAX_CHOICES = MAX_N
@@ -23,7 +23,7 @@ def rejected(exc: RequestRejected, renames: dict[str, str] | None = None) -> API
 
 def admit(
     engine: LLMEngine,
-    req: _SamplingFields,
+    req: SamplingFields,
     prompt: list[int],
     max_tokens: int | None,
     logprobs: int | None,

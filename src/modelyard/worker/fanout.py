@@ -1,0 +1,210 @@
+"""Run one API request's engine requests and gather their outputs: whole (JSON) or as SSE.
+
+One API request may fan out into several engine requests (a list of prompts); their outputs
+merge into one stream whose choice index is `prompt_index * n + sequence_index`. The API
+shapes (chat or text completion chunks) come from the caller as chunk builders.
+
+Streams carry usage as OpenAI does: only in one last chunk with empty `choices`, and only
+when `stream_options.include_usage` asks for it (the gateway always asks, to bill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
+from modelyard.engine.faults import RequestFailed
+from modelyard.engine.llm_engine import RequestOutput
+from modelyard.engine.sampling_params import SamplingParams
+from modelyard.engine.sequence import TokenLogprob
+from modelyard.protocol.errors import APIError, error_body
+from modelyard.protocol.openai import PROMPT_TOKENS_HEADER, SamplingFields
+from modelyard.protocol.sse import DONE, sse_data
+from modelyard.worker.metrics import RequestTimer, WorkerMetrics
+
+Job = tuple[list[int], SamplingParams]  # one engine request: its prompt and checked params
+RoleChunk = Callable[[int], dict[str, Any]]
+ChoiceChunk = Callable[[int, str, list[TokenLogprob], str | None], dict[str, Any]]
+
+# What a step can fail with; each becomes an API error (whole) or an error event (stream).
+ENGINE_FAILURES = (RequestTimeout, EngineDeadError, RequestFailed)
+
+
+@dataclass
+class Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class Usage:
+    prompt: dict[int, int] = field(default_factory=dict)  # per engine request
+    cached: dict[int, int] = field(default_factory=dict)
+    completion: dict[int, int] = field(default_factory=dict)
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        self.prompt[prompt_index] = out.prompt_tokens
+        self.cached[prompt_index] = out.cached_tokens
+        self.completion[prompt_index] = out.completion_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        prompt, completion = sum(self.prompt.values()), sum(self.completion.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
+        }
+
+
+class FanOut:
+    """The engine side of the OpenAI endpoints, shared by chat and text completions."""
+
+    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    async def merged(
+        self, request_id: str, jobs: list[Job], req: SamplingFields
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every engine request of this API request, as they come."""
+        priority, salt = req.priority, req.cache_salt
+        # A client's x-request-id need not be unique; the engine's ids must be.
+        request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        if len(jobs) == 1:
+            async for out in self.engine.generate(
+                jobs[0][0], jobs[0][1], request_id, priority, salt
+            ):
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, prompt: list[int], params: SamplingParams) -> None:
+            try:
+                async for out in self.engine.generate(
+                    prompt, params, f"{request_id}-{i}", priority, salt
+                ):
+                    await queue.put((i, out))
+                await queue.put((i, None))
+            except BaseException as exc:
+                await queue.put((i, exc))
+                raise
+
+        tasks = [asyncio.create_task(pump(i, p, s)) for i, (p, s) in enumerate(jobs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(
+        self, request_id: str, jobs: list[Job], req: SamplingFields
+    ) -> tuple[dict[int, Choice], Usage]:
+        """Every choice whole, by choice index, and the usage."""
+        timer = RequestTimer(self.metrics)
+        choices: dict[int, Choice] = {}
+        usage = Usage()
+        try:
+            async for pi, out in self.merged(request_id, jobs, req):
+                usage.add(pi, out)
+                if any(d.token_ids for d in out.deltas):
+                    timer.tokens()
+                for d in out.deltas:
+                    c = choices.setdefault(pi * req.n + d.index, Choice())
+                    c.text.append(d.text)
+                    c.logprobs.extend(d.logprobs)
+                    c.num_tokens += len(d.token_ids)
+                    if d.finish_reason is not None:
+                        c.finish_reason = d.finish_reason.value
+        except ENGINE_FAILURES as exc:
+            raise api_error(exc) from exc
+        timer.done()
+        return choices, usage
+
+    async def stream(
+        self,
+        request_id: str,
+        jobs: list[Job],
+        req: SamplingFields,
+        include_usage: bool,
+        base: dict[str, Any],
+        role_chunk: RoleChunk | None,
+        choice_chunk: ChoiceChunk,
+    ) -> AsyncIterator[bytes]:
+        """The SSE events: `base` plus one choice chunk each, then usage if asked, then DONE."""
+        timer = RequestTimer(self.metrics)
+        usage = Usage()
+        try:
+            if role_chunk is not None:
+                for i in range(len(jobs) * req.n):
+                    yield sse_data({**base, "choices": [role_chunk(i)]})
+            async for pi, out in self.merged(request_id, jobs, req):
+                usage.add(pi, out)
+                if any(d.token_ids for d in out.deltas):
+                    timer.tokens()
+                for d in out.deltas:
+                    index = pi * req.n + d.index
+                    if d.text or d.logprobs:
+                        chunk = choice_chunk(index, d.text, d.logprobs, None)
+                        yield sse_data({**base, "choices": [chunk]})
+                    if d.finish_reason is None:
+                        continue
+                    # The finish gets a chunk of its own with an empty delta, as OpenAI sends it;
+                    # usage never rides on it (clients that add up usage chunks count once).
+                    reason = d.finish_reason
+                    yield sse_data({**base, "choices": [choice_chunk(index, "", [], reason)]})
+            if include_usage:
+                yield sse_data({**base, "choices": [], "usage": usage.as_dict()})
+            timer.done()
+        except ENGINE_FAILURES as exc:
+            yield sse_data(stream_error(exc))
+        yield DONE
+
+
+def streaming_response(
+    body: AsyncIterator[bytes], request_id: str, prompt_tokens: int
+) -> StreamingResponse:
+    return StreamingResponse(
+        body,
+        media_type="text/event-stream",
+        headers={
+            "cache-control": "no-cache",
+            "x-accel-buffering": "no",
+            "x-request-id": request_id,
+            # Lets a metering proxy bill the prompt of a stream its client abandons.
+            PROMPT_TOKENS_HEADER: str(prompt_tokens),
+        },
+    )
+
+
+def api_error(exc: BaseException) -> APIError:
+    """The HTTP answer to a request that failed before its response started."""
+    if isinstance(exc, RequestTimeout):
+        return APIError(504, str(exc), code=exc.code)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable")
+    return APIError(500, str(exc), code="engine_error")
+
+
+def stream_error(exc: BaseException) -> dict[str, Any]:
+    """The error event of a stream that failed after its status line was sent."""
+    if isinstance(exc, RequestTimeout):
+        return error_body(str(exc), "timeout_error", None, exc.code)
+    return error_body(f"generation failed: {exc}", "server_error", None, "engine_error")
