@@ -34,7 +34,8 @@ class PlatformProcess:
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the process
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 180.0) -> PlatformProcess:
+    def start(self, timeout: float = 180.0, models_loaded: bool = True) -> PlatformProcess:
+        """Run serve; return once it answers and (`models_loaded`) its default models loaded."""
         cmd = [
             sys.executable, "-m", "modelyard.cli", "serve",
             "--port", str(self.port),
@@ -47,13 +48,24 @@ class PlatformProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+            if self._up(models_loaded):
+                return self
             time.sleep(0.2)
         raise TimeoutError(f"serve did not come up:\n{self.output()}")
+
+    def _up(self, models_loaded: bool) -> bool:
+        """Answering /health; with default models, also done loading them: serve answers while
+        they load in the background and prints its banner once they are ready (or failed)."""
+        try:
+            if httpx.get(f"{self.url}/health", timeout=1.0).status_code != 200:
+                return False
+        except httpx.HTTPError:
+            return False
+        if not (self.default_models and models_loaded):
+            return True
+        # pread, not output(): the child writes through the same file offset, which a seek moves.
+        fd = self.log.fileno()
+        return b"modelyard is serving on" in os.pread(fd, os.fstat(fd).st_size, 0)
 
     def output(self) -> str:
         self.log.seek(0)

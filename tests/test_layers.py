@@ -48,20 +48,7 @@ ALLOWED: dict[str, set[str]] = {
 LAZY: dict[str, set[str]] = {"control": {"engine", "encoders", "worker"}}
 
 # (importer, imported module, "lazy" or "module") still wrong today, by who removes them.
-KNOWN_VIOLATIONS: set[tuple[str, str, str]] = {
-    # The platform's routes reach the composition root for its `Platform` type (api -> platform,
-    # and platform -> api through its app: a circle). Fix with the gateway/control split: the
-    # routes depend on the services they use (typed in core or on their packages), not on
-    # `Platform`.
-    ("modelyard.api.app", "modelyard.platform", "module"),
-    ("modelyard.api.deps", "modelyard.platform", "module"),
-    ("modelyard.api.routes_admin", "modelyard.platform", "module"),
-    ("modelyard.api.routes_batch", "modelyard.platform", "module"),
-    ("modelyard.api.routes_endpoints", "modelyard.platform", "module"),
-    ("modelyard.api.routes_inference", "modelyard.platform", "module"),
-    ("modelyard.api.routes_registry", "modelyard.platform", "module"),
-    ("modelyard.api.routes_webhooks", "modelyard.platform", "module"),
-}
+KNOWN_VIOLATIONS: set[tuple[str, str, str]] = set()
 
 # Modules of the import-light packages that still pull torch in when imported (same owners).
 KNOWN_TORCH_IMPORTERS: set[str] = set()

@@ -76,6 +76,8 @@ def serve(
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Run the platform: gateway, control plane and local worker replicas."""
+    import asyncio
+
     import uvicorn
 
     from modelyard.api.app import create_platform_app
@@ -99,7 +101,7 @@ def serve(
     }
     settings = PlatformSettings(**overrides)
     platform = Platform(settings)
-    app_ = create_platform_app(platform)
+    app_ = create_platform_app(platform.services, platform)
 
     def announce() -> None:
         base = f"http://{settings.host}:{settings.port}"
@@ -115,11 +117,24 @@ def serve(
             typer.echo(f"Public models: {', '.join(models)}")
         typer.echo("")
 
-    platform.on_ready = announce
-    if settings.default_models:
+    progress: list[asyncio.Task[None]] = []  # holds the task while it runs
+
+    def ready() -> None:
+        """The banner; with default models, after their load progress (they load in the
+        background while the server already answers)."""
+        boot = platform.bootstrap
+        if not settings.default_models or boot is None:
+            announce()
+            return
         from modelyard.cli_commands.serve_progress import report_loading
 
-        report_loading(platform)
+        key = boot.admin_key or boot.admin_key_file.read_text().strip()
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        url = f"http://{host}:{settings.port}"
+        report = report_loading(url, key, platform.loaded(), announce)
+        progress.append(asyncio.get_running_loop().create_task(report))
+
+    platform.on_ready = ready
     uvicorn.run(
         app_,
         host=settings.host,

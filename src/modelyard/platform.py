@@ -3,12 +3,15 @@
 Start: migrate the schema, replay usage journals left by a crash, seed quota counters from the
 month's usage, bootstrap the platform admin key and the default models on first start, then the
 usage writer, the gateway client and the endpoint manager (which re-provisions every live
-endpoint). Stop: the reverse, with replicas terminated and pending usage flushed.
+endpoint). The default models deploy in the background, so HTTP (`/health`, their endpoints'
+`provisioning` status) answers while they load. Stop: the reverse, with replicas terminated and
+pending usage flushed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import os
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from modelyard.api.services import Services
 from modelyard.batch.files import FileService
 from modelyard.batch.runner import BatchRunner
 from modelyard.batch.service import BatchService
@@ -120,8 +124,23 @@ class Platform:
             self.db, self.files, WebhookPolicy(settings.batch_webhook_hosts)
         )
         self.batch_runner = BatchRunner(settings, self.db, self.files, self.gateway)
+        self.services = Services(
+            settings=settings,
+            db=self.db,
+            store=self.store,
+            registry=self.registry,
+            routing=self.routing,
+            auth=self.auth,
+            recorder=self.recorder,
+            metrics=self.metrics,
+            endpoints=self.endpoints,
+            gateway=self.gateway,
+            files=self.files,
+            batches=self.batches,
+        )
         self.bootstrap: Bootstrap | None = None
         self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's banner
+        self._loading: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await asyncio.to_thread(self.db.migrate)
@@ -132,15 +151,37 @@ class Platform:
         self.recorder.start()
         await self.gateway.start()
         await self.endpoints.start()
-        if self.settings.default_models:
-            await self._deploy_default_models()
-        admin = await asyncio.to_thread(self.system_principal)
-        await self.endpoints.warm_pool.start(admin.tenant_id)
         self.batch_runner.start()
+        if self.settings.default_models:
+            self._loading = asyncio.create_task(self._load_in_background())
+        else:
+            await self._start_warm_pool()
         if self.on_ready is not None:
             self.on_ready()
 
+    async def loaded(self) -> None:
+        """Wait until the default models are ready (or failed) and the warm pool started."""
+        if self._loading is not None:
+            await asyncio.shield(self._loading)
+
+    async def _load_in_background(self) -> None:
+        try:
+            await self._deploy_default_models()
+            # After the defaults, so a warm replica does not compete with their load.
+            await self._start_warm_pool()
+        except Exception:
+            # The platform keeps serving; a failed endpoint shows its status.
+            log.exception("loading the default models failed")
+
+    async def _start_warm_pool(self) -> None:
+        admin = await asyncio.to_thread(self.system_principal)
+        await self.endpoints.warm_pool.start(admin.tenant_id)
+
     async def stop(self) -> None:
+        if self._loading is not None:
+            self._loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loading
         # Items in flight are not recorded: they are pending again on the next start.
         await self.batch_runner.stop()
         await self.endpoints.stop()

@@ -25,40 +25,43 @@ from modelyard.api.errors import install_error_handlers
 from modelyard.api.openapi_edge import BEARER_ONLY, BEARER_OPTIONAL, install_openapi
 from modelyard.api.openapi_responses import Health, ok
 from modelyard.api.preauth import PreAuthenticate
+from modelyard.api.services import Lifecycle, Services
 from modelyard.api.text_guard import StorableText
 from modelyard.core.identity import Principal
-from modelyard.platform import Platform
 from modelyard.protocol.errors import APIError
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.oip import install_oip_error_handlers
 
 
-def create_platform_app(platform: Platform) -> FastAPI:
+def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
+    """The app over `services`; `lifecycle` starts before the first request and stops after
+    the last."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await platform.start()
+        await lifecycle.start()
         try:
             yield
         finally:
-            await platform.stop()
+            await lifecycle.stop()
 
     app = FastAPI(title="modelyard", version=__version__, lifespan=lifespan, redoc_url=None)
-    app.state.platform = platform
+    app.state.services = services
     install_error_handlers(app)
     install_oip_error_handlers(app)
     app.add_middleware(
         BodySizeLimit,
-        max_bytes=platform.settings.max_body_bytes,
+        max_bytes=services.settings.max_body_bytes,
         path_limits={
-            "/v1/blobs/": platform.settings.max_artifact_bytes,
+            "/v1/blobs/": services.settings.max_artifact_bytes,
             # Multipart framing adds a little on top of the file itself.
-            "/v1/files": platform.settings.max_file_bytes + 2**20,
+            "/v1/files": services.settings.max_file_bytes + 2**20,
         },
     )
     app.add_middleware(StorableText)
     # Outermost: a caller without a valid key (or the route's scope) is refused before any
     # body is read, so a stranger's upload costs nothing.
-    app.add_middleware(PreAuthenticate, authenticate=platform.auth.authenticate)
+    app.add_middleware(PreAuthenticate, authenticate=services.auth.authenticate)
     for module in (routes_inference, routes_endpoints, routes_registry, routes_admin, routes_batch):
         app.include_router(module.router)
     app.include_router(routes_webhooks.router)
@@ -71,7 +74,7 @@ def create_platform_app(platform: Platform) -> FastAPI:
         if not authorization:
             return None
         try:
-            principal = await platform.auth.authenticate(authorization)
+            principal = await services.auth.authenticate(authorization)
         except APIError:
             return None
         return principal if principal.platform_admin else None
@@ -82,16 +85,16 @@ def create_platform_app(platform: Platform) -> FastAPI:
         since endpoint ids and counts are other tenants' business."""
         if await platform_admin(request) is None:
             return {"status": "ok"}
-        endpoints = platform.endpoints.endpoints.values()
+        endpoints = services.endpoints.endpoints.values()
         return {
             "status": "ok",
             "version": __version__,
             "endpoints": {s.row.id: s.status for s in endpoints},
-            "routing_generation": platform.routing.generation,
-            "warm_pool_idle": platform.endpoints.warm_pool.idle(),
+            "routing_generation": services.routing.generation,
+            "warm_pool_idle": services.endpoints.warm_pool.idle(),
             "node_cache": {
-                "hits": platform.endpoints.node_cache.hits,
-                "misses": platform.endpoints.node_cache.misses,
+                "hits": services.endpoints.node_cache.hits,
+                "misses": services.endpoints.node_cache.misses,
             },
         }
 
@@ -103,10 +106,10 @@ def create_platform_app(platform: Platform) -> FastAPI:
     )
     async def metrics(request: Request) -> Response:
         """Prometheus metrics: for the platform admin key or the configured scrape token."""
-        await _require_scraper(request, platform)
-        m = platform.metrics
+        await _require_scraper(request, services)
+        m = services.metrics
         m.replicas.clear()
-        for state in platform.endpoints.endpoints.values():
+        for state in services.endpoints.endpoints.values():
             counts: dict[str, int] = {}
             for r in state.replicas:
                 counts[r.state] = counts.get(r.state, 0) + 1
@@ -117,9 +120,9 @@ def create_platform_app(platform: Platform) -> FastAPI:
     return app
 
 
-async def _require_scraper(request: Request, platform: Platform) -> None:
+async def _require_scraper(request: Request, services: Services) -> None:
     authorization = request.headers.get("authorization") or ""
-    token = platform.settings.metrics_token
+    token = services.settings.metrics_token
     scheme, _, given = authorization.partition(" ")
     if (
         token
@@ -127,5 +130,5 @@ async def _require_scraper(request: Request, platform: Platform) -> None:
         and hmac.compare_digest(given.strip().encode(), token.encode())
     ):
         return
-    principal = await platform.auth.authenticate(authorization or None)
+    principal = await services.auth.authenticate(authorization or None)
     principal.require_platform_admin()

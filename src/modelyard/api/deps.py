@@ -1,4 +1,4 @@
-"""FastAPI dependencies shared by the platform's routers: the platform and the caller.
+"""FastAPI dependencies shared by the platform's routers: the services and the caller.
 
 The caller is authenticated (and the route's scope checked) by `api.preauth.PreAuthenticate`
 before any body is read; these dependencies hand that principal to the handler. They also
@@ -10,16 +10,17 @@ from __future__ import annotations
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from modelyard.api.services import Services
 from modelyard.core.identity import Principal
-from modelyard.platform import Platform
 
 # auto_error=False: the 401 is ours (OpenAI's shape), not FastAPI's 403.
 bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer sk-my-…`.")
 
 
-def get_platform(request: Request) -> Platform:
-    platform: Platform = request.app.state.platform
-    return platform
+def get_services(request: Request) -> Services:
+    """The services the composition root handed to `create_platform_app`."""
+    services: Services = request.app.state.services
+    return services
 
 
 async def get_principal(
@@ -29,7 +30,7 @@ async def get_principal(
     principal: Principal | None = getattr(request.state, "principal", None)
     if principal is not None:  # authenticated before the body was read
         return principal
-    return await get_platform(request).auth.authenticate(request.headers.get("authorization"))
+    return await get_services(request).auth.authenticate(request.headers.get("authorization"))
 
 
 async def get_admin(principal: Principal = Depends(get_principal)) -> Principal:

@@ -14,11 +14,11 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
 from sqlalchemy.exc import IntegrityError
 
-from modelyard.api.deps import get_admin, get_platform
+from modelyard.api.deps import get_admin, get_services
+from modelyard.api.services import Services
 from modelyard.control.usage import parse_time, summarize, to_csv
 from modelyard.core.identity import Principal
 from modelyard.gateway.auth import generate_key
-from modelyard.platform import Platform
 from modelyard.protocol.errors import APIError
 from modelyard.protocol.management import (
     TENANT_CEILINGS,
@@ -97,14 +97,14 @@ def _within_ceiling(tenant: Tenant, field: str, value: int | None, default: bool
 async def create_tenant(
     body: TenantCreate,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> JSONResponse:
     principal.require_platform_admin()
 
     def create() -> dict[str, Any]:
         ceilings = {name: getattr(body, name) for name in TENANT_CEILINGS}
         try:
-            with platform.db.session() as s:
+            with services.db.session() as s:
                 tenant = repo.create_tenant(
                     s, body.name, body.monthly_token_quota, tier=body.tier, **ceilings
                 )
@@ -117,10 +117,10 @@ async def create_tenant(
 
 @router.get("/v1/tenants")
 async def list_tenants(
-    principal: Principal = Depends(get_admin), platform: Platform = Depends(get_platform)
+    principal: Principal = Depends(get_admin), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
     def load() -> list[dict[str, Any]]:
-        with platform.db.session() as s:
+        with services.db.session() as s:
             tenants = repo.list_tenants(s)
             return [
                 tenant_view(t)
@@ -135,12 +135,12 @@ async def list_tenants(
 async def get_tenant(
     tenant_id: str,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     principal.tenant_filter(tenant_id)
 
     def load() -> dict[str, Any]:
-        with platform.db.session() as s:
+        with services.db.session() as s:
             t = repo.get_tenant(s, tenant_id)
             if t is None:
                 raise _not_found("tenant", tenant_id)
@@ -154,12 +154,12 @@ async def update_tenant(
     tenant_id: str,
     body: TenantUpdate,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     principal.require_platform_admin()
 
     def update() -> dict[str, Any]:
-        with platform.db.session() as s:
+        with services.db.session() as s:
             t = repo.get_tenant(s, tenant_id)
             if t is None:
                 raise _not_found("tenant", tenant_id)
@@ -171,7 +171,7 @@ async def update_tenant(
             return tenant_view(t)
 
     result = await asyncio.to_thread(update)
-    platform.auth.invalidate()
+    services.auth.invalidate()
     return result
 
 
@@ -182,7 +182,7 @@ async def update_tenant(
 async def create_key(
     body: KeyCreate,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> JSONResponse:
     tenant_id = principal.tenant_id
     if body.tenant_id is not None and body.tenant_id != principal.tenant_id:
@@ -191,7 +191,7 @@ async def create_key(
     key, key_hash, prefix = generate_key()
 
     def create() -> dict[str, Any]:
-        with platform.db.session() as s:
+        with services.db.session() as s:
             tenant = repo.get_tenant(s, tenant_id)
             if tenant is None:
                 raise _not_found("tenant", tenant_id)
@@ -214,12 +214,12 @@ async def create_key(
 async def list_keys(
     tenant_id: str | None = None,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     scope = principal.tenant_filter(tenant_id)
 
     def load() -> list[dict[str, Any]]:
-        with platform.db.session() as s:
+        with services.db.session() as s:
             return [key_view(k) for k in repo.list_keys(s, scope)]
 
     return {"object": "list", "data": await asyncio.to_thread(load)}
@@ -229,10 +229,10 @@ async def list_keys(
 async def get_key(
     key_id: str,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     def load() -> dict[str, Any]:
-        with platform.db.session() as s:
+        with services.db.session() as s:
             k = repo.get_key(s, principal.tenant_filter(), key_id)
             if k is None:
                 raise _not_found("key", key_id)
@@ -246,10 +246,10 @@ async def update_key(
     key_id: str,
     body: KeyUpdate,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     def update() -> dict[str, Any]:
-        with platform.db.session() as s:
+        with services.db.session() as s:
             k = repo.get_key(s, principal.tenant_filter(), key_id)
             if k is None:
                 raise _not_found("key", key_id)
@@ -264,7 +264,7 @@ async def update_key(
             return key_view(k)
 
     result = await asyncio.to_thread(update)
-    platform.auth.invalidate()
+    services.auth.invalidate()
     return result
 
 
@@ -272,10 +272,10 @@ async def update_key(
 async def revoke_key(
     key_id: str,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     def revoke() -> dict[str, Any]:
-        with platform.db.session() as s:
+        with services.db.session() as s:
             k = repo.get_key(s, principal.tenant_filter(), key_id)
             if k is None:
                 raise _not_found("key", key_id)
@@ -284,7 +284,7 @@ async def revoke_key(
             return key_view(k)
 
     result = await asyncio.to_thread(revoke)
-    platform.auth.invalidate()
+    services.auth.invalidate()
     return result
 
 
@@ -309,18 +309,18 @@ async def usage(
     group_by: str = Query("model", description="model, key or day"),
     tenant_id: str | None = Query(None, description="Platform admin only."),
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     start_ts, end_ts = _window(start, end)
     scope = principal.tenant_filter(tenant_id)
-    await platform.recorder.flush()
+    await services.recorder.flush()
 
     def load() -> list[Any]:
-        with platform.db.session() as s:
+        with services.db.session() as s:
             return list(repo.usage_rows(s, scope, start_ts, end_ts))
 
     rows = await asyncio.to_thread(load)
-    groups = summarize(rows, group_by, platform.settings.prices, platform.settings.batch_discount)
+    groups = summarize(rows, group_by, services.settings.prices, services.settings.batch_discount)
     return {
         "object": "usage",
         "start": int(start_ts.timestamp()),
@@ -350,16 +350,16 @@ async def usage_export(
     end: str | None = None,
     tenant_id: str | None = None,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> Response:
     start_ts, end_ts = _window(start, end)
     scope = principal.tenant_filter(tenant_id)
-    await platform.recorder.flush()
+    await services.recorder.flush()
 
     def load() -> str:
-        with platform.db.session() as s:
+        with services.db.session() as s:
             rows = repo.usage_rows(s, scope, start_ts, end_ts)
-            return to_csv(rows, platform.settings.prices, platform.settings.batch_discount)
+            return to_csv(rows, services.settings.prices, services.settings.batch_discount)
 
     body = await asyncio.to_thread(load)
     return Response(

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from modelyard.api.deps import get_inference, get_platform
+from modelyard.api.deps import get_inference, get_services
 from modelyard.api.openapi_responses import (
     BatchList,
     BatchObject,
@@ -21,9 +21,9 @@ from modelyard.api.openapi_responses import (
     FileObject,
     ok,
 )
+from modelyard.api.services import Services
 from modelyard.api.text_guard import storable
 from modelyard.core.identity import Principal
-from modelyard.platform import Platform
 from modelyard.protocol.errors import bad_request
 from modelyard.protocol.responses import JSONResponse
 
@@ -44,7 +44,7 @@ async def upload_file(
     file: UploadFile = File(...),
     purpose: str = Form(...),
     principal: Principal = Depends(get_inference),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     filename = file.filename or "upload.jsonl"
     if not storable(filename):
@@ -54,11 +54,11 @@ async def upload_file(
             "invalid_text",
         )
     # The upload is spooled to a local temp file, then copied (and hashed) into the store.
-    with tempfile.NamedTemporaryFile(dir=platform.store.tmp, prefix="file-") as tmp:
+    with tempfile.NamedTemporaryFile(dir=services.store.tmp, prefix="file-") as tmp:
         await asyncio.to_thread(shutil.copyfileobj, file.file, tmp, 1 << 20)
         tmp.flush()
         return await asyncio.to_thread(
-            platform.files.create_from_path,
+            services.files.create_from_path,
             principal.tenant_id,
             Path(tmp.name),
             filename,
@@ -72,27 +72,27 @@ async def list_files(
     limit: int = Query(100, ge=1, le=10_000),
     after: str | None = None,
     principal: Principal = Depends(get_inference),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(platform.files.list, principal.tenant_id, purpose, limit, after)
+    return await asyncio.to_thread(services.files.list, principal.tenant_id, purpose, limit, after)
 
 
 @router.get("/v1/files/{file_id}", response_model=None, responses=ok(FileObject))
 async def get_file(
     file_id: str,
     principal: Principal = Depends(get_inference),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(platform.files.get, principal.tenant_id, file_id)
+    return await asyncio.to_thread(services.files.get, principal.tenant_id, file_id)
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(
     file_id: str,
     principal: Principal = Depends(get_inference),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> FileResponse:
-    path = await asyncio.to_thread(platform.files.content_path, principal.tenant_id, file_id)
+    path = await asyncio.to_thread(services.files.content_path, principal.tenant_id, file_id)
     return FileResponse(path, media_type="application/octet-stream")
 
 
@@ -100,19 +100,19 @@ async def file_content(
 async def delete_file(
     file_id: str,
     principal: Principal = Depends(get_inference),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(platform.files.delete, principal.tenant_id, file_id)
+    return await asyncio.to_thread(services.files.delete, principal.tenant_id, file_id)
 
 
 @router.post("/v1/batches", response_model=None, responses=ok(BatchObject))
 async def create_batch(
     body: BatchCreate,
     principal: Principal = Depends(get_inference),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> JSONResponse:
     batch = await asyncio.to_thread(
-        platform.batches.create,
+        services.batches.create,
         principal,
         body.input_file_id,
         body.endpoint,
@@ -127,24 +127,24 @@ async def list_batches(
     limit: int = Query(20, ge=1, le=100),
     after: str | None = None,
     principal: Principal = Depends(get_inference),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(platform.batches.list, principal.tenant_id, limit, after)
+    return await asyncio.to_thread(services.batches.list, principal.tenant_id, limit, after)
 
 
 @router.get("/v1/batches/{batch_id}", response_model=None, responses=ok(BatchObject))
 async def get_batch(
     batch_id: str,
     principal: Principal = Depends(get_inference),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(platform.batches.get, principal.tenant_id, batch_id)
+    return await asyncio.to_thread(services.batches.get, principal.tenant_id, batch_id)
 
 
 @router.post("/v1/batches/{batch_id}/cancel", response_model=None, responses=ok(BatchObject))
 async def cancel_batch(
     batch_id: str,
     principal: Principal = Depends(get_inference),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(platform.batches.cancel, principal.tenant_id, batch_id)
+    return await asyncio.to_thread(services.batches.cancel, principal.tenant_id, batch_id)

@@ -9,9 +9,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from modelyard.api.deps import base_url, get_admin, get_platform, get_principal
+from modelyard.api.deps import base_url, get_admin, get_principal, get_services
+from modelyard.api.services import Services
 from modelyard.core.identity import Principal
-from modelyard.platform import Platform
 from modelyard.protocol.errors import APIError
 from modelyard.protocol.management import DeployRequest
 from modelyard.protocol.responses import JSONResponse
@@ -24,9 +24,9 @@ router = APIRouter()
 _deploying: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
 
-def _check_ceilings(platform: Platform, tenant_id: str, replicas: int) -> None:
+def _check_ceilings(services: Services, tenant_id: str, replicas: int) -> None:
     """Refuse a deploy that would take the tenant past its max_endpoints or max_replicas."""
-    with platform.db.session() as s:
+    with services.db.session() as s:
         tenant = repo.get_tenant(s, tenant_id)
         if tenant is None or (tenant.max_endpoints is None and tenant.max_replicas is None):
             return
@@ -55,13 +55,13 @@ async def deploy(
     body: DeployRequest,
     request: Request,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> JSONResponse:
     async with _deploying[principal.tenant_id]:
         await asyncio.to_thread(
-            _check_ceilings, platform, principal.tenant_id, body.hardware.max_replicas
+            _check_ceilings, services, principal.tenant_id, body.hardware.max_replicas
         )
-        result = await platform.endpoints.deploy(principal, body)
+        result = await services.endpoints.deploy(principal, body)
     result["endpoint_url"] = f"{base_url(request)}/v1/models/{result['endpoint_id']}"
     return JSONResponse(result, status_code=202)
 
@@ -70,9 +70,9 @@ async def deploy(
 async def list_endpoints(
     request: Request,
     principal: Principal = Depends(get_principal),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return {"object": "list", "data": platform.endpoints.list(principal, base_url(request))}
+    return {"object": "list", "data": services.endpoints.list(principal, base_url(request))}
 
 
 @router.get("/v1/endpoints/{endpoint_id}")
@@ -80,9 +80,9 @@ async def get_endpoint(
     endpoint_id: str,
     request: Request,
     principal: Principal = Depends(get_principal),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return platform.endpoints.get(principal, endpoint_id, base_url(request))
+    return services.endpoints.get(principal, endpoint_id, base_url(request))
 
 
 class EndpointUpdate(BaseModel):
@@ -96,9 +96,9 @@ async def update_endpoint(
     endpoint_id: str,
     body: EndpointUpdate,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> JSONResponse:
-    result = await platform.endpoints.update(principal, endpoint_id, body.model_artifact)
+    result = await services.endpoints.update(principal, endpoint_id, body.model_artifact)
     return JSONResponse(result, status_code=202)
 
 
@@ -106,18 +106,18 @@ async def update_endpoint(
 async def delete_endpoint(
     endpoint_id: str,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> JSONResponse:
-    return JSONResponse(await platform.endpoints.delete(principal, endpoint_id), status_code=202)
+    return JSONResponse(await services.endpoints.delete(principal, endpoint_id), status_code=202)
 
 
 @router.get("/v1/devices")
 async def devices(
-    principal: Principal = Depends(get_admin), platform: Platform = Depends(get_platform)
+    principal: Principal = Depends(get_admin), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
     """This node's devices and what the placed replicas use of them (platform admin)."""
     principal.require_platform_admin()
-    placement = platform.endpoints.replicas.placement
+    placement = services.endpoints.replicas.placement
     return {
         "object": "list",
         "data": [

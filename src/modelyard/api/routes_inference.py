@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from modelyard.api.deps import get_platform, get_principal
+from modelyard.api.deps import get_principal, get_services
 from modelyard.api.openapi_edge import BEARER_ONLY, json_body
 from modelyard.api.openapi_responses import (
     ChatCompletion,
@@ -17,9 +17,9 @@ from modelyard.api.openapi_responses import (
     ModelObject,
     ok,
 )
+from modelyard.api.services import Services
 from modelyard.core.identity import Principal
 from modelyard.core.routing import EndpointRoute
-from modelyard.platform import Platform
 from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.errors import APIError
 from modelyard.protocol.oip import InferRequest, protocol_shaped
@@ -35,7 +35,7 @@ router = APIRouter()
     responses=ok(ChatCompletion, stream=True),
 )
 async def chat_completions(request: Request) -> Response:
-    return await get_platform(request).gateway.handle(request, "chat.completions")
+    return await get_services(request).gateway.handle(request, "chat.completions")
 
 
 @router.post(
@@ -45,17 +45,17 @@ async def chat_completions(request: Request) -> Response:
     responses=ok(Completion, stream=True),
 )
 async def completions(request: Request) -> Response:
-    return await get_platform(request).gateway.handle(request, "completions")
+    return await get_services(request).gateway.handle(request, "completions")
 
 
 @router.get("/v1/async/{request_id}")
 async def async_result(
     request_id: str,
     principal: Principal = Depends(get_principal),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> Response:
     """The answer to a request sent with `Prefer: respond-async` (202 while it runs)."""
-    return platform.gateway.async_results.get(principal.tenant_id, request_id)
+    return services.gateway.async_results.get(principal.tenant_id, request_id)
 
 
 @router.post(
@@ -65,7 +65,7 @@ async def async_result(
     responses=ok(EmbeddingList),
 )
 async def embeddings(request: Request) -> Response:
-    return await get_platform(request).gateway.handle(request, "embeddings")
+    return await get_services(request).gateway.handle(request, "embeddings")
 
 
 # Open Inference Protocol v2 (KServe, Triton, MLServer clients) for classifier and embedding
@@ -81,23 +81,23 @@ async def oip_health() -> dict[str, Any]:
 @router.get("/v2/models/{model}", openapi_extra=BEARER_ONLY)
 @router.get("/v2/models/{model}/versions/{version}", openapi_extra=BEARER_ONLY)
 async def oip_metadata(model: str, request: Request, version: str | None = None) -> Response:
-    return protocol_shaped(await get_platform(request).gateway.handle_oip(request, model, ""))
+    return protocol_shaped(await get_services(request).gateway.handle_oip(request, model, ""))
 
 
 @router.get("/v2/models/{model}/ready", openapi_extra=BEARER_ONLY)
 @router.get("/v2/models/{model}/versions/{version}/ready", openapi_extra=BEARER_ONLY)
 async def oip_ready(model: str, request: Request, version: str | None = None) -> Response:
-    return protocol_shaped(await get_platform(request).gateway.handle_oip(request, model, "ready"))
+    return protocol_shaped(await get_services(request).gateway.handle_oip(request, model, "ready"))
 
 
 @router.post("/v2/models/{model}/infer", openapi_extra=json_body(InferRequest))
 @router.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=json_body(InferRequest))
 async def oip_infer(model: str, request: Request, version: str | None = None) -> Response:
-    return protocol_shaped(await get_platform(request).gateway.handle_oip(request, model, "infer"))
+    return protocol_shaped(await get_services(request).gateway.handle_oip(request, model, "infer"))
 
 
-def _model_object(route: EndpointRoute, platform: Platform) -> dict[str, Any]:
-    state = platform.endpoints.endpoints.get(route.endpoint_id)
+def _model_object(route: EndpointRoute, services: Services) -> dict[str, Any]:
+    state = services.endpoints.endpoints.get(route.endpoint_id)
     created = int(state.row.created_at.timestamp()) if state else 0
     return {
         "id": route.model_name,
@@ -110,19 +110,19 @@ def _model_object(route: EndpointRoute, platform: Platform) -> dict[str, Any]:
 
 @router.get("/v1/models", response_model=None, responses=ok(ModelList))
 async def list_models(
-    principal: Principal = Depends(get_principal), platform: Platform = Depends(get_platform)
+    principal: Principal = Depends(get_principal), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
-    routes = platform.routing.visible(principal.tenant_id)
-    return {"object": "list", "data": [_model_object(r, platform) for r in routes]}
+    routes = services.routing.visible(principal.tenant_id)
+    return {"object": "list", "data": [_model_object(r, services) for r in routes]}
 
 
 @router.get("/v1/models/{model}", response_model=None, responses=ok(ModelObject))
 async def retrieve_model(
     model: str,
     principal: Principal = Depends(get_principal),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    route = platform.routing.resolve(principal.tenant_id, model)
+    route = services.routing.resolve(principal.tenant_id, model)
     if route is None:
         raise APIError(
             404,
@@ -130,4 +130,4 @@ async def retrieve_model(
             param="model",
             code="model_not_found",
         )
-    return _model_object(route, platform)
+    return _model_object(route, services)

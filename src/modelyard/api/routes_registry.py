@@ -12,10 +12,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from modelyard.api.deps import get_admin, get_platform
+from modelyard.api.deps import get_admin, get_services
+from modelyard.api.services import Services
 from modelyard.control.registry import check_model_name
 from modelyard.core.identity import Principal
-from modelyard.platform import Platform
 from modelyard.protocol.errors import APIError
 from modelyard.protocol.management import VersionCreate
 from modelyard.protocol.responses import JSONResponse
@@ -43,9 +43,9 @@ def _sha(value: str) -> str:
 async def blob_exists(
     sha256: str,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> Response:
-    owned = await asyncio.to_thread(platform.registry.has_blob, principal.tenant_id, _sha(sha256))
+    owned = await asyncio.to_thread(services.registry.has_blob, principal.tenant_id, _sha(sha256))
     return Response(status_code=200 if owned else 404)
 
 
@@ -54,17 +54,17 @@ async def upload_blob(
     sha256: str,
     request: Request,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     expected = _sha(sha256)
-    limit = platform.settings.max_artifact_bytes
+    limit = services.settings.max_artifact_bytes
     try:
-        blob = await platform.store.put_stream(request.stream(), expected, limit)
+        blob = await services.store.put_stream(request.stream(), expected, limit)
     except IntegrityError as exc:
         raise APIError(400, f"upload rejected: {exc}", code="digest_mismatch") from exc
     except ArtifactError as exc:
         raise APIError(413, str(exc), code="artifact_too_large") from exc
-    await asyncio.to_thread(platform.registry.add_blob, principal.tenant_id, blob.sha256, blob.size)
+    await asyncio.to_thread(services.registry.add_blob, principal.tenant_id, blob.sha256, blob.size)
     return {"sha256": blob.sha256, "size": blob.size}
 
 
@@ -73,11 +73,11 @@ async def create_version(
     name: str,
     body: VersionCreate,
     principal: Principal = Depends(get_admin),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> JSONResponse:
     files = {path: entry.model_dump(exclude_none=True) for path, entry in body.files.items()}
     version = await asyncio.to_thread(
-        platform.registry.create_version,
+        services.registry.create_version,
         principal.tenant_id,
         check_model_name(name),
         files,
@@ -98,18 +98,18 @@ async def create_version(
 
 @router.get("/v1/registry/models")
 async def list_registry_models(
-    principal: Principal = Depends(get_admin), platform: Platform = Depends(get_platform)
+    principal: Principal = Depends(get_admin), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
-    models = await asyncio.to_thread(platform.registry.list_models, principal.tenant_id)
+    models = await asyncio.to_thread(services.registry.list_models, principal.tenant_id)
     return {"object": "list", "data": models}
 
 
 @router.get("/v1/registry/models/{name}")
 async def get_registry_model(
-    name: str, principal: Principal = Depends(get_admin), platform: Platform = Depends(get_platform)
+    name: str, principal: Principal = Depends(get_admin), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
     check_model_name(name)
-    models = await asyncio.to_thread(platform.registry.list_models, principal.tenant_id)
+    models = await asyncio.to_thread(services.registry.list_models, principal.tenant_id)
     for m in models:
         if m["name"] == name:
             return m
@@ -118,7 +118,7 @@ async def get_registry_model(
 
 @router.delete("/v1/registry/models/{name}")
 async def delete_registry_model(
-    name: str, principal: Principal = Depends(get_admin), platform: Platform = Depends(get_platform)
+    name: str, principal: Principal = Depends(get_admin), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
-    await asyncio.to_thread(platform.registry.delete_model, principal.tenant_id, name)
+    await asyncio.to_thread(services.registry.delete_model, principal.tenant_id, name)
     return {"name": name, "deleted": True}

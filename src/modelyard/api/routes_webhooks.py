@@ -11,10 +11,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from modelyard.api.deps import get_platform, get_principal
+from modelyard.api.deps import get_principal, get_services
+from modelyard.api.services import Services
 from modelyard.batch.webhook import tenant_secret
 from modelyard.core.identity import Principal
-from modelyard.platform import Platform
 
 router = APIRouter()
 
@@ -37,18 +37,18 @@ def _view(principal: Principal, secret: str) -> dict[str, Any]:
 @router.get("/v1/webhooks/secret")
 async def get_webhook_secret(
     principal: Principal = Depends(_tenant_key),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     """The secret the tenant's batch webhooks are signed with (`whsec_…`, Standard Webhooks)."""
-    secret = await asyncio.to_thread(tenant_secret, platform.db, principal.tenant_id)
+    secret = await asyncio.to_thread(tenant_secret, services.db, principal.tenant_id)
     return _view(principal, secret)
 
 
 @router.post("/v1/webhooks/secret/rotate")
 async def rotate_webhook_secret(
     principal: Principal = Depends(_tenant_key),
-    platform: Platform = Depends(get_platform),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     """A new secret; webhooks sent from now on are signed with it only."""
-    secret = await asyncio.to_thread(tenant_secret, platform.db, principal.tenant_id, True)
+    secret = await asyncio.to_thread(tenant_secret, services.db, principal.tenant_id, True)
     return _view(principal, secret)

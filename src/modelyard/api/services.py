@@ -1,0 +1,48 @@
+"""The services the platform's routes use, handed to the app by the composition root.
+
+`platform.py` builds every object and passes this bundle to `create_platform_app`; the routes
+reach it through the `get_services` dependency, so the api layer never imports the composition
+root (which imports the api to build its app).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from modelyard.batch.files import FileService
+from modelyard.batch.service import BatchService
+from modelyard.config import PlatformSettings
+from modelyard.control.endpoints import EndpointManager
+from modelyard.control.registry import Registry
+from modelyard.core.routing import RoutingTable
+from modelyard.gateway.auth import Authenticator
+from modelyard.gateway.metering import UsageRecorder
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.proxy import Gateway
+from modelyard.store.artifacts import ArtifactStore
+from modelyard.store.db import Database
+
+
+@dataclass(frozen=True)
+class Services:
+    settings: PlatformSettings
+    db: Database
+    store: ArtifactStore
+    registry: Registry
+    routing: RoutingTable
+    auth: Authenticator
+    recorder: UsageRecorder
+    metrics: GatewayMetrics
+    endpoints: EndpointManager
+    gateway: Gateway
+    files: FileService
+    batches: BatchService
+
+
+class Lifecycle(Protocol):
+    """What the app's lifespan starts before serving and stops after (the platform)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
