@@ -102,3 +102,13 @@ class TimedOut(DomainError):
     """The request did not finish in its time limit."""
 
     kind = "timed_out"
+
+
+def model_not_found(model: str) -> NotFound:
+    """The one answer for a model name the caller cannot use, whether it does not exist or
+    belongs to another tenant: the same words either way, so the answer leaks no names."""
+    return NotFound(
+        f"The model `{model}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )

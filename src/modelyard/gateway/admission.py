@@ -12,7 +12,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from modelyard.config import PlatformSettings, PrefixCacheScope
-from modelyard.core.errors import DomainError
+from modelyard.core.errors import DomainError, model_not_found
 from modelyard.core.identity import Principal
 from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.gateway.accounting import Accounting, Call
@@ -152,10 +152,5 @@ class Admission:
     def resolve(self, principal: Principal, model: str) -> EndpointRoute:
         route = self.routing.resolve(principal.tenant_id, model)
         if route is None:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist or you do not have access to it.",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(model)
         return route
