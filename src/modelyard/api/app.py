@@ -21,6 +21,7 @@ from modelyard.api import (
     routes_registry,
     routes_webhooks,
 )
+from modelyard.api.docs_page import install_docs
 from modelyard.api.errors import install_error_handlers
 from modelyard.api.openapi_edge import BEARER_ONLY, BEARER_OPTIONAL, install_openapi
 from modelyard.api.openapi_responses import Health, ok
@@ -45,7 +46,10 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
         finally:
             await lifecycle.stop()
 
-    app = FastAPI(title="modelyard", version=__version__, lifespan=lifespan, redoc_url=None)
+    # /docs is installed by install_docs (assets served here, not from a CDN); no ReDoc.
+    app = FastAPI(
+        title="modelyard", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     app.state.services = services
     install_error_handlers(app)
     install_oip_error_handlers(app)
@@ -67,6 +71,7 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
     app.include_router(routes_webhooks.router)
     app.include_router(routes_console.router)
     install_openapi(app)
+    install_docs(app)
 
     async def platform_admin(request: Request) -> Principal | None:
         """The caller if it is the platform admin; None for no key or a bad or lesser one."""
