@@ -27,13 +27,14 @@ import httpx
 import pytest
 
 from modelyard.config import PlatformSettings
+from modelyard.core.errors import DomainError
 from modelyard.core.identity import Limits, Principal, Tier
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.proxy import _NO_LIMITS, Gateway, _Call
 from modelyard.gateway.quota import MemoryQuotaCounter
 from modelyard.gateway.ratelimit import MemoryRateLimiter
-from modelyard.protocol.errors import APIError
+from modelyard.protocol.errors import STATUS_BY_KIND
 from tests.platform_harness import PlatformProcess, create_key, deploy, wait_status
 from tests.tiny_models import build_model
 
@@ -89,8 +90,8 @@ async def _admit_all(
     async def request(call: _Call) -> None:
         try:
             chosen = await gateway._replica(call, set())
-        except APIError as exc:
-            refused[call.request_id] = exc.status
+        except DomainError as exc:
+            refused[call.request_id] = STATUS_BY_KIND[exc.kind]
             return
         assert chosen is replica
         replica.outstanding += 1  # what `_send` does with the slot it got
@@ -177,30 +178,30 @@ async def test_under_overload_the_lower_tier_is_refused_first() -> None:
 
     free = [await ask("free") for _ in range(3)]
     assert route.waiting == 2
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(DomainError) as refused:
         await free[2]
-    assert refused.value.status == 429 and "higher tiers" in refused.value.message
+    assert STATUS_BY_KIND[refused.value.kind] == 429 and "higher tiers" in refused.value.message
     assert refused.value.headers.get("retry-after")
 
     standard = [await ask("standard") for _ in range(2)]
     # The second standard request found the queue at its share (3) and displaced a free one.
-    with pytest.raises(APIError) as displaced:
+    with pytest.raises(DomainError) as displaced:
         await free[1]
-    assert displaced.value.status == 429 and "higher tier" in displaced.value.message
+    assert STATUS_BY_KIND[displaced.value.kind] == 429 and "higher tier" in displaced.value.message
     assert route.waiting == 3
 
     priority = [await ask("priority") for _ in range(2)]
     # The first priority request filled the queue (4); the second displaced the last free one.
-    with pytest.raises(APIError):
+    with pytest.raises(DomainError):
         await free[0]
     assert route.waiting == 4
     assert not any(t.done() for t in standard + priority)
     # Full of better tiers: a standard request is refused; a priority one displaces a standard.
-    with pytest.raises(APIError) as full:
+    with pytest.raises(DomainError) as full:
         await (await ask("standard"))
-    assert full.value.status == 429
+    assert STATUS_BY_KIND[full.value.kind] == 429
     third = await ask("priority")
-    with pytest.raises(APIError):
+    with pytest.raises(DomainError):
         await standard[1]
     for task in [*standard[:1], *priority, third]:
         task.cancel()
@@ -220,11 +221,11 @@ async def test_an_unavailable_endpoint_fails_at_once_and_wakes_its_waiters() -> 
     assert not waiting.done()
     # ...until the control plane says none will come up by waiting; then it is a 503 at once.
     routing.set_unavailable(route, "its model failed to start", 30)
-    with pytest.raises(APIError) as exc:
+    with pytest.raises(DomainError) as exc:
         await asyncio.wait_for(waiting, 2.0)
-    assert exc.value.status == 503 and exc.value.headers["retry-after"] == "30"
+    assert STATUS_BY_KIND[exc.value.kind] == 503 and exc.value.headers["retry-after"] == "30"
     assert "failed to start" in exc.value.message
-    with pytest.raises(APIError):
+    with pytest.raises(DomainError):
         await asyncio.wait_for(gateway._replica(_call(route, "priority"), set()), 1.0)
 
 

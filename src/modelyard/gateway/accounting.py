@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelyard.core.errors import RateLimited, Unavailable
 from modelyard.core.identity import Principal
 from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
@@ -102,12 +103,11 @@ class Accounting:
                 )
             if not taken:
                 self.metrics.limited.labels("concurrency").inc()
-                raise APIError(
-                    429,
+                raise RateLimited(
                     f"Too many requests in flight for your organization: the limit is "
                     f"{p.max_concurrent_requests} concurrent requests. Retry when one finishes.",
                     code="concurrency_limit_exceeded",
-                    headers={"retry-after": "1"},
+                    retry_after_s=1,
                 )
             call.slot = True
 
@@ -118,8 +118,7 @@ class Accounting:
             self.metrics.limited.labels(decision.reason or "limit").inc()
             what = "requests" if decision.reason == "requests" else "tokens"
             limit = decision.limit_requests if what == "requests" else decision.limit_tokens
-            raise APIError(
-                429,
+            raise RateLimited(
                 f"Rate limit reached for {model} on {what} per minute: limit {limit}. "
                 f"Please try again in {decision.retry_after_s:.2f}s.",
                 code="rate_limit_exceeded",
@@ -140,6 +139,7 @@ class Accounting:
         call.quota_reserved, call.quota_month = call.reserved, month
 
     def quota_exceeded(self, principal: Principal, used: int) -> APIError:
+        # A wire error still: its OpenAI type (insufficient_quota) is not its status's.
         self.metrics.limited.labels("quota").inc()
         return APIError(
             429,
@@ -235,11 +235,10 @@ def fail_closed() -> Iterator[None]:
         yield
     except LimitsUnavailable as exc:
         log.warning("refusing a request: %s", exc)
-        raise APIError(
-            503,
+        raise Unavailable(
             "Rate limits and quotas cannot be checked right now; please retry shortly.",
             code="limits_unavailable",
-            headers={"retry-after": "5"},
+            retry_after_s=5,
         ) from exc
 
 

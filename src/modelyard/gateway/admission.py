@@ -12,13 +12,13 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from modelyard.config import PlatformSettings, PrefixCacheScope
-from modelyard.core.errors import DomainError, model_not_found
+from modelyard.core.errors import DomainError, Invalid, model_not_found
 from modelyard.core.identity import Principal
 from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.gateway.accounting import Accounting, Call
 from modelyard.gateway.cache_scope import scope_prefix_cache
 from modelyard.protocol.embeddings import EmbeddingRequest
-from modelyard.protocol.errors import APIError, bad_request, validation_error
+from modelyard.protocol.errors import APIError, validation_error
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 # The engine serves lower priorities first: interactive requests get their tenant tier's rank
@@ -60,11 +60,11 @@ def parse(kind: str, body: bytes) -> tuple[dict[str, Any], Any]:
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise bad_request(
+        raise Invalid(
             f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
         ) from exc
     if not isinstance(payload, dict):
-        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+        raise Invalid("The request body must be a JSON object.", code="invalid_json")
     return payload, validate(kind, payload)
 
 
@@ -138,10 +138,10 @@ class Admission:
             return estimate_prompt_tokens(payload)
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if max_tokens is not None and max_tokens > route.max_tokens_cap:
-            raise bad_request(
+            raise Invalid(
                 f"max_tokens is {max_tokens}, above this model's cap of {route.max_tokens_cap}",
-                "max_tokens",
-                "invalid_value",
+                param="max_tokens",
+                code="invalid_value",
             )
         completion = max_tokens or self.settings.default_reserved_completion_tokens
         prompt = getattr(req, "prompt", None)

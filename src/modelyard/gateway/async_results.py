@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
+from modelyard.core.errors import DomainError, NotFound
 from modelyard.protocol.errors import APIError
 from modelyard.protocol.responses import JSONResponse
 
@@ -49,6 +50,8 @@ class AsyncResults:
                 entry.response = await work()
             except APIError as exc:
                 entry.response = exc.response()
+            except DomainError as exc:  # kept as the answer the client polls for
+                entry.response = APIError.from_domain(exc).response()
 
         entry.task = asyncio.create_task(run())
         self._entries[request_id] = entry
@@ -70,7 +73,7 @@ class AsyncResults:
     def get(self, tenant_id: str, request_id: str) -> Response:
         entry = self._entries.get(request_id)
         if entry is None or entry.tenant_id != tenant_id:
-            raise APIError(404, f"no pending result {request_id!r}", code="not_found")
+            raise NotFound(f"no pending result {request_id!r}", code="not_found")
         if entry.response is None:
             return JSONResponse(
                 self._status(request_id, "in_progress"), status_code=202,

@@ -19,6 +19,7 @@ import orjson
 from fastapi.responses import Response, StreamingResponse
 
 from modelyard.config import PlatformSettings
+from modelyard.core.errors import DomainError
 from modelyard.core.routing import ReplicaRoute
 from modelyard.gateway.accounting import Accounting, Call, take_usage
 from modelyard.gateway.metrics import GatewayMetrics
@@ -155,9 +156,11 @@ class Relay:
                     else:
                         note.cancel()
                 response, replica = opening.result()
-            except APIError as exc:
+            except (APIError, DomainError) as exc:
+                # The 200 is sent already: the failure goes to the client as an SSE error event.
+                error = exc if isinstance(exc, APIError) else APIError.from_domain(exc)
                 await refund()
-                yield sse_data(exc.body())
+                yield sse_data(error.body())
                 yield DONE
                 return
             finally:

@@ -15,10 +15,10 @@ import aiohttp
 
 from modelyard.config import PlatformSettings
 from modelyard.core.admission import AdmissionRefused, Waiter, admission_rank
+from modelyard.core.errors import RateLimited, Unavailable, UpstreamFailed
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import Call
 from modelyard.gateway.metrics import GatewayMetrics
-from modelyard.protocol.errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,13 @@ _PATHS = {
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError)
 
 
-def unavailable(route: EndpointRoute) -> APIError:
+def unavailable(route: EndpointRoute) -> Unavailable:
     """The endpoint has no replica serving and none will come up by waiting."""
-    return APIError(
-        503,
+    return Unavailable(
         f"`{route.model_name}` is unavailable: {route.unavailable}. "
         f"Please retry in {route.retry_after_s}s.",
         code="model_unavailable",
-        headers={"retry-after": str(route.retry_after_s)},
+        retry_after_s=route.retry_after_s,
     )
 
 
@@ -117,11 +116,10 @@ class Upstream:
                     self.activate(route.endpoint_id)
                     waited = loop.time() - started
                     if waited > s.scale_from_zero_timeout_s:
-                        raise APIError(
-                            503,
+                        raise Unavailable(
                             f"`{route.model_name}` is still loading after {waited:.0f}s; retry",
                             code="model_loading",
-                            headers={"retry-after": "10"},
+                            retry_after_s=10,
                         )
                     if progress is not None:
                         await progress(waited)
@@ -147,13 +145,13 @@ class Upstream:
             if waiter is not None:
                 route.queue.leave(waiter)
 
-    def _overloaded(self, route: EndpointRoute, why: str) -> APIError:
+    def _overloaded(self, route: EndpointRoute, why: str) -> RateLimited:
+        # A 429 as OpenAI answers a full model: the client is told to slow down and retry.
         self.metrics.limited.labels("capacity").inc()
-        return APIError(
-            429,
+        return RateLimited(
             f"`{route.model_name}` is at capacity ({why}). Please retry shortly.",
             code="model_overloaded",
-            headers={"retry-after": "5"},
+            retry_after_s=5,
         )
 
     async def send(
@@ -207,12 +205,11 @@ class Upstream:
             "no replica of %s could take request %s (last error: %r)",
             call.route.endpoint_id, call.request_id, last_error,
         )  # fmt: skip
-        raise APIError(
-            503,
+        raise Unavailable(
             f"No replica of `{call.route.model_name}` is available right now. "
             "Please retry shortly.",
             code="no_capacity",
-            headers={"retry-after": "5"},
+            retry_after_s=5,
         )
 
     async def call_unary(
@@ -225,7 +222,8 @@ class Upstream:
         except (aiohttp.ClientError, TimeoutError) as exc:
             response.close()
             replica.breaker.record(ok=False)
-            raise APIError(502, f"the model server failed: {exc!r}", code="upstream_error") from exc
+            failed = f"the model server failed: {exc!r}"
+            raise UpstreamFailed(failed, code="upstream_error") from exc
         finally:
             call.route.release(replica)
             response.release()
