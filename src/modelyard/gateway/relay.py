@@ -105,11 +105,7 @@ class Relay:
     ) -> Response:
         response, replica = await self.upstream.send(call, payload, stream=True)
         if response.status != 200:
-            try:
-                content = await response.read()
-            finally:
-                response.release()
-                call.route.release(replica)
+            content = await _read_refusal(call, response, replica)
             replica.breaker.record(ok=response.status < 500)
             call.status_code = response.status
             return await self.unpaid(call, content, headers)
@@ -167,11 +163,7 @@ class Relay:
                 if not opening.done():
                     opening.cancel()
             if response.status != 200:
-                try:
-                    content = await response.read()
-                finally:
-                    response.release()
-                    call.route.release(replica)
+                content = await _read_refusal(call, response, replica)
                 await refund()
                 yield sse_raw(content)
                 yield DONE
@@ -233,6 +225,18 @@ class Relay:
             call.route.release(replica)
             replica.breaker.record(ok=call.status != "error")
             await self.accounting.close(call, served=True)
+
+
+async def _read_refusal(
+    call: Call, response: aiohttp.ClientResponse, replica: ReplicaRoute
+) -> bytes:
+    """A worker's refusal of a stream (its own error body), read whole; the replica's slot
+    and the connection go back either way."""
+    try:
+        return await response.read()
+    finally:
+        response.release()
+        call.route.release(replica)
 
 
 def _inspect(call: Call, event: bytes, wants_usage: bool) -> bool:
