@@ -117,7 +117,8 @@ class Gateway:
         request, without rate limits, at batch priority, metered as batch, never streamed.
 
         Returns the worker's status and body, and the usage record to commit with the result
-        (None unless it succeeded); raises `APIError` for what fails before a worker (bad body,
+        (None unless it succeeded); raises a `DomainError` (or the wire's `APIError` for a body
+        that fails its schema, and for the quota) for what fails before a worker (bad body,
         unknown model, quota, no replica)."""
         req = validate(kind, payload)
         route = self.admission.resolve(principal, req.model)
