@@ -26,11 +26,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from modelyard import __version__
+from modelyard.core.errors import model_not_found
 from modelyard.encoders.errors import ModelTooLarge, UnsupportedModel
 from modelyard.encoders.host import ModelHost
 from modelyard.encoders.loading import ModelKind
 from modelyard.encoders.metrics import EncoderMetrics
-from modelyard.protocol.embeddings import EmbeddingRequest, model_not_found
+from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.errors import APIError, bad_request, install_error_handlers
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.oip import install_oip_error_handlers
@@ -87,7 +88,7 @@ def create_encoder_app(host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_B
         if not host.unregister(name):
             if name in host.names:
                 raise APIError(409, f"model {name!r} is busy; retry", code="model_busy")
-            raise model_not_found(name)
+            raise APIError.from_domain(model_not_found(name))
         return json_response({"name": name, "deleted": True})
 
     @app.get("/v2")

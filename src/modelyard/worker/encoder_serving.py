@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from fastapi import Request
 
+from modelyard.core.errors import model_not_found
 from modelyard.encoders.batcher import DynamicBatcher
 from modelyard.encoders.embedding import EmbeddingModel
 from modelyard.encoders.errors import (
@@ -34,7 +35,6 @@ from modelyard.protocol.embeddings import (
     MAX_INPUTS,
     EmbeddingRequest,
     embedding_response,
-    model_not_found,
 )
 from modelyard.protocol.errors import APIError, bad_request
 from modelyard.protocol.oip import (
@@ -107,7 +107,7 @@ class EncoderServing:
 
     def _embedding_spec(self, name: str) -> ModelSpec:
         if name not in self.host.names:
-            raise model_not_found(name)
+            raise APIError.from_domain(model_not_found(name))
         spec = self.host.spec(name)
         if spec.kind != "embedding":
             raise bad_request(

@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
+from modelyard.core.errors import model_not_found
 from modelyard.engine.async_engine import AsyncEngine
 from modelyard.engine.sequence import TokenLogprob
 from modelyard.engine.tokenizer import ChatTemplateError
@@ -55,12 +56,7 @@ class OpenAIServing:
 
     def _check_model(self, req: SamplingFields, unsupported: str | None) -> None:
         if req.model != self.model_name:
-            raise APIError(
-                404,
-                f"The model `{req.model}` does not exist or you do not have access to it.",
-                param="model",
-                code="model_not_found",
-            )
+            raise APIError.from_domain(model_not_found(req.model))
         if unsupported:
             raise bad_request(
                 f"'{unsupported}' is not supported by this server.", unsupported, "unsupported"
