@@ -27,12 +27,3 @@ def sse_raw(payload: bytes) -> bytes:
 def sse_comment(text: str) -> bytes:
     """A comment line (clients ignore it; it keeps a quiet stream alive)."""
     return f": {text}\n\n".encode()
-
-
-def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
-    """The complete events in `buffer` (without their terminators) and the rest."""
-    events = []
-    while EVENT_END in buffer:
-        event, buffer = buffer.split(EVENT_END, 1)
-        events.append(event)
-    return events, buffer
