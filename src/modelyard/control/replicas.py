@@ -5,6 +5,9 @@ cache of the model files; it joins the routing table once healthy, with its admi
 its KV capacity. Every tick its health is probed (`ReplicaHealth`): the dead and the broken are
 replaced. `converge` starts or drains replicas until the live ones match what the autoscaler
 wants.
+
+The controller reports what came of a start (`ReplicaOutcome`) and which replicas `converge`
+wants started; the endpoint's manager acts on both (status, the good version, the start itself).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,6 +23,7 @@ import httpx
 from modelyard.config import PlatformSettings
 from modelyard.control.backends.base import Backend, ReplicaSpec, wait_healthy
 from modelyard.control.devices import inventory, pinning_env
+from modelyard.control.endpoint_status import StatusChange
 from modelyard.control.health import ReplicaHealth
 from modelyard.control.model_kind import LLM
 from modelyard.control.node_cache import NodeCache
@@ -36,9 +40,14 @@ log = logging.getLogger(__name__)
 
 _MAX_RESTART_BACKOFF_S = 60.0
 
-SetStatus = Callable[[EndpointState, EndpointStatus, str | None, StatusTrigger], Awaitable[None]]
-UpdateStatus = Callable[[EndpointState], Awaitable[None]]
-MarkGood = Callable[[EndpointState], Awaitable[None]]
+
+@dataclass(frozen=True)
+class ReplicaOutcome:
+    """What starting one replica came to, for the endpoint's manager to act on."""
+
+    served: bool = False  # it joined routing: the endpoint's status may change
+    version_good: bool = False  # it serves the endpoint's version, not yet recorded as good
+    status: StatusChange | None = None  # a status the endpoint takes (it failed, or no room)
 
 
 def scale_down_order(live: list[Replica], placement: Placement) -> list[Replica]:
@@ -61,19 +70,13 @@ class ReplicaController(ReplicaHealth):
         backend: Backend,
         routing: RoutingTable,
         registry: Registry,
-        endpoints: Callable[[], dict[str, EndpointState]],
-        set_status: SetStatus,
-        update_status: UpdateStatus,
-        mark_good: MarkGood,
+        endpoints: dict[str, EndpointState],
     ) -> None:
         self.settings = settings
         self.backend = backend
         self.routing = routing
         self.registry = registry
-        self.endpoints = endpoints
-        self.set_status = set_status
-        self.update_status = update_status
-        self.mark_good = mark_good
+        self.endpoints = endpoints  # read only: which versions are in use
         self.node_cache = NodeCache(
             settings.data_dir / "node-cache", registry.store, settings.node_cache_bytes
         )
@@ -101,23 +104,25 @@ class ReplicaController(ReplicaHealth):
         version = await asyncio.to_thread(self.registry.by_id, state.row.version_id)
         in_use = {
             s.row.version_id
-            for s in self.endpoints().values()
+            for s in self.endpoints.values()
             if s.live and s.row.version_id is not None
         }
         entry = await asyncio.to_thread(self.node_cache.fetch, version, in_use)
         state.last_fetch = "node cache" if entry.hit else "artifact store"
         return entry.path
 
-    async def run(self, state: EndpointState, replica: Replica) -> None:
+    async def run(self, state: EndpointState, replica: Replica) -> ReplicaOutcome:
         """Start `replica` and have it serve; any failure on the way fails it (never left
         `starting`), and the endpoint with it while no other replica serves."""
         try:
-            await self._run(state, replica)
+            return await self._run(state, replica)
         except Exception as exc:
             log.exception("replica %s of %s failed to start", replica.replica_id, state.row.id)
-            await self._start_failed(state, replica, exc)
+            return await self._start_failed(state, replica, exc)
 
-    async def _start_failed(self, state: EndpointState, replica: Replica, exc: Exception) -> None:
+    async def _start_failed(
+        self, state: EndpointState, replica: Replica, exc: Exception
+    ) -> ReplicaOutcome:
         replica.state = ReplicaState.FAILED
         state.failures += 1
         replica.error = state.last_error = str(exc)
@@ -128,15 +133,14 @@ class ReplicaController(ReplicaHealth):
         # memory something outside the platform took, should not fail every retry).
         state.failed_devices.update(replica.devices)
         self.release(replica)
-        if not state.serving:
-            await self.set_status(
-                state,
-                EndpointStatus.FAILED,
-                f"replica failed to start: {exc}",
-                StatusTrigger.REPLICA_START_FAILED,
-            )
+        if state.serving:
+            return ReplicaOutcome()
+        why = f"replica failed to start: {exc}"
+        return ReplicaOutcome(
+            status=StatusChange(EndpointStatus.FAILED, why, StatusTrigger.REPLICA_START_FAILED)
+        )
 
-    async def _run(self, state: EndpointState, replica: Replica) -> None:
+    async def _run(self, state: EndpointState, replica: Replica) -> ReplicaOutcome:
         assert state.model_path is not None
         if state.row.version_id is not None and state.kind == LLM:
             try:
@@ -149,11 +153,14 @@ class ReplicaController(ReplicaHealth):
                 replica.handle, replica.placement_id = taken
                 replica.devices = self._device_names(replica.placement_id)
                 state.last_fetch = "warm pool"
-                await self.serve(state, replica)
-                return
+                return await self.serve(state, replica)
         env = {**self.default_engine_env(), **state.engine_env}
-        if not self._place(state, replica, env):
-            return
+        no_room = self._place(state, replica, env)
+        if no_room is not None:
+            no_room_status = StatusChange(
+                EndpointStatus.UNSCHEDULABLE, no_room, StatusTrigger.NO_ROOM
+            )
+            return ReplicaOutcome(status=no_room_status)
         spec = ReplicaSpec(
             replica_id=replica.replica_id,
             endpoint_id=state.row.id,
@@ -167,12 +174,11 @@ class ReplicaController(ReplicaHealth):
                 self.backend, replica.handle, self._http, self.settings.replica_start_timeout_s
             )
         except Exception as exc:
-            await self._start_failed(state, replica, exc)
-            return
-        await self.serve(state, replica)
+            return await self._start_failed(state, replica, exc)
+        return await self.serve(state, replica)
 
-    def _place(self, state: EndpointState, replica: Replica, env: dict[str, str]) -> bool:
-        """Reserve the replica's devices (and tell the worker which); False if nothing fits."""
+    def _place(self, state: EndpointState, replica: Replica, env: dict[str, str]) -> str | None:
+        """Reserve the replica's devices (and tell the worker which); why not, if none fits."""
         assert state.model_path is not None
         count = max(1, int(state.row.hardware.get("gpu_count", 1)))
         need = replica_bytes_per_device(
@@ -188,16 +194,14 @@ class ReplicaController(ReplicaHealth):
         if replica.replica_id in result.unschedulable:
             why = result.unschedulable[replica.replica_id]
             replica.state, replica.error = ReplicaState.FAILED, f"unschedulable: {why}"
-            unschedulable = EndpointStatus.UNSCHEDULABLE
-            spawn(state, self.set_status(state, unschedulable, why, StatusTrigger.NO_ROOM))
-            return False
+            return why
         devices = result.assignments[replica.replica_id]
         replica.placement_id = replica.replica_id
         replica.devices = [d.qualified_name for d in devices]
         if count > 1:
             env["MODELYARD_TENSOR_PARALLEL_SIZE"] = str(count)
         env.update(pinning_env(devices))
-        return True
+        return None
 
     def _device_names(self, placement_id: str | None) -> list[str]:
         devices = self.placement.assignment(placement_id) if placement_id else None
@@ -209,25 +213,25 @@ class ReplicaController(ReplicaHealth):
             self.placement.release(replica.placement_id)
             replica.placement_id = None
 
-    async def serve(self, state: EndpointState, replica: Replica) -> None:
+    async def serve(self, state: EndpointState, replica: Replica) -> ReplicaOutcome:
         """A started, healthy replica joins its endpoint's routing."""
         assert replica.handle is not None
         if replica.state is ReplicaState.DRAINING:  # scaled down while it was starting
             await self.backend.stop(replica.handle)
             self.release(replica)
             replica.state = ReplicaState.STOPPED
-            return
+            return ReplicaOutcome()
         replica.state = ReplicaState.READY
         state.clear_failures()
-        if replica.version_id == state.row.version_id:
+        current = replica.version_id == state.row.version_id
+        if current:
             state.rollout_from = None
-            if replica.version_id != state.row.good_version_id:
-                await self.mark_good(state)
         replica.ready_after_s = time.time() - replica.started_at
         replica.route = ReplicaRoute(replica.replica_id, replica.handle.url)
         await self.probe(replica)  # its load report and admission limit, before traffic
         self.routing.add_replica(state.route, replica.route)
-        await self.update_status(state)
+        good = current and replica.version_id != state.row.good_version_id
+        return ReplicaOutcome(served=True, version_good=good)
 
     def default_engine_env(self) -> dict[str, str]:
         env = {"MODELYARD_CACHE_DIR": str(self.node_cache.engine_cache)}
@@ -240,9 +244,10 @@ class ReplicaController(ReplicaHealth):
         if replica.route is not None:
             self.routing.drop_replica(state.route, replica.route)
 
-    def converge(self, state: EndpointState) -> None:
-        """Start or drain replicas until the live ones of the endpoint's version match
-        `desired`; replicas of an older version serve until the new ones all do."""
+    def converge(self, state: EndpointState) -> list[Replica]:
+        """Drain replicas, or list new ones to start (the caller runs them), until the live
+        ones of the endpoint's version match `desired`; replicas of an older version serve
+        until the new ones all do."""
         live = state.current
         stale = [r for r in state.live if r.version_id != state.row.version_id]
         ready = sum(r.state is ReplicaState.READY for r in live)
@@ -258,14 +263,14 @@ class ReplicaController(ReplicaHealth):
                 state.restarts += missing
                 backoff = min(_MAX_RESTART_BACKOFF_S, 2.0 ** min(state.failures, 6))
                 state.next_restart_at = time.monotonic() + backoff
-            for _ in range(missing):
-                spawn(state, self.run(state, self.new_replica(state)))
-        elif missing < 0:
+            return [self.new_replica(state) for _ in range(missing)]
+        if missing < 0:
             for replica in scale_down_order(live, self.placement)[:-missing]:
                 replica.state = ReplicaState.DRAINING
                 if replica.route is not None:
                     self.routing.mark_unready(replica.route)
                     spawn(state, self.drain(state, replica))
+        return []
 
     async def drain(self, state: EndpointState, replica: Replica) -> None:
         """Scale-down of one replica: no new requests, wait for those in flight, then stop."""

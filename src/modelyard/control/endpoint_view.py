@@ -1,0 +1,48 @@
+"""The endpoint's JSON view, as the API shows it (`GET /v1/endpoints/{id}`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modelyard.control.state import EndpointState
+from modelyard.core.status import ReplicaState
+from modelyard.store import repository as repo
+
+
+def endpoint_view(state: EndpointState, base_url: str) -> dict[str, Any]:
+    row = state.row
+    autoscaler = state.autoscaler
+    return {
+        "endpoint_id": row.id,
+        "object": "endpoint",
+        "model_name": row.model_name,
+        "status": state.status,
+        "status_message": state.message,
+        "public": row.public,
+        "kind": state.kind,
+        "model_artifact": row.artifact,
+        "version_id": row.version_id,
+        "good_version_id": row.good_version_id,
+        "rollout_from": state.rollout_from,
+        "model_files_from": state.last_fetch,
+        "framework": row.framework,
+        "hardware": row.hardware,
+        "scaling": row.scaling,
+        "engine": row.engine_options,
+        "sampling_defaults": row.sampling_defaults or {},
+        "created_at": int(repo.as_utc(row.created_at).timestamp()),
+        "endpoint_url": f"{base_url}/v1/models/{row.id}",
+        "autoscaling": {
+            "desired": state.desired,
+            "current": len(state.live),
+            "last_decision": autoscaler.last.view() if autoscaler and autoscaler.last else None,
+            "recent_changes": [d.view() for d in state.decisions],
+        },
+        "replicas": {
+            "desired": state.desired,
+            "ready": state.serving,
+            "restarts": state.restarts,
+            "last_error": state.last_error,
+            "items": [r.view() for r in state.replicas if r.state is not ReplicaState.STOPPED],
+        },
+    }
