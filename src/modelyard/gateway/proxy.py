@@ -55,6 +55,9 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self.auth = auth
+        # Read by the batch runner: which model an item names, and where its usage is counted.
+        self.routing = routing
+        self.recorder = recorder
         # Tenants' requests in flight, kept where the quota is (Redis or this process).
         slots = slots if slots is not None else concurrency_beside(quota)
         self.accounting = Accounting(limiter, quota, slots, recorder, metrics)
