@@ -18,10 +18,10 @@ from modelyard.api.openapi_responses import (
     ok,
 )
 from modelyard.api.services import Services
+from modelyard.core.errors import model_not_found
 from modelyard.core.identity import Principal
 from modelyard.core.routing import EndpointRoute
 from modelyard.protocol.embeddings import EmbeddingRequest
-from modelyard.protocol.errors import APIError
 from modelyard.protocol.oip import InferRequest, protocol_shaped
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 
@@ -124,10 +124,5 @@ async def retrieve_model(
 ) -> dict[str, Any]:
     route = services.routing.resolve(principal.tenant_id, model)
     if route is None:
-        raise APIError(
-            404,
-            f"The model `{model}` does not exist or you do not have access to it.",
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(model)
     return _model_object(route, services)

@@ -34,7 +34,7 @@ def dtype_bytes(engine: EngineSettings, on_cuda: bool) -> int:
         return 4
     if engine.dtype == "bfloat16":
         return 2
-    from modelyard.engine.llm_engine import cpu_has_native_bfloat16
+    from modelyard.engine.loading import cpu_has_native_bfloat16
 
     return 2 if on_cuda or cpu_has_native_bfloat16() else 4
 

@@ -17,7 +17,7 @@ from modelyard.config import EngineSettings
 from modelyard.engine.admission import EngineLimits, RequestRejected, check_request
 from modelyard.engine.faults import RequestFailed, is_fatal
 from modelyard.engine.kv_cache_manager import KVCacheManager
-from modelyard.engine.loading import cpu_has_native_bfloat16, load
+from modelyard.engine.loading import load
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.requests import EngineRequest, RequestOutput
@@ -27,14 +27,7 @@ from modelyard.engine.scheduler import Scheduler
 from modelyard.engine.sequence import FinishReason, Sequence, TokenLogprob
 from modelyard.engine.tokenizer import Tokenizer
 
-# cpu_has_native_bfloat16: still imported from here by the control plane's sizing.
-__all__ = [
-    "LLMEngine",
-    "RequestFailed",
-    "RequestOutput",
-    "RequestRejected",
-    "cpu_has_native_bfloat16",
-]
+__all__ = ["LLMEngine", "RequestFailed", "RequestOutput", "RequestRejected"]
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from modelyard.protocol.errors import APIError, bad_request
+from modelyard.protocol.errors import bad_request
 
 MAX_INPUTS = 2048  # OpenAI's own limit on the inputs of one request
 
@@ -51,15 +51,6 @@ class EmbeddingRequest(BaseModel):
                     "invalid_value",
                 )
         return inputs
-
-
-def model_not_found(name: str) -> APIError:
-    return APIError(
-        404,
-        f"The model '{name}' does not exist or you do not have access to it.",
-        param="model",
-        code="model_not_found",
-    )
 
 
 def embedding_response(
