@@ -58,6 +58,14 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding one tiny random Llama, `tiny`, for a module's platform to deploy by path."""
+    root = tmp_path_factory.mktemp("models")
+    build_model(root / "tiny", "llama")
+    return root
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")

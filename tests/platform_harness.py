@@ -107,6 +107,16 @@ class PlatformProcess:
 # ----- helpers the tests share -----------------------------------------------------------------
 
 
+def tiny_models_env(models_dir: Path) -> dict[str, str]:
+    """Settings of a test platform serving the tiny random models in `models_dir`: deployable by
+    path, a small float32 KV cache, and health checks fast enough for failure tests."""
+    return {
+        "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models_dir)]),
+        "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
+        "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
+    }
+
+
 def create_tenant(api: httpx.Client, name: str, quota: int | None = None) -> str:
     r = api.post("/v1/tenants", json={"name": name, "monthly_token_quota": quota})
     assert r.status_code == 201, r.text

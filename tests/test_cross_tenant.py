@@ -26,23 +26,16 @@ from tests.platform_harness import (
     deploy,
     jsonl,
     read_jsonl,
+    tiny_models_env,
     usage_rows,
     wait_batch,
     wait_status,
     wait_usage,
 )
-from tests.tiny_models import build_model
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 FAST = {"stable_window_seconds": 2, "panic_window_seconds": 1, "scale_down_delay_seconds": 1}
 REFUSED = {403, 404}
-
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    build_model(root / "tiny", "llama")
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +47,7 @@ def platform(
 ) -> Iterator[PlatformProcess]:
     env = {
         **platform_env,
-        "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models_dir)]),
-        "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
-        "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
+        **tiny_models_env(models_dir),
         "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
     }
     p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()

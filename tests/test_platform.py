@@ -24,22 +24,15 @@ from tests.platform_harness import (
     deploy,
     jsonl,
     read_jsonl,
+    tiny_models_env,
     usage_rows,
     wait_batch,
     wait_request_ids,
     wait_status,
     wait_usage,
 )
-from tests.tiny_models import build_model
 
 MESSAGES = [{"role": "user", "content": "Hello there, how are you?"}]
-
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    build_model(root / "tiny", "llama")
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +44,9 @@ def platform(
 ) -> Iterator[PlatformProcess]:
     env = {
         **platform_env,
+        **tiny_models_env(models_dir),
         "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
-        "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models_dir)]),
         "MODELYARD_PRICES": json.dumps({"tiny": {"input": 1.0, "output": 2.0}}),
-        "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
-        "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
     }
     p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
     try:

@@ -36,19 +36,12 @@ from tests.platform_harness import (
     PlatformProcess,
     create_key,
     deploy,
+    tiny_models_env,
     wait_request_ids,
     wait_usage,
 )
-from tests.tiny_models import build_model
 
 MESSAGES = [{"role": "user", "content": "Hello there, how are you?"}]
-
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("models")
-    build_model(root / "tiny", "llama")
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +53,7 @@ def platform(
 ) -> Iterator[PlatformProcess]:
     env = {
         **platform_env,
-        "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models_dir)]),
-        "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
-        "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
+        **tiny_models_env(models_dir),
     }
     p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
     try:
