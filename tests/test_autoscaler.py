@@ -82,3 +82,24 @@ def test_policy_from_the_deploy_body() -> None:
     )  # fmt: skip
     assert (p.metric, p.target, p.min_replicas, p.max_replicas) == ("gpu_utilization", 70, 0, 8)
     assert p.scale_to_zero and p.idle_to_zero_s == 300
+
+
+def test_keep_warm_weighed_by_reload_time() -> None:
+    """With idle_per_reload, a model that reloads fast goes to zero sooner (60 s at least, the
+    policy's idle time at most); without a measured reload time nothing changes."""
+    policy = ScalingPolicy(metric="concurrency", target=1, max_replicas=3, scale_to_zero=True)
+    scaler = Autoscaler(policy)
+    scaler.observe(Observation(0.0, 1.0, True))
+    scaler.idle_per_reload = 10.0
+    assert scaler.idle_limit() == 300.0  # no reload time measured yet
+    scaler.reload_s = 8.0
+    assert scaler.idle_limit() == 80.0
+    for t in range(2, 80, 2):
+        scaler.observe(Observation(float(t), 0.0, False))
+        assert scaler.decide(float(t), 1).desired == 1
+    scaler.observe(Observation(80.0, 0.0, False))
+    assert scaler.decide(80.0, 1).desired == 0
+    scaler.reload_s = 2.0
+    assert scaler.idle_limit() == 60.0
+    scaler.reload_s = 100.0
+    assert scaler.idle_limit() == 300.0

@@ -497,9 +497,7 @@ class CountingGateway:
     when `gate` opens) and records how many items were in flight, per tenant and in all, and
     whether one item was ever sent while it was still in flight."""
 
-    def __init__(self, routing: RoutingTable, hold_s: float = 0.05) -> None:
-        self.routing = routing
-        self.recorder = self
+    def __init__(self, hold_s: float = 0.05) -> None:
         self.hold_s = hold_s
         self.gate = asyncio.Event()
         self.gate.set()
@@ -545,13 +543,15 @@ class Runner:
         self.files = FileService(self.db, ArtifactStore(tmp / "artifacts"), 1 << 30)
         self.batches = BatchService(self.db, self.files, WebhookPolicy([]))
         self.routing = RoutingTable()
-        self.gateway = CountingGateway(self.routing)
+        self.gateway = CountingGateway()
         base = {"data_dir": tmp, "batch_poll_interval_s": 0.05, **settings}
         self.runner = BatchRunner(
             PlatformSettings(**base),
             self.db,
             self.files,
-            self.gateway,  # type: ignore[arg-type]
+            sender=self.gateway,
+            routing=self.routing,
+            usage=self.gateway,
         )
         self.tmp = tmp
 

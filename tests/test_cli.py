@@ -201,6 +201,39 @@ def test_usage_shows_the_requests(
     assert any(r["model"] == "tiny" for r in rows), rows
 
 
+def test_registry_devices_and_webhook_secret(
+    platform: PlatformProcess, deployed: subprocess.CompletedProcess[str], models: Path
+) -> None:
+    """`models push|list|show|delete`, `devices` (the fleet) and `webhooks secret [--rotate]`."""
+    env = {"MODELYARD_URL": platform.url, "MODELYARD_API_KEY": platform.admin_key}
+    pushed = run_cli("models", "push", str(models / "tiny"), "--name", "reg-tiny", env=env)
+    assert pushed.returncode == 0 and "pushed reg-tiny:1" in pushed.stdout, pushed.stderr
+    listed = cli_json(platform, "models", "list")
+    [model] = [m for m in listed if m["name"] == "reg-tiny"]
+    assert [v["ref"] for v in model["versions"]] == ["reg-tiny:1"]
+    assert "reg-tiny:1" in cli(platform, "models", "list").stdout
+    shown = cli_json(platform, "models", "show", "reg-tiny")
+    assert shown["id"] == model["id"] and shown["versions"][0]["total_size"] > 0
+    assert "reg-tiny:1" in cli(platform, "models", "show", "reg-tiny").stdout
+    cli(platform, "models", "delete", "reg-tiny")
+    assert "reg-tiny" not in [m["name"] for m in cli_json(platform, "models", "list")]
+    gone = runner.invoke(app, ["models", "delete", "reg-tiny"], env=env)
+    assert gone.exit_code == 1 and "not in the registry" in gone.stderr
+
+    # The fleet: the deployed replica is on a device whose memory it uses.
+    [endpoint] = [e for e in cli_json(platform, "endpoints", "list") if e["model_name"] == "tiny"]
+    replica = endpoint["replicas"]["items"][0]["id"]
+    [device] = [d for d in cli_json(platform, "devices") if replica in d["replicas"]]
+    assert 0 < device["used_bytes"] <= device["memory_bytes"]
+    assert replica in cli(platform, "devices").stdout
+
+    first = cli_json(platform, "webhooks", "secret")
+    assert first["secret"].startswith("whsec_")
+    rotated = cli_json(platform, "webhooks", "secret", "--rotate")
+    assert rotated["secret"] != first["secret"]
+    assert cli_json(platform, "webhooks", "secret")["secret"] == rotated["secret"]
+
+
 def test_bad_key_prints_the_api_message(platform: PlatformProcess) -> None:
     expected = httpx.get(
         f"{platform.url}/v1/keys", headers={"authorization": "Bearer sk-not-a-key"}

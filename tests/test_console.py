@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from tests.platform_harness import (
     create_tenant,
     deploy,
     jsonl,
+    wait_status,
 )
 from tests.tiny_models import build_model
 
@@ -310,6 +312,18 @@ def test_deploy_from_the_registry_with_progress_and_api_errors_shown(
     assert progress.locator("progress").get_attribute("value") == "100"
     page.locator("#endpoints-list .badge.ready").wait_for()
     assert "1/1 ready" in page.locator("#endpoints-list").inner_text()
+    # A loading replica's {phase, fraction} is a bar on its endpoint (drawn by the console's own
+    # module from an endpoint view shaped as GET /v1/endpoints returns it); a ready one, none.
+    shown = page.evaluate("""async () => {
+      const { loadCell } = await import("/console/endpoints.js");
+      const replicas = (...progress) => ({ items: progress.map((p) => ({ load_progress: p })) });
+      const cell = loadCell({ model_name: "m", replicas: replicas(
+        { phase: "ready", fraction: 1 }, { phase: "loading", fraction: 0.5 }) });
+      const bar = cell.querySelector("progress");
+      return [bar.value, bar.getAttribute("aria-label"), cell.textContent.trim(),
+              loadCell({ model_name: "m", replicas: replicas({ phase: "ready", fraction: 1 }) })];
+    }""")
+    assert shown == [60, "m loading: loading 50%", "loading 50%", "–"]
     # A second deploy of the same name: the API refuses it, and its own message is shown.
     page.get_by_role("button", name="Deploy").click()
     flash = page.locator("#flash")
@@ -321,6 +335,27 @@ def test_deploy_from_the_registry_with_progress_and_api_errors_shown(
         data={"model_name": "tiny-reg", "model_artifact": "tiny-reg:1"},
     )
     assert duplicate.status >= 400 and message == duplicate.json()["error"]["message"]
+
+    # A 10 % canary of a second version: the endpoint's row shows both versions and their shares.
+    RegistryClient(platform.url, tenant_key).push(models / "tiny", "tiny-reg")
+    api = platform.api(tenant_key)
+    [endpoint_id] = [e["endpoint_id"] for e in api.get("/v1/endpoints").json()["data"]
+                     if e["model_name"] == "tiny-reg"]  # fmt: skip
+    added = api.post(f"/v1/endpoints/{endpoint_id}/versions",
+                     json={"model_artifact": "tiny-reg:2", "weight": 10})  # fmt: skip
+    assert added.status_code == 201, added.text
+    wait_status(api, endpoint_id, "ready")
+    deadline = time.monotonic() + 90
+    while api.get(f"/v1/endpoints/{endpoint_id}").json()["versions"]["canary"]["status"] != (
+        "serving"
+    ):
+        assert time.monotonic() < deadline, "the canary did not start serving"
+        time.sleep(0.3)
+    page.get_by_role("link", name="Playground").click()
+    page.get_by_role("link", name="Endpoints").click()  # the list is read when the view opens
+    row = page.locator("#endpoints-list tr", has_text="tiny-reg")
+    row.get_by_text("tiny-reg:1 90% · tiny-reg:2 10% canary").wait_for()
+    assert "canary serving" in row.inner_text()
 
 
 def test_keyboard_reaches_every_section(page: Any, platform: PlatformProcess) -> None:

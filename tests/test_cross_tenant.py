@@ -203,6 +203,12 @@ def test_another_tenant_can_reach_nothing_by_id(
     probe("GET", "/v1/endpoints/{endpoint_id}", endpoint_id=v.endpoint)
     probe("PATCH", "/v1/endpoints/{endpoint_id}", endpoint_id=v.endpoint,
           json_body={"model_artifact": f"{v.reg_name}:1"})  # fmt: skip
+    probe("POST", "/v1/endpoints/{endpoint_id}/versions", endpoint_id=v.endpoint,
+          json_body={"model_artifact": f"{v.reg_name}:1", "weight": 10})  # fmt: skip
+    probe("PATCH", "/v1/endpoints/{endpoint_id}/traffic", endpoint_id=v.endpoint,
+          json_body={"weights": {"1": 100}})  # fmt: skip
+    probe("POST", "/v1/endpoints/{endpoint_id}/promote", endpoint_id=v.endpoint)
+    probe("POST", "/v1/endpoints/{endpoint_id}/rollback", endpoint_id=v.endpoint)
     probe("DELETE", "/v1/endpoints/{endpoint_id}", endpoint_id=v.endpoint)
     assert v.endpoint not in str(probe("GET", "/v1/endpoints", {200}).json())
     for model in (v.model_name, v.endpoint, v.cold_name):

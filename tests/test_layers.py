@@ -24,7 +24,9 @@ _BELOW_API = {
     "config", "core", "protocol", "store", "engine", "encoders", "worker", "gateway",
     "control", "batch",
 }  # fmt: skip
-_TOP = _BELOW_API | {"api", "console", "platform", "cli", "cli_commands", "registry_client"}
+_TOP = _BELOW_API | {
+    "api", "console", "platform", "roles", "cli", "cli_commands", "registry_client",
+}  # fmt: skip
 ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
     "config": set(),
@@ -40,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "console": _BELOW_API | {"api"},
     # Layer 7: the composition root, the command line and the registry client use everything.
     "platform": _TOP,
+    "roles": _TOP,
     "cli": _TOP,
     "cli_commands": _TOP,
     "registry_client": _TOP,

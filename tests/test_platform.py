@@ -414,11 +414,15 @@ def test_malformed_and_oversized_bodies(platform: PlatformProcess, tenant: Tenan
                                              "framework": "vllm"})  # fmt: skip
     assert r.status_code == 403  # inference key: no admin scope
     r = tenant.api.post("/v1/models/deploy", json={"model_name": "x", "model_artifact": "y",
-                                                   "framework": "vllm"})  # fmt: skip
+                                                   "framework": "tgi"})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_framework"
     r = tenant.api.post("/v1/models/deploy", json={"model_name": "x",
-                                                   "model_artifact": "s3://b/m"})  # fmt: skip
+                                                   "model_artifact": "gs://b/m"})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_artifact"
+    # s3:// is imported when its bucket is allowed (tests/test_s3_artifacts.py); none is here.
+    r = tenant.api.post("/v1/models/deploy", json={"model_name": "x",
+                                                   "model_artifact": "s3://b/m"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model_artifact"
     assert_only_sentinel_metered(http, tenant)
 
 

@@ -74,6 +74,13 @@ def test_a_broken_version_falls_back_and_a_good_one_rolls_out(
         assert "last good version roll:1" in degraded["status_message"]
         assert degraded["version_id"] == v1_id and degraded["model_artifact"] == "roll:1"
         assert degraded["replicas"]["items"][0]["pid"] == first_pid  # it never stopped serving
+        # The fallback is in the audit log as the platform's doing, with its reason.
+        events = api.get("/v1/audit", params={"target_id": endpoint}).json()["data"]
+        fallback = next(e for e in events if e["action"] == "endpoint.rollout_fallback")
+        assert fallback["actor_key_id"] == "system"
+        assert "failed to load" in fallback["after"]["reason"]
+        assert fallback["before"]["model_artifact"] == "roll:2"
+        assert fallback["after"]["model_artifact"] == "roll:1"
 
         r = api.patch(f"/v1/endpoints/{endpoint}", json={"model_artifact": "roll:3"})
         assert r.status_code == 202

@@ -248,6 +248,13 @@ def test_metrics_and_models_and_health(url: str, client: openai.OpenAI) -> None:
         "modelyard_e2e_request_latency_seconds_bucket",
     ):
         assert name in text
+    # Per-request histograms, under both namings: tokens, and the phases in the engine.
+    for name in ("request_prompt_tokens", "request_generation_tokens",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):  # fmt: skip
+        assert metric(url, f"modelyard_{name}_count") >= 1, name
+        assert metric(url, f"vllm:{name}_count") == metric(url, f"modelyard_{name}_count")
+    assert metric(url, "modelyard_request_generation_tokens_sum") >= 3
     assert [m.id for m in client.models.list()] == [MODEL]
     health = httpx.get(f"{url}/health").json()
     assert health["status"] == "ok" and health["kv_cache_capacity_tokens"] > 0
@@ -383,7 +390,7 @@ TEXT = {"model": MODEL, "prompt": "One, two,", "max_tokens": 2}
         ("chat", {"min_p": 1.5}, "min_p"),
         ("chat", {"repetition_penalty": 1000}, "repetition_penalty"),
         ("chat", {"max_tokens": 10**30}, "max_tokens"),
-        ("chat", {"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ("chat", {"logit_bias": {"49152": 1.0}}, "logit_bias"),
         ("text", {"prompt": [[1, 2]] * 5, "n": 30}, "n"),
         ("text", {"prompt": [[]]}, "prompt"),
         ("text", {"prompt": [0, 49152]}, "prompt"),

@@ -5,17 +5,16 @@ running platform over HTTP and live in `modelyard.cli_commands` (registered belo
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from modelyard.cli_commands import admin, chat, common, data, endpoints
+from modelyard.cli_commands import admin, audit, chat, common, data, endpoints, registry
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="modelyard inference platform")
-models_app = typer.Typer(no_args_is_help=True, help="The model registry.")
+models_app = typer.Typer(no_args_is_help=True, help="The model registry: push, list, show, delete.")
 app.add_typer(models_app, name="models")
 app.command()(admin.login)
 app.command()(admin.whoami)
@@ -24,9 +23,15 @@ app.add_typer(admin.keys_app, name="keys")
 app.add_typer(admin.usage_app, name="usage")
 app.command()(endpoints.deploy)
 app.add_typer(endpoints.endpoints_app, name="endpoints")
+app.add_typer(audit.audit_app, name="audit")
 app.add_typer(data.files_app, name="files")
 app.add_typer(data.batches_app, name="batches")
 app.command()(chat.chat)
+models_app.command("list")(registry.models_list)
+models_app.command("show")(registry.models_show)
+models_app.command("delete")(registry.models_delete)
+app.command()(registry.devices)
+app.add_typer(registry.webhooks_app, name="webhooks")
 
 
 @app.callback()
@@ -45,14 +50,23 @@ def main(
     common.selection = common.Selection(profile, url, api_key)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # One line per health probe and proxied request is noise at INFO.
-    quiet = max(logging.WARNING, logging.getLogger().level)
-    logging.getLogger("httpx").setLevel(quiet)
-    logging.getLogger("alembic.runtime.plugins").setLevel(quiet)  # a line per plugin, each start
+def _setup_logging(level: str | None, suffix: str = "", replica: bool = False) -> Any:
+    """Logs (text or JSON lines) and traces (with `otel_endpoint`; the service name is
+    `otel_service_name` + `suffix`) of this process, from the telemetry settings, `level` (a
+    --log-level) over theirs; returns the effective settings."""
+    from pydantic import ValidationError
+
+    from modelyard.config import TelemetrySettings
+    from modelyard.core.logs import setup_logging
+    from modelyard.core.tracing import configure_tracing
+
+    try:
+        settings = TelemetrySettings(**({"log_level": level} if level else {}))
+        setup_logging(settings, replica=replica)
+        configure_tracing(settings, settings.otel_service_name + suffix)
+    except (ValidationError, RuntimeError) as exc:
+        raise _fail(str(exc)) from exc
+    return settings
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -73,7 +87,9 @@ def serve(
     default_models: Annotated[
         bool | None, typer.Option(help="Register and deploy the bundled models.")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+    log_level: Annotated[
+        str | None, typer.Option(help="Log level (default: the log_level setting, info).")
+    ] = None,
 ) -> None:
     """Run the platform: gateway, control plane and local worker replicas."""
     import asyncio
@@ -82,9 +98,12 @@ def serve(
 
     from modelyard.api.app import create_platform_app
     from modelyard.config import PlatformSettings
+    from modelyard.core.logs import uvicorn_log_options
     from modelyard.platform import Platform
 
-    _setup_logging(log_level)
+    telemetry = _setup_logging(log_level)
+    if log_level:  # the replicas it starts log as it does
+        os.environ["MODELYARD_LOG_LEVEL"] = telemetry.log_level
     # Everything serve writes (database, keys, blobs, logs, node cache) is the owner's alone;
     # the start also fixes what an older install left readable (`Platform._secure_files`).
     os.umask(0o077)
@@ -139,9 +158,65 @@ def serve(
         app_,
         host=settings.host,
         port=settings.port,
-        log_level=log_level,
+        log_level=telemetry.log_level,
         timeout_graceful_shutdown=10,
+        **uvicorn_log_options(telemetry),
     )
+
+
+_Host = Annotated[str | None, typer.Option(help="Address to listen on.")]
+_Port = Annotated[int | None, typer.Option(help="Port to listen on.")]
+_DataDir = Annotated[Path | None, typer.Option(help="Logs, usage journal (controller: admin key).")]
+_Level = Annotated[str | None, typer.Option(help="Log level (default: the log_level setting).")]
+
+
+@app.command()
+def gateway(host: _Host = None, port: _Port = None, data_dir: _DataDir = None,
+            log_level: _Level = None) -> None:  # fmt: skip
+    """Cluster mode: a stateless gateway (auth, limits, routing, proxying, metering) on the
+    shared PostgreSQL and Redis; control requests go on to the leading controller."""
+    _run_role("gateway", host, port, data_dir, log_level)
+
+
+@app.command()
+def controller(host: _Host = None, port: _Port = None, data_dir: _DataDir = None,
+               log_level: _Level = None) -> None:  # fmt: skip
+    """Cluster mode: the control plane while it holds the leader lease, a standby otherwise;
+    run two or more on the shared PostgreSQL and Redis."""
+    _run_role("controller", host, port, data_dir, log_level)
+
+
+def _run_role(kind: str, host: str | None, port: int | None, data_dir: Path | None,
+              log_level: str | None) -> None:  # fmt: skip
+    import uvicorn
+
+    from modelyard.config import PlatformSettings
+    from modelyard.core.logs import uvicorn_log_options
+    from modelyard.roles import ClusterConfigError, ControllerRole, GatewayRole
+
+    telemetry = _setup_logging(log_level, suffix=f"-{kind}")
+    if log_level:
+        os.environ["MODELYARD_LOG_LEVEL"] = telemetry.log_level
+    os.umask(0o077)
+    given = {"host": host, "port": port, "data_dir": data_dir}
+    settings = PlatformSettings(**{k: v for k, v in given.items() if v is not None})
+    try:
+        role = GatewayRole(settings) if kind == "gateway" else ControllerRole(settings)
+    except ClusterConfigError as exc:
+        raise _fail(str(exc)) from exc
+    if isinstance(role, ControllerRole):
+
+        def leading() -> None:
+            boot = role.platform.bootstrap
+            typer.secho(f"modelyard controller leads at {role.url}", fg=typer.colors.GREEN)
+            if boot is not None and boot.admin_key:
+                typer.secho("Admin API key (shown once; also saved, mode 0600, in ", nl=False)
+                typer.secho(f"{boot.admin_key_file}):\n  {boot.admin_key}", bold=True)
+
+        role.on_leading = leading
+    uvicorn.run(role.asgi(), host=settings.host, port=settings.port,
+                log_level=telemetry.log_level, timeout_graceful_shutdown=10,
+                **uvicorn_log_options(telemetry))  # fmt: skip
 
 
 @app.command()
@@ -160,7 +235,9 @@ def worker(
         int | None,
         typer.Option(help="Split the model over N devices (ranks); starts N-1 helper processes."),
     ] = None,
-    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+    log_level: Annotated[
+        str | None, typer.Option(help="Log level (default: the log_level setting, info).")
+    ] = None,
 ) -> None:
     """Serve one model over the OpenAI API (chat, completions, models, health, metrics)."""
     from modelyard.config import EngineSettings
@@ -168,7 +245,7 @@ def worker(
     from modelyard.engine.models.loader import ModelNotFoundError
     from modelyard.worker.server import serve_worker
 
-    _setup_logging(log_level)
+    log_level = _setup_logging(log_level, "-worker", replica=True).log_level
     overrides: dict[str, object] = {}
     if dtype:
         overrides["dtype"] = dtype
@@ -195,14 +272,16 @@ def encoders(
     max_batch_size: Annotated[int, typer.Option(help="Inputs per batch (1 = none).")] = 32,
     max_wait_ms: Annotated[float, typer.Option(help="How long a batch waits to fill.")] = 5.0,
     device: Annotated[str, typer.Option(help="torch device.")] = "cpu",
-    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+    log_level: Annotated[
+        str | None, typer.Option(help="Log level (default: the log_level setting, info).")
+    ] = None,
 ) -> None:
     """Serve embedding and classifier models: OpenAI embeddings and the Open Inference Protocol
     v2, several models in one process, loaded on first use, dynamically batched."""
     from modelyard.config import parse_size
     from modelyard.worker.encoder_app import serve_encoders
 
-    _setup_logging(log_level)
+    log_level = _setup_logging(log_level, "-encoders", replica=True).log_level
     models: dict[str, Path] = {}
     for entry in model or []:
         name, sep, path = entry.partition("=")
@@ -218,6 +297,34 @@ def encoders(
         )  # fmt: skip
     except ValueError as exc:
         raise _fail(str(exc)) from exc
+
+
+@app.command(hidden=True)
+def runtime(
+    framework: Annotated[str, typer.Option(help="llama.cpp or vllm.")],
+    executable: Annotated[str, typer.Option(help="The runtime's server binary.")],
+    model: Annotated[str, typer.Option(help="The model file or folder.")],
+    served_model_name: Annotated[str, typer.Option(help="Model name clients use.")],
+    slots: Annotated[int, typer.Option(help="Parallel sequences.")] = 8,
+    context: Annotated[int | None, typer.Option(help="Tokens per sequence.")] = None,
+    runtime_arg: Annotated[list[str] | None, typer.Option(help="Passed to the server.")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+) -> None:
+    """A replica run by another runtime (the deploy's framework), behind modelyard's sidecar
+    (control/runtimes/sidecar.py); the platform starts it."""
+    import argparse
+
+    from modelyard.control.runtimes.sidecar import serve_runtime
+
+    _setup_logging(None, "-runtime", replica=True)
+    serve_runtime(
+        argparse.Namespace(
+            framework=framework, executable=executable, model=model, host=host, port=port,
+            served_model_name=served_model_name, slots=slots, context=context,
+            runtime_arg=runtime_arg or [],
+        )
+    )  # fmt: skip
 
 
 def _push_target(url: str | None, api_key: str | None, data_dir: Path) -> tuple[str, str]:
@@ -239,8 +346,13 @@ def _push_target(url: str | None, api_key: str | None, data_dir: Path) -> tuple[
 
 @models_app.command("push")
 def push(
-    path: Annotated[Path, typer.Argument(help="A HF model folder or a .gguf file.")],
+    path: Annotated[
+        Path, typer.Argument(help="A HF model folder, a .gguf file, or a PEFT LoRA folder.")
+    ],
     name: Annotated[str, typer.Option(help="Registry name of the model.")],
+    base: Annotated[
+        str | None, typer.Option(help="For a LoRA adapter: the registry model it adapts.")
+    ] = None,
     url: Annotated[
         str | None, typer.Option(help="Platform URL (default: as other commands).")
     ] = None,
@@ -256,7 +368,7 @@ def push(
         raise _fail(f"{path} does not exist")
     client = RegistryClient(*_push_target(url, api_key, data_dir))
     try:
-        version = client.push(path, name)
+        version = client.push(path, name, base)
     except RegistryClientError as exc:
         raise _fail(str(exc)) from exc
     typer.secho(

@@ -109,11 +109,58 @@ class EngineSettings(_Settings):
         description="Ranks (devices) one replica's model is split over; each rank gets "
         "kv_cache_memory for its share of the KV heads.",
     )
+    quantization: Literal["int8"] | None = Field(
+        None,
+        description="Weight-only quantization of the linear layers and embedding: int8 = "
+        "per-output-channel int8 weights and scales (~26 % of float32 weight memory).",
+    )
+    max_loras: int = Field(
+        0, ge=0, description="LoRA adapter slots held at once (LRU); 0 = no LoRA serving."
+    )
+    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank a slot takes.")
+    lora_dir: Path | None = Field(
+        None,
+        description="Folder of PEFT adapters (one subfolder per adapter name) a request may "
+        "name as `<model>:<adapter>`.",
+    )
+    lora_registry_dir: Path | None = Field(
+        None,
+        description="Set by the platform, never in a deploy body: the node-cache folder of the "
+        "registry adapters pushed against this endpoint's base model (one per adapter name).",
+    )
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> int:
         return parse_size(value)
+
+
+class TelemetrySettings(_Settings):
+    """Logs and traces of every process (`serve`, `worker`, `encoders`); a replica inherits
+    its platform's (environment and TOML file). Kept apart from `EngineSettings` on purpose: a
+    deploy body's `engine` options must never point a worker's traces somewhere else."""
+
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text: one human line per record; json: one JSON object per line."
+    )
+    log_level: str = Field(
+        "info", description="debug, info, warning, error; debug adds per-request worker lines."
+    )
+    otel_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP collector base URL (e.g. http://127.0.0.1:4318): traces are "
+        "sent to its /v1/traces; unset: no tracing, nothing of OpenTelemetry is loaded.",
+    )
+    otel_service_name: str = Field(
+        "modelyard", description="service.name of the spans (workers add '-worker')."
+    )
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        if value.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"log_level must be debug, info, warning or error, not {value!r}")
+        return value.lower()
 
 
 class ModelPrice(BaseModel):
@@ -181,6 +228,27 @@ class PlatformSettings(_Settings):
     rollout_attempts: int = Field(
         3, ge=1, description="Failed loads of a new version before falling back to the last good."
     )
+    rollback_grace_s: float = Field(
+        600.0,
+        ge=0,
+        description="After a promotion, how long the previous version's replicas stay warm (at "
+        "weight 0) so that a rollback moves traffic without loading anything.",
+    )
+    canary_max_error_rate_delta: float = Field(
+        0.05, ge=0, le=1, description="Default SLO: canary error rate minus the stable's above "
+        "this rolls the canary back.",
+    )  # fmt: skip
+    canary_max_p95_ratio: float = Field(
+        2.0, gt=0, description="Default SLO: canary p95 latency (TTFT for streams) over the "
+        "stable's above this rolls the canary back.",
+    )  # fmt: skip
+    canary_min_samples: int = Field(
+        20, ge=1, description="Default SLO: requests each version needs in the window before "
+        "it is judged.",
+    )  # fmt: skip
+    canary_window_s: float = Field(
+        60.0, gt=0, description="Default SLO: the sliding window the canary is judged over."
+    )
     health_check_interval_s: float = 2.0
     health_probe_timeout_s: float = Field(
         2.0, gt=0, description="A replica's /health that does not answer in this long failed."
@@ -207,16 +275,85 @@ class PlatformSettings(_Settings):
         None,
         description="Bearer token a Prometheus scraper may use for /metrics (or an admin key).",
     )
+    metrics_names: Literal["both", "vllm", "modelyard"] = Field(
+        "both",
+        description="Names of the replicas' engine series on /metrics: both, vllm (vllm:…, "
+        "what vLLM dashboards read) or modelyard (modelyard_…); platform series are modelyard_….",
+    )
+    metrics_scrape_timeout_s: float = Field(
+        1.0, gt=0, description="How long /metrics waits for one replica's metrics (then skips it)."
+    )
     prefix_cache_scope: PrefixCacheScope = Field(
         PrefixCacheScope.TENANT,
         description="tenant: each tenant's requests share cached prompt prefixes only among "
         "themselves; shared: across tenants too (more hits; a tenant can tell from a hit that "
         "someone sent the same prefix).",
     )
+    prefix_aware_routing: bool = Field(
+        True,
+        description="With several replicas, send a request to the replica its prompt prefix "
+        "(model, cache namespace, tools, leading system messages) hashes to, within bounded "
+        "load; off: always the least-loaded replica.",
+    )
+    prefix_routing_load_factor: float = Field(
+        1.25,
+        ge=1.0,
+        description="Prefix-aware routing: a replica takes a request only while its requests in "
+        "flight stay within this factor of the fair share (the mean over the replicas); "
+        "else the next replica for the prefix, then the least-loaded.",
+    )
+    prefix_routing_chars: int = Field(
+        2048,
+        ge=16,
+        description="Prefix-aware routing: characters of the rendered leading prompt hashed into "
+        "its key (about 4 per token).",
+    )
     local_artifact_roots: list[Path] = Field(
         default_factory=list,
         description="Folders whose models any tenant admin may deploy by path (the platform "
         "admin may deploy any path).",
+    )
+    artifact_store: Literal["local", "s3"] = Field(
+        "local",
+        description="Where model blobs live: local (the data dir) or s3 (s3_bucket, shared by "
+        "every node; the Files API's files stay in the data dir).",
+    )
+    s3_bucket: str | None = Field(None, description="Bucket of the s3 artifact store.")
+    s3_prefix: str = Field("modelyard/", description="Key prefix of the s3 artifact store.")
+    s3_endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO, …); default: AWS for the region."
+    )
+    s3_region: str | None = Field(None, description="S3 region (else the AWS config's).")
+    s3_import_buckets: list[str] = Field(
+        default_factory=list,
+        description="Buckets any tenant admin may deploy from by s3://bucket/key reference "
+        "(imported into the registry, hash-verified); empty: none.",
+    )
+    batch_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a batch runner's claim on an item lasts unless renewed; another "
+        "runner takes an item over once its lease has expired.",
+    )
+    controller_lease_s: float = Field(
+        6.0,
+        gt=0,
+        description="Cluster mode: the leading controller's lease; standbys try for it every "
+        "third of it (a crashed leader's lock is freed at once, a hung one's after this).",
+    )
+    advertise_url: str | None = Field(
+        None,
+        description="Cluster mode: the URL other processes reach this controller at (gateways "
+        "forward control requests to the leader's); default http://<host>:<port>.",
+    )
+    routing_refresh_s: float = Field(
+        2.0, gt=0, description="Cluster mode: a gateway's re-read of the shared routing table."
+    )
+    stale_route_wait_s: float = Field(
+        3.0,
+        ge=0,
+        description="Cluster mode: how long a gateway waits for a fresh routing entry when a "
+        "replica of its entry is gone, before answering 503.",
     )
     prices: dict[str, ModelPrice] = Field(
         default_factory=dict, description="Per model name: USD per 1M input/output tokens."
@@ -242,6 +379,12 @@ class PlatformSettings(_Settings):
         description="Registry model refs of the platform admin → idle preloaded replicas kept "
         'ready for a cold endpoint of the same version to take over, e.g. {"smollm2": 1}.',
     )
+    scale_to_zero_reload_factor: float = Field(
+        0.0,
+        ge=0,
+        description="> 0: an idle endpoint goes to zero after this many times its replicas' "
+        "measured load time (60 s at least, its scale_to_zero_after_idle_seconds at most).",
+    )
     prewarm_lead_s: float = Field(300.0, gt=0, description="How early predicted traffic wakes.")
     prewarm_min_requests: float = Field(
         1.0, gt=0, description="Predicted requests in an hour that make an idle endpoint warm."
@@ -266,8 +409,23 @@ class PlatformSettings(_Settings):
         description="host:port entries a batch's metadata.webhook_url may point at (port "
         "default: the scheme's; *.domain or * for public addresses only); empty: none.",
     )
+    llama_server_path: Path | None = Field(
+        None,
+        description="llama.cpp's llama-server for deploys with framework llama.cpp (default: "
+        "llama-server on PATH, else the one `make llama-server` builds).",
+    )
     worker_engine: dict[str, Any] = Field(
         default_factory=dict, description="Default engine settings for every worker."
+    )
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="What runs the replicas: local (worker processes on this machine) or ray "
+        "(each replica a Ray actor on the node Ray picks; needs the ray extra).",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="The Ray cluster the ray backend joins, e.g. 10.0.0.5:6379 or auto (a "
+        "cluster started on this machine); unset: a local Ray instance started by the platform.",
     )
 
     @field_validator(

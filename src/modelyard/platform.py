@@ -26,7 +26,9 @@ from modelyard.batch.runner import BatchRunner
 from modelyard.batch.service import BatchService
 from modelyard.batch.webhook_policy import WebhookPolicy
 from modelyard.config import PlatformSettings
-from modelyard.control.backends.local import LocalBackend
+from modelyard.control.audit import AuditLog
+from modelyard.control.backends import open_backend
+from modelyard.control.backends.base import Backend
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.registry import Registry
 from modelyard.core.identity import Principal
@@ -48,6 +50,7 @@ from modelyard.gateway.ratelimit import (
 from modelyard.gateway.usage_journal import UsageJournal
 from modelyard.protocol.management import DeployRequest, SamplingDefaults
 from modelyard.store import repository as repo
+from modelyard.store.artifact_store import open_artifact_store
 from modelyard.store.artifacts import ArtifactStore, make_owner_only
 from modelyard.store.db import Database
 
@@ -68,14 +71,24 @@ class Bootstrap:
 
 
 class Platform:
-    def __init__(self, settings: PlatformSettings) -> None:
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        backend: Backend | None = None,
+        manager_type: type[EndpointManager] = EndpointManager,
+    ) -> None:
+        """`backend` and `manager_type`: what the cluster's controller role runs instead of
+        `serve`'s (`roles.py`); `serve` passes neither."""
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         # Keys, usage and tenants' files live here: owner-only, also on installs made before.
         settings.data_dir.chmod(0o700)
         self.db = Database(settings.resolved_database_url)
-        self.store = ArtifactStore(settings.data_dir / "artifacts")
-        self.registry = Registry(self.db, self.store)
+        # Built first: the endpoint manager records automatic rollbacks in it too.
+        self.audit = AuditLog(self.db)
+        self.store = ArtifactStore(settings.data_dir / "artifacts")  # the Files API's files
+        # Model blobs: this store too, or an S3 bucket every node shares (artifact_store = s3).
+        self.registry = Registry(self.db, open_artifact_store(settings, self.store))
         self.routing = RoutingTable()
         self.limiter: RateLimiter
         self.quota: QuotaCounter
@@ -104,9 +117,9 @@ class Platform:
         self.metrics = GatewayMetrics()
         journal = UsageJournal(settings.data_dir / "usage-journal", settings.usage_journal_fsync)
         self.recorder = UsageRecorder(self.db, self.quota, journal=journal)
-        self.backend = LocalBackend(settings.data_dir / "logs")
-        self.endpoints = EndpointManager(
-            settings, self.db, self.registry, self.backend, self.routing
+        self.backend = backend or open_backend(settings, settings.data_dir / "logs", self.registry)
+        self.endpoints = manager_type(
+            settings, self.db, self.registry, self.backend, self.routing, audit=self.audit
         )
         # The gateway reaches the control plane only through this verb (scale from zero).
         self.gateway = Gateway(
@@ -119,11 +132,20 @@ class Platform:
             self.metrics,
             activate=self.endpoints.activate,
         )
+        # The canary's SLO gate reads each version's outcomes through this verb of the gateway's.
+        self.endpoints.versions.read_stats = self.gateway.upstream.stats.window
         self.files = FileService(self.db, self.store, settings.max_file_bytes)
         self.batches = BatchService(
             self.db, self.files, WebhookPolicy(settings.batch_webhook_hosts)
         )
-        self.batch_runner = BatchRunner(settings, self.db, self.files, self.gateway)
+        self.batch_runner = BatchRunner(
+            settings,
+            self.db,
+            self.files,
+            sender=self.gateway,
+            routing=self.routing,
+            usage=self.recorder,
+        )
         self.services = Services(
             settings=settings,
             db=self.db,
@@ -137,6 +159,7 @@ class Platform:
             gateway=self.gateway,
             files=self.files,
             batches=self.batches,
+            audit=self.audit,
         )
         self.bootstrap: Bootstrap | None = None
         self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's banner

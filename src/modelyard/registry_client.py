@@ -51,7 +51,9 @@ class RegistryClient:
             raise RegistryClientError(str(error_from(response)))
         return response.json() if response.content else {}
 
-    def push(self, path: Path, name: str) -> dict[str, Any]:
+    def push(self, path: Path, name: str, base: str | None = None) -> dict[str, Any]:
+        """Upload the folder's missing blobs and create a version (`base`: the registry model a
+        PEFT LoRA adapter folder was trained on)."""
         files = list(scan_folder(path))
         if not files:
             raise RegistryClientError(f"{path} holds no files")
@@ -77,7 +79,10 @@ class RegistryClient:
                     body = self._stream(file, progress, uploading)
                     self._check(self.http.put(f"/v1/blobs/{sha}", content=body))
             return self._check(
-                self.http.post(f"/v1/registry/models/{name}/versions", json={"files": manifest})
+                self.http.post(
+                    f"/v1/registry/models/{name}/versions",
+                    json={"files": manifest, **({"base_model": base} if base else {})},
+                )
             )
         except httpx.HTTPError as exc:
             raise RegistryClientError(f"cannot reach {self.http.base_url}: {exc}") from exc

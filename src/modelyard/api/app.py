@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from modelyard import __version__
 from modelyard.api import (
     routes_admin,
+    routes_audit,
     routes_batch,
     routes_console,
     routes_endpoints,
@@ -23,12 +21,14 @@ from modelyard.api import (
 )
 from modelyard.api.docs_page import install_docs
 from modelyard.api.errors import install_error_handlers
-from modelyard.api.openapi_edge import BEARER_ONLY, BEARER_OPTIONAL, install_openapi
+from modelyard.api.openapi_edge import BEARER_OPTIONAL, install_openapi
 from modelyard.api.openapi_responses import Health, ok
 from modelyard.api.preauth import PreAuthenticate
+from modelyard.api.routes_metrics import install_metrics
 from modelyard.api.services import Lifecycle, Services
 from modelyard.api.text_guard import StorableText
 from modelyard.core.identity import Principal
+from modelyard.gateway.request_context import GatewayRequestContext
 from modelyard.protocol.errors import APIError
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.oip import install_oip_error_handlers
@@ -66,9 +66,12 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
     # Outermost: a caller without a valid key (or the route's scope) is refused before any
     # body is read, so a stranger's upload costs nothing.
     app.add_middleware(PreAuthenticate, authenticate=services.auth.authenticate)
+    # Around everything: the request's own id (logs, usage, x-request-id) and its trace.
+    app.add_middleware(GatewayRequestContext)
     for module in (routes_inference, routes_endpoints, routes_registry, routes_admin, routes_batch):
         app.include_router(module.router)
     app.include_router(routes_webhooks.router)
+    app.include_router(routes_audit.router)
     app.include_router(routes_console.router)
     install_openapi(app)
     install_docs(app)
@@ -103,37 +106,5 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
             },
         }
 
-    @app.get(
-        "/metrics",
-        openapi_extra=BEARER_ONLY,
-        response_class=Response,
-        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
-    )
-    async def metrics(request: Request) -> Response:
-        """Prometheus metrics: for the platform admin key or the configured scrape token."""
-        await _require_scraper(request, services)
-        m = services.metrics
-        m.replicas.clear()
-        for state in services.endpoints.endpoints.values():
-            counts: dict[str, int] = {}
-            for r in state.replicas:
-                counts[r.state] = counts.get(r.state, 0) + 1
-            for replica_state, n in counts.items():
-                m.replicas.labels(state.row.id, state.row.model_name, replica_state).set(n)
-        return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
-
+    install_metrics(app, services)
     return app
-
-
-async def _require_scraper(request: Request, services: Services) -> None:
-    authorization = request.headers.get("authorization") or ""
-    token = services.settings.metrics_token
-    scheme, _, given = authorization.partition(" ")
-    if (
-        token
-        and scheme.lower() == "bearer"
-        and hmac.compare_digest(given.strip().encode(), token.encode())
-    ):
-        return
-    principal = await services.auth.authenticate(authorization or None)
-    principal.require_platform_admin()

@@ -2,9 +2,11 @@
 
 The gateway's inference routes take the raw `Request` (it parses the bytes itself, for speed),
 so their request bodies are declared here from the same pydantic models the gateway validates
-with. Every route that needs a key carries the `HTTPBearer` security requirement; error
-responses are declared in the shape the API really answers with (OpenAI's under /v1, the Open
-Inference Protocol's under /v2), in place of FastAPI's 422 that this API never sends.
+with; the management routes, which answer with plain dicts, get their answers' schemas here too
+(`openapi_management.RESPONSES`). Every route that needs a key carries the `HTTPBearer`
+security requirement; error responses are declared in the shape the API really answers with
+(OpenAI's under /v1, the Open Inference Protocol's under /v2), in place of FastAPI's 422 that this
+API never sends.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from modelyard.api.openapi_management import RESPONSES as MANAGEMENT_RESPONSES
 from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.oip import InferRequest
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
+from modelyard.protocol.responses_api import ResponsesRequest
 
 BEARER = "HTTPBearer"  # FastAPI names the scheme after the HTTPBearer class
 _REF = "#/components/schemas/{model}"
@@ -26,6 +30,7 @@ RAW_BODY_MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest,
     EmbeddingRequest,
     InferRequest,
+    ResponsesRequest,
 )
 
 _OPENAI_ERROR = {
@@ -80,6 +85,11 @@ def install_openapi(app: FastAPI) -> None:
             [(m, "validation") for m in RAW_BODY_MODELS], ref_template=_REF
         )
         schemas.update(defs.get("$defs", {}))
+        answers = sorted(set(MANAGEMENT_RESPONSES.values()), key=lambda m: m.__name__)
+        _, defs = models_json_schema([(m, "serialization") for m in answers], ref_template=_REF)
+        clash = set(defs.get("$defs", {})) & set(schemas)
+        assert not clash, f"response schemas named like request schemas: {clash}"
+        schemas.update(defs.get("$defs", {}))
         schemas["Error"] = _OPENAI_ERROR
         schemas["OIPError"] = _OIP_ERROR
         schemas.pop("HTTPValidationError", None)
@@ -90,11 +100,42 @@ def install_openapi(app: FastAPI) -> None:
         for path, item in schema.get("paths", {}).items():
             error = "OIPError" if path.startswith("/v2/") else "Error"
             content = {"application/json": {"schema": {"$ref": _REF.format(model=error)}}}
-            for operation in item.values():
+            for method, operation in item.items():
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
                 responses["4XX"] = {"description": "The request was refused.", "content": content}
+                answer = MANAGEMENT_RESPONSES.get((method, path))
+                for code, response in responses.items():
+                    if not code.startswith("2"):
+                        continue
+                    if answer is not None:
+                        ref = {"$ref": _REF.format(model=answer.__name__)}
+                        response["content"] = {"application/json": {"schema": ref}}
+                    else:
+                        _declare_success(path, method, response)
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+_ANY_JSON = {"type": "object", "description": "A JSON object (see the route's description)."}
+
+
+def _declare_success(path: str, method: str, response: dict[str, Any]) -> None:
+    """Replace FastAPI's empty `{}` schema of a route that declared none with what it sends:
+    nothing (HEAD), its declared non-JSON type alone (CSV), bytes (file contents), or a JSON
+    object."""
+    content = response.get("content") or {}
+    if content.get("application/json", {}).get("schema") != {}:
+        return
+    if method == "head":
+        response.pop("content", None)
+    elif len(content) > 1:
+        del content["application/json"]
+    elif path.endswith("/content"):
+        response["content"] = {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+        }
+    else:
+        content["application/json"]["schema"] = _ANY_JSON

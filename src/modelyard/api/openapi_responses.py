@@ -128,6 +128,24 @@ class EmbeddingList(BaseModel):
     usage: EmbeddingUsage
 
 
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """`/v1/responses`: output items are `message` and `function_call` objects."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: ResponseUsage | None
+
+
 class Health(BaseModel):
     status: str
 

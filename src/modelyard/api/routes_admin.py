@@ -112,7 +112,11 @@ async def create_tenant(
         except IntegrityError as exc:
             raise APIError(409, f"tenant {body.name!r} exists", code="tenant_exists") from exc
 
-    return JSONResponse(await asyncio.to_thread(create), status_code=201)
+    view = await asyncio.to_thread(create)
+    await services.audit.record(
+        principal, "tenant.create", "tenant", view["id"], None, view, view["id"]
+    )
+    return JSONResponse(view, status_code=201)
 
 
 @router.get("/v1/tenants")
@@ -158,11 +162,14 @@ async def update_tenant(
 ) -> dict[str, Any]:
     principal.require_platform_admin()
 
+    before: dict[str, Any] = {}
+
     def update() -> dict[str, Any]:
         with services.db.session() as s:
             t = repo.get_tenant(s, tenant_id)
             if t is None:
                 raise _not_found("tenant", tenant_id)
+            before.update(tenant_view(t))
             for name in ("monthly_token_quota", *TENANT_CEILINGS):
                 if name in body.model_fields_set:
                     setattr(t, name, getattr(body, name))
@@ -172,6 +179,9 @@ async def update_tenant(
 
     result = await asyncio.to_thread(update)
     services.auth.invalidate()
+    await services.audit.record(
+        principal, "tenant.update", "tenant", tenant_id, before, result, tenant_id
+    )
     return result
 
 
@@ -207,7 +217,12 @@ async def create_key(
             )
             return {**key_view(row), "key": key}
 
-    return JSONResponse(await asyncio.to_thread(create), status_code=201)
+    created = await asyncio.to_thread(create)
+    public = {k: v for k, v in created.items() if k != "key"}  # never the secret
+    await services.audit.record(
+        principal, "api_key.create", "api_key", public["id"], None, public, tenant_id
+    )
+    return JSONResponse(created, status_code=201)
 
 
 @router.get("/v1/keys")
@@ -248,11 +263,14 @@ async def update_key(
     principal: Principal = Depends(get_admin),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
+    before: dict[str, Any] = {}
+
     def update() -> dict[str, Any]:
         with services.db.session() as s:
             k = repo.get_key(s, principal.tenant_filter(), key_id)
             if k is None:
                 raise _not_found("key", key_id)
+            before.update(key_view(k))
             if "name" in body.model_fields_set and body.name is not None:
                 k.name = body.name
             for field in _KEY_CEILINGS:
@@ -265,6 +283,9 @@ async def update_key(
 
     result = await asyncio.to_thread(update)
     services.auth.invalidate()
+    await services.audit.record(
+        principal, "api_key.update", "api_key", key_id, before, result, result["tenant_id"]
+    )
     return result
 
 
@@ -274,17 +295,23 @@ async def revoke_key(
     principal: Principal = Depends(get_admin),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
+    before: dict[str, Any] = {}
+
     def revoke() -> dict[str, Any]:
         with services.db.session() as s:
             k = repo.get_key(s, principal.tenant_filter(), key_id)
             if k is None:
                 raise _not_found("key", key_id)
+            before.update(key_view(k))
             if k.revoked_at is None:
                 k.revoked_at = repo.now()
             return key_view(k)
 
     result = await asyncio.to_thread(revoke)
     services.auth.invalidate()
+    await services.audit.record(
+        principal, "api_key.revoke", "api_key", key_id, before, result, result["tenant_id"]
+    )
     return result
 
 

@@ -6,9 +6,9 @@ import asyncio
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,11 +41,13 @@ class BatchCreate(BaseModel):
 
 @router.post("/v1/files", response_model=None, responses=ok(FileObject))
 async def upload_file(
+    request: Request,
     file: UploadFile = File(...),
     purpose: str = Form(...),
     principal: Principal = Depends(get_inference),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
+    _refuse_unknown_form_fields(await request.form())
     filename = file.filename or "upload.jsonl"
     if not storable(filename):
         raise bad_request(
@@ -71,10 +73,27 @@ async def list_files(
     purpose: str | None = None,
     limit: int = Query(100, ge=1, le=10_000),
     after: str | None = None,
+    order: Literal["asc", "desc"] = "desc",
     principal: Principal = Depends(get_inference),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(services.files.list, principal.tenant_id, purpose, limit, after)
+    return await asyncio.to_thread(
+        services.files.list, principal.tenant_id, purpose, limit, after, order
+    )
+
+
+def _refuse_unknown_form_fields(form: Any) -> None:
+    """No upload field is dropped silently: files never expire here (`expires_after` is
+    refused by name), and OpenAI's answer for anything else."""
+    for key in form:
+        if key.startswith("expires_after"):
+            raise bad_request(
+                f"Unsupported parameter: '{key}': files are kept until they are deleted.",
+                "expires_after",
+                "unsupported",
+            )
+        if key not in ("file", "purpose"):
+            raise bad_request(f"Unrecognized request argument supplied: {key[:256]}")
 
 
 @router.get("/v1/files/{file_id}", response_model=None, responses=ok(FileObject))

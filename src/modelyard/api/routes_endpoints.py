@@ -7,13 +7,15 @@ from collections import defaultdict
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from modelyard.api.deps import base_url, get_admin, get_principal, get_services
+from modelyard.api.routes_versions import router as versions_router
 from modelyard.api.services import Services
+from modelyard.control.audit import endpoint_snapshot
 from modelyard.core.identity import Principal
 from modelyard.protocol.errors import APIError
-from modelyard.protocol.management import DeployRequest
+from modelyard.protocol.management import DeployRequest, SamplingDefaults, Scaling
 from modelyard.protocol.responses import JSONResponse
 from modelyard.store import repository as repo
 
@@ -62,6 +64,10 @@ async def deploy(
             _check_ceilings, services, principal.tenant_id, body.hardware.max_replicas
         )
         result = await services.endpoints.deploy(principal, body)
+    after = endpoint_snapshot(services.endpoints, result["endpoint_id"])
+    await services.audit.record_endpoint(
+        principal, "endpoint.deploy", result["endpoint_id"], None, after
+    )
     result["endpoint_url"] = f"{base_url(request)}/v1/models/{result['endpoint_id']}"
     return JSONResponse(result, status_code=202)
 
@@ -86,9 +92,21 @@ async def get_endpoint(
 
 
 class EndpointUpdate(BaseModel):
+    """A rollout to another version, and/or new sampling defaults or scaling (no rollout)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    model_artifact: str = Field(min_length=1, description="Registry reference NAME[:VERSION].")
+    model_artifact: str | None = Field(
+        None, min_length=1, description="Registry reference NAME[:VERSION]: a rollout."
+    )
+    sampling_defaults: SamplingDefaults | None = None
+    scaling: Scaling | None = None
+
+    @model_validator(mode="after")
+    def _something(self) -> EndpointUpdate:
+        if self.model_artifact is None and self.sampling_defaults is None and self.scaling is None:
+            raise ValueError("give model_artifact, sampling_defaults or scaling")
+        return self
 
 
 @router.patch("/v1/endpoints/{endpoint_id}", status_code=202)
@@ -98,7 +116,20 @@ async def update_endpoint(
     principal: Principal = Depends(get_admin),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
-    result = await services.endpoints.update(principal, endpoint_id, body.model_artifact)
+    before = endpoint_snapshot(services.endpoints, endpoint_id)
+    if body.sampling_defaults is not None or body.scaling is not None:
+        await services.endpoints.reconfigure(
+            principal, endpoint_id, body.sampling_defaults, body.scaling
+        )
+        result: dict[str, Any] = {"endpoint_id": endpoint_id}
+    if body.model_artifact is not None:
+        result = await services.endpoints.update(principal, endpoint_id, body.model_artifact)
+    else:
+        state = services.endpoints.endpoints[endpoint_id]
+        result["status"] = state.status
+    after = endpoint_snapshot(services.endpoints, endpoint_id)
+    action = "endpoint.rollout" if body.model_artifact is not None else "endpoint.update"
+    await services.audit.record_endpoint(principal, action, endpoint_id, before, after)
     return JSONResponse(result, status_code=202)
 
 
@@ -108,7 +139,10 @@ async def delete_endpoint(
     principal: Principal = Depends(get_admin),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
-    return JSONResponse(await services.endpoints.delete(principal, endpoint_id), status_code=202)
+    before = endpoint_snapshot(services.endpoints, endpoint_id)
+    result = await services.endpoints.delete(principal, endpoint_id)
+    await services.audit.record_endpoint(principal, "endpoint.delete", endpoint_id, before, None)
+    return JSONResponse(result, status_code=202)
 
 
 @router.get("/v1/devices")
@@ -131,3 +165,7 @@ async def devices(
             for d in placement.devices
         ],
     }
+
+
+# Canaries, traffic, promote and rollback (`routes_versions.py`) under the same resource.
+router.include_router(versions_router)

@@ -15,6 +15,7 @@ from modelyard.api.openapi_responses import (
     EmbeddingList,
     ModelList,
     ModelObject,
+    ResponseObject,
     ok,
 )
 from modelyard.api.services import Services
@@ -24,6 +25,7 @@ from modelyard.core.routing import EndpointRoute
 from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.oip import InferRequest, protocol_shaped
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
+from modelyard.protocol.responses_api import ResponsesRequest
 
 router = APIRouter()
 
@@ -46,6 +48,17 @@ async def chat_completions(request: Request) -> Response:
 )
 async def completions(request: Request) -> Response:
     return await get_services(request).gateway.handle(request, "completions")
+
+
+@router.post(
+    "/v1/responses",
+    openapi_extra=json_body(ResponsesRequest),
+    response_model=None,
+    responses=ok(ResponseObject, stream=True),
+)
+async def responses(request: Request) -> Response:
+    """The Responses API, stateless: routed, limited and metered like chat."""
+    return await get_services(request).gateway.handle(request, "responses")
 
 
 @router.get("/v1/async/{request_id}")

@@ -59,7 +59,7 @@ async def upload_blob(
     expected = _sha(sha256)
     limit = services.settings.max_artifact_bytes
     try:
-        blob = await services.store.put_stream(request.stream(), expected, limit)
+        blob = await services.registry.store.put_stream(request.stream(), expected, limit)
     except IntegrityError as exc:
         raise APIError(400, f"upload rejected: {exc}", code="digest_mismatch") from exc
     except ArtifactError as exc:
@@ -82,18 +82,23 @@ async def create_version(
         check_model_name(name),
         files,
         body.format,
+        body.base_model,
     )
-    return JSONResponse(
-        {
-            "id": version.version_id,
-            "model": version.model_name,
-            "version": version.version,
-            "ref": f"{version.model_name}:{version.version}",
-            "format": version.format,
-            "total_size": version.total_size,
-        },
-        status_code=201,
+    view = {
+        "id": version.version_id,
+        "model": version.model_name,
+        "version": version.version,
+        "ref": f"{version.model_name}:{version.version}",
+        "format": version.format,
+        "base_model": version.base_model,
+        "total_size": version.total_size,
+    }
+    if version.format == "lora":  # endpoints serving its base can serve it now
+        await services.endpoints.adapters_changed(principal.tenant_id)
+    await services.audit.record(
+        principal, "model_version.push", "model_version", view["id"], None, view
     )
+    return JSONResponse(view, status_code=201)
 
 
 @router.get("/v1/registry/models")
@@ -120,5 +125,8 @@ async def get_registry_model(
 async def delete_registry_model(
     name: str, principal: Principal = Depends(get_admin), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
+    models = await asyncio.to_thread(services.registry.list_models, principal.tenant_id)
     await asyncio.to_thread(services.registry.delete_model, principal.tenant_id, name)
+    before = next((m for m in models if m["name"] == name), None)
+    await services.audit.record(principal, "model.delete", "model", name, before, None)
     return {"name": name, "deleted": True}

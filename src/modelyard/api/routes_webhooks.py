@@ -51,4 +51,8 @@ async def rotate_webhook_secret(
 ) -> dict[str, Any]:
     """A new secret; webhooks sent from now on are signed with it only."""
     secret = await asyncio.to_thread(tenant_secret, services.db, principal.tenant_id, True)
+    public = {k: v for k, v in _view(principal, secret).items() if k != "secret"}  # never it
+    await services.audit.record(
+        principal, "tenant.webhook_secret_rotate", "tenant", principal.tenant_id, None, public
+    )
     return _view(principal, secret)

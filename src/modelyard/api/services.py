@@ -13,6 +13,7 @@ from typing import Protocol
 from modelyard.batch.files import FileService
 from modelyard.batch.service import BatchService
 from modelyard.config import PlatformSettings
+from modelyard.control.audit import AuditLog
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.registry import Registry
 from modelyard.core.routing import RoutingTable
@@ -38,6 +39,7 @@ class Services:
     gateway: Gateway
     files: FileService
     batches: BatchService
+    audit: AuditLog
 
 
 class Lifecycle(Protocol):

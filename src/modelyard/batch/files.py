@@ -119,13 +119,22 @@ class FileService:
         return path if path.is_file() else None
 
     def list(
-        self, tenant_id: str, purpose: str | None, limit: int, after: str | None
+        self,
+        tenant_id: str,
+        purpose: str | None,
+        limit: int,
+        after: str | None,
+        order: str = "desc",
     ) -> dict[str, Any]:
         with self.db.session() as s:
             q = select(File).where(File.tenant_id == tenant_id, File.deleted_at.is_(None))
             if purpose:
                 q = q.where(File.purpose == purpose)
-            rows = list(s.scalars(q.order_by(File.created_at.desc(), File.id.desc())))
+            if order == "asc":
+                q = q.order_by(File.created_at.asc(), File.id.asc())
+            else:
+                q = q.order_by(File.created_at.desc(), File.id.desc())
+            rows = list(s.scalars(q))
         if after:
             ids = [r.id for r in rows]
             rows = rows[ids.index(after) + 1 :] if after in ids else []

@@ -1,12 +1,16 @@
 """One batch item: sent through the gateway (retried on transient failures) and its result
-and usage written once, never under a revoked key."""
+and usage written once, never under a revoked key.
+
+The runner hands in what an item needs, and nothing more: the gateway's `run_internal` (an
+`ItemSender`) and the usage recorder's `count` (a `UsageCounter`, which settles the tenant's
+quota once the usage row is committed)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import update
 
@@ -15,7 +19,6 @@ from modelyard.config import PlatformSettings
 from modelyard.core.errors import DomainError
 from modelyard.core.identity import Principal
 from modelyard.gateway.metering import UsageEvent
-from modelyard.gateway.proxy import Gateway
 from modelyard.protocol.errors import APIError
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
@@ -37,11 +40,34 @@ def load_principal(db: Database, batch: Batch) -> Principal:
         return Principal.for_batch(batch.key_id, key, tenant)
 
 
+class ItemSender(Protocol):
+    """Sends one item like a client's request (the gateway's `run_internal`)."""
+
+    async def run_internal(
+        self, principal: Principal, kind: str, payload: dict[str, Any], request_id: str
+    ) -> tuple[int, dict[str, Any], UsageEvent | None]: ...
+
+
+class UsageCounter(Protocol):
+    """Settles a committed item's usage against the tenant's quota (`UsageRecorder.count`)."""
+
+    async def count(self, event: UsageEvent, reserved: int = 0) -> bool: ...
+
+
 class ItemRunner:
-    def __init__(self, settings: PlatformSettings, db: Database, gateway: Gateway) -> None:
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        db: Database,
+        sender: ItemSender,
+        usage: UsageCounter,
+        owner: str,
+    ) -> None:
         self.settings = settings
         self.db = db
-        self.gateway = gateway
+        self.sender = sender
+        self.usage = usage
+        self.owner = owner  # the runner's lease owner name, kept on the items it records
 
     async def run(
         self,
@@ -59,7 +85,7 @@ class ItemRunner:
         usage: UsageEvent | None = None
         for attempt in range(self.settings.batch_item_attempts):
             try:
-                status, result, usage = await self.gateway.run_internal(
+                status, result, usage = await self.sender.run_internal(
                     principal, kind, body, request_id
                 )
             except APIError as exc:
@@ -96,7 +122,7 @@ class ItemRunner:
             self._record, key_id, batch_id, item_id, request_id, status, result, usage
         )
         if first and usage is not None:
-            await self.gateway.recorder.count(usage)
+            await self.usage.count(usage)
 
     def _record(
         self,
@@ -130,6 +156,8 @@ class ItemRunner:
                     error=error,
                     request_id=request_id,
                     finished_at=repo.now(),
+                    lease_owner=self.owner,  # who recorded it (its lease no longer matters)
+                    lease_expires_at=None,
                 )
             ).rowcount
             if changed:

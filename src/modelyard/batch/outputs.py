@@ -44,10 +44,14 @@ def _line(item: BatchItem) -> bytes:
     return line
 
 
-def finalize(db: Database, files: FileService, batch_id: str) -> None:
+def finalize(db: Database, files: FileService, batch_id: str) -> bool:
+    """Write the batch's files and end it; False if another runner ended it first (the row is
+    locked, so of several runners finalizing at once one writes the files)."""
     with db.session() as s:
-        b = s.get(Batch, batch_id)
+        b = s.get(Batch, batch_id, with_for_update=True)
         assert b is not None
+        if b.status not in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
+            return False
         items = list(
             s.scalars(
                 select(BatchItem)
@@ -78,6 +82,7 @@ def finalize(db: Database, files: FileService, batch_id: str) -> None:
             b.status = BatchStatus.EXPIRED
         else:
             b.status, b.completed_at = BatchStatus.COMPLETED, now
+        return True
 
 
 def expire_pending(db: Database, batch_id: str) -> None:

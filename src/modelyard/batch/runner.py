@@ -1,13 +1,17 @@
 """The batch runner: moves every active batch through its states, durably.
 
-Items are rows; the runner sends each pending one through the gateway at batch priority, within
-the tenant's share of the batch budget (`BatchBudget`, which also makes batch work wait while
-interactive requests queue), and writes its result the moment it finishes — once: the row is
-updated only while still pending (and while the batch's key is not revoked), and usage is keyed
+Items are rows; the runner claims each pending one with a lease (`leases.ItemLeases`: several
+runners, one per controller, share a batch, and one takes over the items of a runner that died
+once their leases expire), sends it through the gateway at batch priority, within the tenant's
+share of the batch budget (`BatchBudget`, which also makes batch work wait while interactive
+requests queue), and writes its result the moment it finishes — once: the row is updated only
+while still pending (and while the batch's key is not revoked), and usage is keyed
 `<batch id>:<item id>`. Killing the server or a worker at any point loses nothing: on start every
-active batch resumes from its pending rows. Cancel stops dispatching and keeps finished items; a
-batch past its window expires with its partial results kept; a batch whose key is revoked stops
-at once (items in flight are abandoned, nothing more is billed) and ends cancelled, saying why.
+active batch resumes from its pending rows (a restarted runner gives back at once the leases its
+killed predecessor held; another runner waits for them to expire). Cancel stops dispatching and
+keeps finished items; a batch past its window expires with its partial results kept; a batch
+whose key is revoked stops at once (items in flight are abandoned, nothing more is billed) and
+ends cancelled, saying why (`stops.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import select
@@ -23,19 +26,20 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from modelyard.batch.budget import BatchBudget
 from modelyard.batch.files import FileService
-from modelyard.batch.items import ItemRunner, load_principal
+from modelyard.batch.intake import validate_batch
+from modelyard.batch.items import ItemRunner, ItemSender, UsageCounter, load_principal
+from modelyard.batch.leases import ItemLeases, runner_identity
 from modelyard.batch.notify import Notifier
 from modelyard.batch.outputs import expire_pending, finalize
-from modelyard.batch.service import ACTIVE, TERMINAL, BatchStatus, ItemStatus
-from modelyard.batch.validation import BatchFileInvalid, validate_file
+from modelyard.batch.service import ACTIVE, TERMINAL, BatchStatus
+from modelyard.batch.stops import Stop, end_revoked, stop_reason
 from modelyard.batch.webhook_policy import WebhookPolicy
 from modelyard.config import PlatformSettings
 from modelyard.core.identity import Principal
-from modelyard.core.routing import EndpointRoute
-from modelyard.gateway.proxy import Gateway
+from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
-from modelyard.store.tables import ApiKey, Batch, BatchItem
+from modelyard.store.tables import Batch
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +50,6 @@ _KIND = {
 }
 # How often the runner looks for a revoked key while it only waits for items in flight.
 _WATCH_S = 0.5
-_REVOKED_ERROR = {
-    "code": "api_key_revoked",
-    "message": "The API key that created this batch was revoked: no further requests were "
-    "sent; requests that had finished keep their results.",
-    "param": None,
-    "line": None,
-}
-
-
-class Stop(StrEnum):
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-    REVOKED = "revoked"
 
 
 class BatchRunner:
@@ -67,14 +58,23 @@ class BatchRunner:
         settings: PlatformSettings,
         db: Database,
         files: FileService,
-        gateway: Gateway,
+        *,
+        sender: ItemSender,
+        routing: RoutingTable,
+        usage: UsageCounter,
+        owner: str | None = None,
     ) -> None:
+        """`sender` sends an item (the gateway's `run_internal`), `routing` tells whether its
+        endpoint is busy with interactive requests, `usage` settles a committed item's quota;
+        `owner` names this runner's leases (default: this host and data dir)."""
         self.settings = settings
         self.db = db
         self.files = files
-        self.gateway = gateway
+        self.routing = routing
+        self.owner = owner or runner_identity(settings.data_dir)
+        self.leases = ItemLeases(db, self.owner, settings.batch_lease_s)
         self.budget = BatchBudget(settings.batch_concurrency, settings.batch_max_concurrency)
-        self.items = ItemRunner(settings, db, gateway)
+        self.items = ItemRunner(settings, db, sender, usage, self.owner)
         self.notifier = Notifier(settings, db, WebhookPolicy(settings.batch_webhook_hosts))
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None
@@ -96,9 +96,14 @@ class BatchRunner:
 
     async def _loop(self) -> None:
         first = True
+        released = False  # the leases a killed predecessor of this runner held, given back
         down = False  # the database is unreachable: one warning per outage, not per poll
         while True:
             try:
+                if not released:
+                    if n := await asyncio.to_thread(self.leases.release):
+                        log.info("batch runner %s: took back %d items it held", self.owner, n)
+                    released = True
                 now = time.monotonic()
                 for batch_id in await asyncio.to_thread(self._active_ids):
                     if batch_id in self._tasks or self._backoff.get(batch_id, (0, 0))[0] > now:
@@ -140,25 +145,30 @@ class BatchRunner:
 
     # ----- one batch -------------------------------------------------------------------------
 
+    def _stop_reason(self, batch_id: str) -> Stop | None:
+        return stop_reason(self.db, batch_id)
+
     async def _process(self, batch_id: str) -> None:
         try:
             batch = await asyncio.to_thread(self._load, batch_id)
             if batch.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
                 stop = await asyncio.to_thread(self._stop_reason, batch_id)
                 if stop is Stop.REVOKED:
-                    batch = await asyncio.to_thread(self._end_revoked, batch_id)
+                    batch = await asyncio.to_thread(end_revoked, self.db, batch_id)
                 elif stop is Stop.EXPIRED and batch.status == BatchStatus.VALIDATING:
                     batch = await asyncio.to_thread(
                         self._set, batch_id, status=BatchStatus.FINALIZING, expired_at=repo.now()
                     )
+            ended_here = False  # by this runner: of several, the one that ends it announces it
             if batch.status == BatchStatus.VALIDATING:
-                batch = await asyncio.to_thread(self._validate, batch)
+                batch = await asyncio.to_thread(validate_batch, self.db, self.files, batch)
+                ended_here = batch.status == BatchStatus.FAILED
             if batch.status == BatchStatus.IN_PROGRESS:
                 batch = await self._run_items(batch)
             if batch.status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
-                await asyncio.to_thread(finalize, self.db, self.files, batch_id)
+                ended_here = await asyncio.to_thread(finalize, self.db, self.files, batch_id)
             batch = await asyncio.to_thread(self._load, batch_id)
-            if batch.status in TERMINAL:
+            if batch.status in TERMINAL and ended_here:
                 self.notifier.notify(batch)
             self._backoff.pop(batch_id, None)
         except asyncio.CancelledError:
@@ -169,136 +179,72 @@ class BatchRunner:
             self._backoff[batch_id] = (time.monotonic() + delay, failures + 1)
             log.exception("batch %s: processing failed; retried in %.1f s", batch_id, delay)
 
-    def _stop_reason(self, batch_id: str) -> Stop | None:
-        """Why dispatching must stop now, if it must: one small query, run before each item."""
-        with self.db.session() as s:
-            status, expires_at, key_id, revoked_at = s.execute(
-                select(Batch.status, Batch.expires_at, ApiKey.id, ApiKey.revoked_at)
-                .outerjoin(ApiKey, ApiKey.id == Batch.key_id)
-                .where(Batch.id == batch_id)
-            ).one()
-        if key_id is None or revoked_at is not None:
-            return Stop.REVOKED
-        if status == BatchStatus.CANCELLING:
-            return Stop.CANCELLED
-        if repo.now() >= repo.as_utc(expires_at):
-            return Stop.EXPIRED
-        return None
-
-    def _end_revoked(self, batch_id: str) -> Batch:
-        """The key is gone: the batch ends cancelled (finished items kept), saying why."""
-        with self.db.session() as s:
-            b = s.get(Batch, batch_id)
-            assert b is not None
-            if b.status in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
-                b.status = BatchStatus.CANCELLING
-                b.cancelling_at = repo.now()
-                b.errors = {"object": "list", "data": [_REVOKED_ERROR]}
-            return b
-
-    def _fail(self, batch_id: str, errors: list[dict[str, Any]]) -> Batch:
-        return self._set(
-            batch_id,
-            status=BatchStatus.FAILED,
-            failed_at=repo.now(),
-            errors={"object": "list", "data": errors},
-        )
-
-    def _validate(self, batch: Batch) -> Batch:
-        path = self.files.find_content_path(batch.tenant_id, batch.input_file_id)
-        try:
-            if path is None:
-                raise FileNotFoundError(batch.input_file_id)
-            good, bad = validate_file(path, batch.endpoint)
-        except FileNotFoundError:
-            missing = {
-                "code": "input_file_missing",
-                "message": f"The input file {batch.input_file_id} was deleted before the "
-                "batch could read it.",
-                "param": "input_file_id",
-                "line": None,
-            }
-            return self._fail(batch.id, [missing])
-        except BatchFileInvalid as exc:
-            return self._fail(batch.id, exc.errors)
-        with self.db.session() as s:
-            b = s.get(Batch, batch.id)
-            assert b is not None
-            if b.status != BatchStatus.VALIDATING:  # cancelled meanwhile
-                return b
-            s.add_all(
-                BatchItem(batch_id=b.id, line=g.line, custom_id=g.custom_id, body=g.body,
-                          status=ItemStatus.PENDING)
-                for g in good
-            )  # fmt: skip
-            # A bad line is finished at once: it goes to the error file, the rest goes on.
-            s.add_all(
-                BatchItem(
-                    batch_id=b.id, line=x.line, custom_id=x.custom_id or f"line-{x.line}",
-                    valid=False, body=None, status=ItemStatus.ERROR, status_code=400,
-                    response=None, error={"code": x.code, "message": x.message, "line": x.line},
-                    finished_at=repo.now(),
-                )
-                for x in bad
-            )  # fmt: skip
-            b.total = len(good) + len(bad)
-            b.failed = len(bad)
-            b.status = BatchStatus.IN_PROGRESS
-            b.in_progress_at = repo.now()
-            return b
-
-    def _pending(self, batch_id: str) -> list[tuple[int, str, dict[str, Any]]]:
-        with self.db.session() as s:
-            rows = s.execute(
-                select(BatchItem.id, BatchItem.custom_id, BatchItem.body)
-                .where(BatchItem.batch_id == batch_id, BatchItem.status == ItemStatus.PENDING)
-                .order_by(BatchItem.line)
-            ).all()
-        return [(r[0], r[1], r[2]) for r in rows]
-
     def _route(self, principal: Principal, body: dict[str, Any]) -> EndpointRoute | None:
         model = body.get("model")
-        return self.gateway.routing.resolve(principal.tenant_id, model) if model else None
+        return self.routing.resolve(principal.tenant_id, model) if model else None
 
     async def _run_items(self, batch: Batch) -> Batch:
         principal = await asyncio.to_thread(load_principal, self.db, batch)
         tenant = principal.tenant_id
         limit = principal.max_concurrent_batch_items
         kind = _KIND[batch.endpoint]
-        pending = await asyncio.to_thread(self._pending, batch.id)
         in_flight: set[asyncio.Task[None]] = set()
         commits: set[asyncio.Task[None]] = set()
+        held: set[int] = set()  # leased by this pass and not finished: renewed, released at end
+        renewer = asyncio.create_task(self._renew(batch.id, held), name=f"{batch.id}-leases")
+
+        def done(task: asyncio.Task[None], item_id: int) -> None:
+            in_flight.discard(task)
+            self.budget.release(tenant)
+            if not task.cancelled():  # a cancelled item's lease is given back below
+                held.discard(item_id)
+
         stop: Stop | None = None
         try:
-            for item_id, custom_id, body in pending:
+            while stop is None:
                 await self.budget.acquire(tenant, limit)
                 try:
-                    await self.budget.yield_to_interactive(lambda b=body: self._route(principal, b))
-                    stop = await asyncio.to_thread(self._stop_reason, batch.id)
+                    item = await asyncio.to_thread(self.leases.claim, batch.id, set(held))
+                    if item is not None:
+                        held.add(item.id)
+                        await self.budget.yield_to_interactive(
+                            lambda b=item.body: self._route(principal, b)
+                        )
+                        stop = await asyncio.to_thread(self._stop_reason, batch.id)
                 except BaseException:
                     self.budget.release(tenant)
                     raise
+                if item is None:
+                    self.budget.release(tenant)
+                    if not await self._more_to_claim(batch.id, in_flight):
+                        break
+                    stop = await asyncio.to_thread(self._stop_reason, batch.id)
+                    continue
                 if stop is not None:
                     self.budget.release(tenant)
                     break
                 task = asyncio.create_task(
-                    self.items.run(principal, kind, batch.id, item_id, custom_id, body, commits)
+                    self.items.run(
+                        principal, kind, batch.id, item.id, item.custom_id, item.body, commits
+                    )
                 )
                 in_flight.add(task)
-                task.add_done_callback(
-                    lambda t: (in_flight.discard(t), self.budget.release(tenant))
-                )
+                task.add_done_callback(lambda t, i=item.id: done(t, i))
             stop = await self._drain(batch.id, in_flight, commits, stop)
         except BaseException:
             # Nothing may keep running behind a retry: the retry would send the same pending
             # items again while these are still in flight.
             await self._abandon(in_flight, commits)
             raise
+        finally:
+            renewer.cancel()
+            await asyncio.gather(renewer, return_exceptions=True)
+            await self._give_back(held)
         await asyncio.gather(*commits, return_exceptions=True)
         if stop is None and await asyncio.to_thread(self._stop_reason, batch.id) is Stop.REVOKED:
             stop = Stop.REVOKED  # revoked while the last items ran: theirs were not recorded
         if stop is Stop.REVOKED:
-            return await asyncio.to_thread(self._end_revoked, batch.id)
+            return await asyncio.to_thread(end_revoked, self.db, batch.id)
         if stop is Stop.EXPIRED:
             await asyncio.to_thread(expire_pending, self.db, batch.id)
             return await asyncio.to_thread(
@@ -310,6 +256,43 @@ class BatchRunner:
         return await asyncio.to_thread(
             self._set, batch.id, status=BatchStatus.FINALIZING, finalizing_at=repo.now()
         )
+
+    async def _more_to_claim(self, batch_id: str, in_flight: set[asyncio.Task[None]]) -> bool:
+        """Nothing is claimable now: wait for one of this runner's items, or (with none in
+        flight) for other runners' items to finish or their leases to expire. False once no
+        item of the batch is pending at all."""
+        if in_flight:
+            await asyncio.wait(set(in_flight), timeout=_WATCH_S, return_when="FIRST_COMPLETED")
+            return True
+        if await asyncio.to_thread(self.leases.pending, batch_id) == 0:
+            return False
+        await asyncio.sleep(min(self.settings.batch_poll_interval_s * 2, self.leases.lease_s / 4))
+        return True
+
+    async def _renew(self, batch_id: str, held: set[int]) -> None:
+        """Keep this pass's leases alive while its items run (three renewals per lease)."""
+        while True:
+            await asyncio.sleep(self.leases.lease_s / 3)
+            mine = set(held)
+            try:
+                kept = await asyncio.to_thread(self.leases.renew, mine)
+            except Exception as exc:  # the database is down: the leases may lapse meanwhile
+                log.warning("batch %s: renewing item leases failed: %s", batch_id, exc)
+                continue
+            if lost := (mine - kept) & held:
+                # Taken over after this runner stalled past its lease: whichever run finishes
+                # first is recorded, the other is not (the item's status decides).
+                log.warning("batch %s: leases of items %s were taken over", batch_id, sorted(lost))
+
+    async def _give_back(self, held: set[int]) -> None:
+        """Leases of items this pass claimed but did not finish: free for any runner at once
+        (if this fails, they expire after the lease)."""
+        if not held:
+            return
+        try:
+            await asyncio.to_thread(self.leases.release, set(held))
+        except Exception as exc:
+            log.warning("giving back batch item leases failed (they expire instead): %s", exc)
 
     async def _drain(
         self,

@@ -156,7 +156,7 @@ def keys_create(
     name: Annotated[str, typer.Option(help="A label for the key.")] = "default",
     tenant: Annotated[str | None, typer.Option(help="Tenant id (platform admin).")] = None,
     scope: Annotated[
-        list[str] | None, typer.Option(help="inference or admin (repeatable).")
+        list[str] | None, typer.Option(help="inference, admin or metrics (repeatable).")
     ] = None,
     rpm: Annotated[int | None, typer.Option(help="Requests per minute.")] = None,
     tpm: Annotated[int | None, typer.Option(help="Tokens per minute.")] = None,

@@ -46,7 +46,7 @@ def field(name: str) -> Callable[[dict[str, Any]], Any]:
     return lambda row: row.get(name)
 
 
-_WHOLE = frozenset({"ID", "TENANT", "PREFIX", "INPUT", "OUTPUT"})
+_WHOLE = frozenset({"ID", "TENANT", "PREFIX", "INPUT", "OUTPUT", "REF", "DEVICE"})
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[Column], title: str) -> None:

@@ -1,5 +1,5 @@
-// Endpoints (status, replicas, version, recent errors) and deploys from the registry, with a
-// deploy's loading progress polled from GET /v1/endpoints/{id}.
+// Endpoints (status, replicas, versions and their traffic weights, recent errors, a starting
+// replica's load progress) and deploys from the registry, with a deploy's loading progress polled from GET /v1/endpoints/{id}.
 import { del, get, post } from "./api.js";
 import { $, badge, el, fill, guard, options, table } from "./ui.js";
 
@@ -25,12 +25,64 @@ function replicaSummary(ep) {
   return `${r.ready}/${r.desired} ready${states ? ` (${states})` : ""}`;
 }
 
+// Where each load phase sits on one bar: a replica reports {phase, fraction of that phase}.
+const PHASES = { copying: [0, 30], loading: [30, 90], warming: [90, 99], ready: [100, 100] };
+
+// The least advanced starting replica's load_progress, or null when none is loading.
+export function loadingReplica(ep) {
+  const loading = ep.replicas.items.map((r) => r.load_progress)
+    .filter((p) => p && p.phase && p.phase !== "ready");
+  if (!loading.length) return null;
+  return loading.reduce((a, b) => (percent(a) <= percent(b) ? a : b));
+}
+
+function percent(p) {
+  const [from, to] = PHASES[p.phase] || [0, 99];
+  const fraction = Math.min(1, Math.max(0, Number(p.fraction) || 0));
+  return Math.round(from + (to - from) * fraction);
+}
+
+// A progress bar for an endpoint with a loading replica ("–" when none is loading).
+export function loadCell(ep) {
+  const p = loadingReplica(ep);
+  if (!p) return "–";
+  const pct = percent(p);
+  const phasePct = Math.round(100 * Math.min(1, Math.max(0, Number(p.fraction) || 0)));
+  return el("span", { class: "load" },
+    el("progress", { max: "100", value: String(pct),
+      "aria-label": `${ep.model_name} loading: ${p.phase} ${phasePct}%` }),
+    ` ${p.phase} ${phasePct}%`);
+}
+
+// The versions an endpoint serves and each one's share of the requests, largest first
+// ("demo:1 90% · demo:2 10% canary"); one version alone is its artifact (and a rollout's source).
+export function versionCell(ep) {
+  const items = ep.versions?.items ?? [];
+  const weights = ep.traffic && Object.keys(ep.traffic).length ? ep.traffic
+    : Object.fromEntries(items.map((v) => [v.version_id, v.weight]));
+  if (items.length < 2) {
+    return ep.rollout_from ? `${ep.model_artifact} (rolling out from ${ep.rollout_from})`
+      : ep.model_artifact;
+  }
+  const byId = new Map(items.map((v) => [v.version_id, v]));
+  const ids = Object.keys(weights).sort((a, b) => (weights[b] ?? 0) - (weights[a] ?? 0));
+  const parts = ids.map((id) => {
+    const v = byId.get(id) ?? {};
+    const role = v.role && v.role !== "stable" ? ` ${v.role}` : "";
+    const warm = v.role === "previous" && !weights[id] ? " (warm)" : "";
+    return `${v.model_artifact ?? id} ${weights[id] ?? 0}%${role}${warm}`;
+  });
+  const canary = ep.versions?.canary;
+  return el("span", { class: "versions" }, parts.join(" · "),
+    canary?.status ? el("small", { class: "muted" }, ` — canary ${canary.status}`) : null);
+}
+
 async function list() {
   const res = await get("/v1/endpoints");
   const rows = res.data.map((ep) => [
     el("strong", {}, ep.model_name), badge(ep.status), replicaSummary(ep),
-    ep.rollout_from ? `${ep.model_artifact} (rolling out from ${ep.rollout_from})`
-      : ep.model_artifact,
+    versionCell(ep),
+    loadCell(ep),
     ep.status_message || ep.replicas.last_error || "–",
     el("button", {
       type: "button", class: "danger", "aria-label": `Delete endpoint ${ep.model_name}`,
@@ -42,7 +94,7 @@ async function list() {
     }, "Delete"),
   ]);
   fill("endpoints-list", table("Your endpoints",
-    ["model", "status", "replicas", "version", "last message", ""], rows,
+    ["model", "status", "replicas", "versions (traffic)", "loading", "last message", ""], rows,
     "No endpoints yet: deploy one from the registry below."));
 }
 
@@ -82,9 +134,13 @@ function watch(endpointId, estimate) {
     }
     const elapsed = (Date.now() - started) / 1000;
     const done = ["ready", "failed", "unschedulable", "degraded"].includes(ep.status);
-    bar.value = done ? 100 : Math.min(95, (100 * elapsed) / estimate);
+    // The replicas' own report when there is one; else the deploy's estimate of the time.
+    const loading = loadingReplica(ep);
+    bar.value = done ? 100 : loading ? percent(loading)
+      : Math.min(95, (100 * elapsed) / estimate);
+    const phase = loading ? ` — ${loading.phase} ${percent(loading)}%` : "";
     line.textContent = `${ep.model_name}: ${ep.status} after ${elapsed.toFixed(0)} s — ` +
-      `${replicaSummary(ep)}${ep.status_message ? ` — ${ep.status_message}` : ""}`;
+      `${replicaSummary(ep)}${phase}${ep.status_message ? ` — ${ep.status_message}` : ""}`;
     if (done) {
       clearInterval(polling);
       list().catch(() => {});

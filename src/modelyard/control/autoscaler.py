@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 METRICS = ("gpu_utilization", "concurrency", "queue_depth", "requests_per_second")
+MIN_IDLE_TO_ZERO_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -89,26 +90,62 @@ class Decision:
 class Autoscaler:
     policy: ScalingPolicy
     _samples: deque[Observation] = field(default_factory=deque)
+    _sum: float = 0.0  # of the values in `_samples`
+    _dropped: int = 0
     _recommendations: deque[tuple[float, int]] = field(default_factory=deque)
     _last_active: float | None = None
     _panic_until: float = -math.inf
     last: Decision | None = None
+    # Keep-warm weighed by reload cost: with `idle_per_reload` > 0 and the model's measured
+    # reload time known, an idle endpoint goes to zero after idle_per_reload x reload_s (at
+    # least 60 s, at most the policy's idle time): a replica that reloads in seconds is not
+    # worth minutes of an idle device. Set by the control loop (`scaling.Scaler`).
+    idle_per_reload: float = 0.0
+    reload_s: float | None = None
+
+    def idle_limit(self) -> float:
+        """Seconds without a request after which the endpoint scales to zero."""
+        limit = self.policy.idle_to_zero_s
+        if self.idle_per_reload > 0 and self.reload_s is not None:
+            limit = min(limit, max(MIN_IDLE_TO_ZERO_S, self.idle_per_reload * self.reload_s))
+        return limit
 
     def observe(self, obs: Observation) -> None:
         self._samples.append(obs)
+        self._sum += obs.value
         if obs.active or self._last_active is None:
             self._last_active = obs.at  # the first sight of an endpoint counts as activity
-        horizon = obs.at - self.policy.stable_window_s
-        while self._samples and self._samples[0].at < horizon:
-            self._samples.popleft()
+        self._forget(obs.at - self.policy.stable_window_s)
+
+    def _forget(self, horizon: float) -> None:
+        """Drop the samples older than `horizon`, keeping the running sum of the rest."""
+        samples = self._samples
+        while samples and samples[0].at < horizon:
+            self._sum -= samples.popleft().value
+            self._dropped += 1
+        if not samples or self._dropped >= 4096:  # re-add now and then: no rounding drift
+            self._sum = sum(s.value for s in samples)
+            self._dropped = 0
 
     def mark_active(self, at: float) -> None:
         """A request arrived (also for an endpoint at zero, which has no replica to observe)."""
         self._last_active = at
 
     def _average(self, now: float, window: float) -> float:
-        values = [s.value for s in self._samples if s.at >= now - window]
-        return sum(values) / len(values) if values else 0.0
+        """Mean of the samples of the last `window` seconds: the stable window from the running
+        sum (decisions come every tick, so this is O(1)), shorter windows from the newest end."""
+        if window >= self.policy.stable_window_s:
+            self._forget(now - window)
+            n = len(self._samples)
+            if window == self.policy.stable_window_s:
+                return self._sum / n if n else 0.0
+        total, n = 0.0, 0
+        for s in reversed(self._samples):
+            if s.at < now - window:
+                break
+            total += s.value
+            n += 1
+        return total / n if n else 0.0
 
     def decide(self, now: float, current: int) -> Decision:
         p = self.policy
@@ -128,10 +165,11 @@ class Autoscaler:
             want = stable
             reason = f"{p.metric} over {p.stable_window_s:g}s averages to {want} replica(s)"
 
-        if p.scale_to_zero and idle_for >= p.idle_to_zero_s and not panic:
+        idle_limit = self.idle_limit()
+        if p.scale_to_zero and idle_for >= idle_limit and not panic:
             self._recommendations.clear()
             return self._record(now, current, 0, f"idle for {idle_for:.0f}s: scale to zero", False)
-        if current == 0 and self._last_active is not None and idle_for < p.idle_to_zero_s:
+        if current == 0 and self._last_active is not None and idle_for < idle_limit:
             want = max(want, 1)
             reason = "a request arrived: scale from zero"
 

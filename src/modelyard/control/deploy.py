@@ -4,8 +4,10 @@ anything is written, so a bad request is refused at once instead of failing a re
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from modelyard.config import PlatformSettings
+from modelyard.control import runtimes
 from modelyard.control.model_kind import UnknownArchitecture, detect
 from modelyard.control.registry import Registry, ResolvedVersion
 from modelyard.control.state import engine_env
@@ -16,23 +18,64 @@ from modelyard.protocol.management import DeployRequest
 from modelyard.store import repository as repo
 from modelyard.store.tables import Endpoint
 
-SUPPORTED_FRAMEWORKS = ("native",)
 _REMOTE_SCHEMES = ("s3://", "gs://", "http://", "https://")
 
 
-def check_request(principal: Principal, req: DeployRequest) -> None:
-    """What needs no file or database: the caller's rights, the framework, engine options."""
+def check_request(principal: Principal, req: DeployRequest, settings: PlatformSettings) -> None:
+    """What needs no file or database: the caller's rights, the framework (known, and its
+    runtime installed on this node), engine options."""
     principal.require("admin")
-    if req.framework not in SUPPORTED_FRAMEWORKS:
-        raise Invalid(
-            f"framework {req.framework!r} is not supported; use 'native' (modelyard's own "
-            "engine: continuous batching, paged KV cache, OpenAI-compatible)",
-            param="framework",
-            code="unsupported_framework",
-        )
+    runtimes.check_framework(settings, req.framework)
     if req.public and not principal.platform_admin:
         raise Forbidden("only the platform admin can deploy public endpoints", param="public")
     engine_env(req.engine)  # a bad option is a 400 now, not a failed replica later
+
+
+# Engine options that name a folder on the node. `lora_dir` is read by the worker (adapters), so it
+# must lie under an allowed root like a model path; `cache_dir` is written (converted weights), so
+# only the platform admin may move it.
+_READ_PATHS = ("lora_dir",)
+_WRITE_PATHS = ("cache_dir",)
+_PLATFORM_ONLY = ("lora_registry_dir",)  # the platform fills it in (control/adapters.py)
+
+
+def check_engine_paths(
+    settings: PlatformSettings, principal: Principal, engine: dict[str, Any]
+) -> None:
+    """Path-like engine options: a tenant admin may only name absolute folders under
+    `local_artifact_roots` (400 naming `engine.<option>`), never a folder the worker writes."""
+    for key in _PLATFORM_ONLY:
+        if engine.get(key) is not None:
+            raise Invalid(
+                f"engine.{key} is set by the platform, not in a deploy body",
+                param=f"engine.{key}",
+                code="path_not_allowed",
+            )
+    if principal.platform_admin:
+        return
+    for key in _WRITE_PATHS:
+        if engine.get(key) is not None:
+            raise Invalid(
+                f"engine.{key} names where the worker writes on the node; only the platform "
+                "admin may set it",
+                param=f"engine.{key}",
+                code="path_not_allowed",
+            )
+    roots = [r.resolve() for r in settings.local_artifact_roots]
+    for key in _READ_PATHS:
+        raw = engine.get(key)
+        if raw is None:
+            continue
+        # Relative paths would be read relative to the worker's directory, not the one checked.
+        path = Path(str(raw))
+        if not path.is_absolute() or not any(path.resolve().is_relative_to(r) for r in roots):
+            raise Invalid(
+                f"engine.{key} must be an absolute folder under MODELYARD_LOCAL_ARTIFACT_ROOTS "
+                f"({', '.join(map(str, roots)) or 'none configured'}); push adapters to the "
+                "registry instead",
+                param=f"engine.{key}",
+                code="path_not_allowed",
+            )
 
 
 def resolve_artifact(
@@ -40,6 +83,10 @@ def resolve_artifact(
 ) -> tuple[Path | None, ResolvedVersion | None]:
     """A server path the caller may deploy from (checked: it exists, and a model nothing here
     serves is refused), or a registry version."""
+    if artifact.startswith("s3://"):  # imported into the registry (control/s3_import.py)
+        from modelyard.control.s3_import import import_s3_artifact
+
+        return None, import_s3_artifact(settings, registry, principal, artifact)
     if artifact.startswith(_REMOTE_SCHEMES):
         raise Invalid(
             f"remote artifacts ({artifact.split(':', 1)[0]}://) need an object store, and "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from modelyard.control.load_progress import replica_load_progress
 from modelyard.control.state import EndpointState
 from modelyard.core.status import ReplicaState
 from modelyard.store import repository as repo
@@ -24,6 +25,9 @@ def endpoint_view(state: EndpointState, base_url: str) -> dict[str, Any]:
         "version_id": row.version_id,
         "good_version_id": row.good_version_id,
         "rollout_from": state.rollout_from,
+        # Percent of requests per version while a canary runs (`versions` has the details).
+        "traffic": dict(state.route.weights),
+        "last_rollback": row.last_rollback,
         "model_files_from": state.last_fetch,
         "framework": row.framework,
         "hardware": row.hardware,
@@ -43,6 +47,10 @@ def endpoint_view(state: EndpointState, base_url: str) -> dict[str, Any]:
             "ready": state.serving,
             "restarts": state.restarts,
             "last_error": state.last_error,
-            "items": [r.view() for r in state.replicas if r.state is not ReplicaState.STOPPED],
+            "items": [
+                {**r.view(), "load_progress": replica_load_progress(state, r)}
+                for r in state.replicas
+                if r.state is not ReplicaState.STOPPED
+            ],
         },
     }

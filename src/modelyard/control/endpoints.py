@@ -2,44 +2,47 @@
 
 The database holds what should exist (the endpoint rows); this manager holds what does exist
 (replica processes via a backend). Its verbs are short: each checks the caller, then hands the
-work to the module whose job it is: `deploy` (validation), `reconcile` (the loop that keeps
-replicas matching what should run, and starts them), `rollout` (versions), `endpoint_status`
-(the one writer of statuses) and `endpoint_view` (the JSON the API shows). On start it
-re-provisions every live endpoint in the database.
+work to the module whose job it is: `deploy` (validation), `endpoint_provision` (adopt a row,
+start its replicas, drain them on delete), `endpoint_versions` (rollout, canary, traffic,
+promote, rollback, reconfigure; the work itself in `rollout` and `versions`), `reconcile` (the
+loop that keeps replicas matching what should run), `endpoint_status` (the one writer of
+statuses) and `endpoint_view` (the JSON the API shows). On start it re-provisions every live
+endpoint in the database, with its versions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import Any
 
-from modelyard.config import EngineSettings, PlatformSettings
+from modelyard.config import PlatformSettings
+from modelyard.control import adapters
 from modelyard.control import deploy as validation
-from modelyard.control.autoscaler import Autoscaler, ScalingPolicy
+from modelyard.control.audit import AuditLog
 from modelyard.control.backends.base import Backend
 from modelyard.control.encoder_pool import EncoderPool
+from modelyard.control.endpoint_provision import Provisioning
 from modelyard.control.endpoint_status import EndpointStatuses
+from modelyard.control.endpoint_versions import VersionVerbs
 from modelyard.control.endpoint_view import endpoint_view
-from modelyard.control.model_kind import LLM, detect
 from modelyard.control.reconcile import Reconciler
 from modelyard.control.registry import Registry
 from modelyard.control.replicas import ReplicaController
 from modelyard.control.rollout import Rollouts
-from modelyard.control.scaling import LoadTracker
-from modelyard.control.state import EndpointState, Replica, engine_env, spawn
-from modelyard.core.errors import Conflict, Invalid, NotFound
+from modelyard.control.state import EndpointState, spawn
+from modelyard.control.versions import Versions
+from modelyard.core.errors import Conflict, NotFound
 from modelyard.core.identity import Principal
-from modelyard.core.routing import EndpointRoute, RoutingTable
-from modelyard.core.status import EndpointStatus, ReplicaState, StatusTrigger
+from modelyard.core.routing import RoutingTable
+from modelyard.core.status import EndpointStatus, StatusTrigger
 from modelyard.protocol.management import DeployRequest
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
-from modelyard.store.tables import Endpoint
+from modelyard.store.tables import Endpoint, EndpointVersion
 
 
-class EndpointManager:
+class EndpointManager(Provisioning, VersionVerbs):
     def __init__(
         self,
         settings: PlatformSettings,
@@ -47,6 +50,7 @@ class EndpointManager:
         registry: Registry,
         backend: Backend,
         routing: RoutingTable,
+        audit: AuditLog | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -60,24 +64,26 @@ class EndpointManager:
         self.warm_pool = self.replicas.warm_pool
         self.statuses = EndpointStatuses(db, routing)
         self.rollouts = Rollouts(settings, db, registry, routing)
+        self.versions = Versions(settings, db, routing, self.replicas)
         self.reconciler = Reconciler(
             settings, self.endpoints, self.replicas, self.encoders, self.statuses, self.rollouts,
-            routing,
+            routing, self.versions, audit,
         )  # fmt: skip
 
     # ----- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        def load() -> list[Endpoint]:
+        def load() -> list[tuple[Endpoint, list[EndpointVersion]]]:
             with self.db.session() as s:
-                return list(repo.live_endpoints(s))
+                return [
+                    (row, list(repo.endpoint_versions(s, row.id))) for row in repo.live_endpoints(s)
+                ]
 
-        rows = await asyncio.to_thread(load)
-        for row in rows:
+        for row, versions in await asyncio.to_thread(load):
             if row.status == EndpointStatus.DRAINING.value:  # interrupted delete: finish it
                 await asyncio.to_thread(self._mark_deleted, row.id)
                 continue
-            self._adopt(row)
+            self.versions.restore(self._adopt(row), versions)
         self.reconciler.start()
 
     async def stop(self) -> None:
@@ -93,7 +99,8 @@ class EndpointManager:
     # ----- deploy ----------------------------------------------------------------------------
 
     async def deploy(self, principal: Principal, req: DeployRequest) -> dict[str, Any]:
-        validation.check_request(principal, req)
+        validation.check_request(principal, req, self.settings)
+        validation.check_engine_paths(self.settings, principal, req.engine)
         path, version = await asyncio.to_thread(
             validation.resolve_artifact, self.settings, self.registry, principal, req.model_artifact
         )
@@ -117,71 +124,15 @@ class EndpointManager:
             "estimated_ready_seconds": validation.estimated_ready_seconds(path, version),
         }
 
-    def _adopt(self, row: Endpoint, path: Path | None = None) -> EndpointState:
-        env, _ = engine_env(row.engine_options)
-        # What the replicas will run with: the platform's worker defaults under the endpoint's.
-        engine = EngineSettings(**{**self.settings.worker_engine, **row.engine_options})
-        max_tokens_cap = engine.max_tokens_cap
-        route = EndpointRoute(
-            endpoint_id=row.id,
-            tenant_id=row.tenant_id,
-            model_name=row.model_name,
-            public=row.public,
-            version_id=row.version_id,
-            max_tokens_cap=max_tokens_cap,
-            sampling_defaults=row.sampling_defaults or {},
-        )
-        desired = max(1, int(row.hardware.get("min_replicas", 1)))
-        state = EndpointState(
-            row=row, route=route, model_path=path, engine_env=env, engine=engine, desired=desired
-        )
-        policy = ScalingPolicy.from_deploy(row.hardware, row.scaling)
-        state.autoscaler = Autoscaler(policy)
-        state.load = LoadTracker(policy.metric)
-        self.endpoints[row.id] = state
-        self.routing.publish(route)
-        spawn(state, self._provision(state))
-        return state
-
-    async def _provision(self, state: EndpointState) -> None:
-        try:
-            if state.model_path is None:
-                if state.row.version_id is None:
-                    state.model_path = Path(state.row.artifact)
-                else:
-                    state.model_path = await self.replicas.fetch_model(state)
-            state.kind = await asyncio.to_thread(detect, state.model_path)
-        except Exception as exc:
-            why = f"cannot prepare the model files: {exc}"
-            await self.statuses.set(state, EndpointStatus.FAILED, why, StatusTrigger.PREPARE_FAILED)
-            return
-        if state.kind != LLM:
-            await self._provision_encoder(state)
-            return
-        replicas = [self.replicas.new_replica(state) for _ in range(state.desired)]
-        await asyncio.gather(*(self.reconciler.start_replica(state, r) for r in replicas))
-
-    async def _provision_encoder(self, state: EndpointState) -> None:
-        """An embedding or classifier model joins the shared encoder host (one per platform)."""
-        assert state.model_path is not None
-        state.desired = 1
-        replica = Replica(f"encoder-host/{state.row.id}")
-        state.replicas = [replica]
-        try:
-            replica.route = await self.encoders.register(state.row.id, state.model_path)
-        except Exception as exc:
-            replica.state, replica.error = ReplicaState.FAILED, str(exc)
-            why = f"the encoder host refused the model: {exc}"
-            trigger = StatusTrigger.ENCODER_HOST_FAILED
-            await self.statuses.set(state, EndpointStatus.FAILED, why, trigger)
-            return
-        replica.handle = self.encoders.handle
-        replica.devices = self.encoders.devices
-        replica.state = ReplicaState.READY
-        replica.ready_after_s = time.time() - replica.started_at
-        self.routing.set_upstream_model(state.route, state.row.id)
-        self.routing.set_replicas(state.route, [replica.route])
-        await self.statuses.set(state, EndpointStatus.READY, None, StatusTrigger.ENCODER_HOST_READY)
+    async def adapters_changed(self, tenant_id: str) -> None:
+        """A LoRA adapter was pushed: the tenant's endpoints serving its base serve it now
+        (their adapter folders synced; `control/adapters.py`)."""
+        for state in list(self.endpoints.values()):
+            if state.row.tenant_id == tenant_id and adapters.serves_adapters(state):
+                names = await asyncio.to_thread(
+                    adapters.sync, self.registry, self.replicas.node_cache, state
+                )
+                self.routing.set_adapters(state.route, names)
 
     def activate(self, endpoint_id: str) -> None:
         """The gateway's verb (handed to it by the composition root): a request arrived for
@@ -189,26 +140,6 @@ class EndpointManager:
         state = self.endpoints.get(endpoint_id)
         if state is not None:
             self.reconciler.activate(state)
-
-    # ----- versions ----------------------------------------------------------------------------
-
-    async def update(self, principal: Principal, endpoint_id: str, artifact: str) -> dict[str, Any]:
-        """Roll the endpoint out to another registry version. Its replicas keep serving until
-        the new version's are ready; if those fail to load, the endpoint falls back."""
-        principal.require("admin")
-        state = self._get(principal, endpoint_id)
-        if state.kind not in (None, LLM):
-            raise Invalid(
-                "encoder endpoints are updated by deploying again", param="model_artifact"
-            )
-        version = await asyncio.to_thread(self.registry.resolve, principal.tenant_id, artifact)
-        assert version is not None
-        status = state.status
-        if version.version_id != state.row.version_id:
-            rolling_out = await self.rollouts.start(state, version)
-            await self.statuses.apply(state, rolling_out)
-            status = rolling_out.status
-        return {"endpoint_id": endpoint_id, "status": status, "version_id": version.version_id}
 
     # ----- read and delete -------------------------------------------------------------------
 
@@ -223,13 +154,16 @@ class EndpointManager:
 
     def list(self, principal: Principal, base_url: str) -> list[dict[str, Any]]:
         return [
-            endpoint_view(s, base_url)
+            self._view(s, base_url)
             for s in self.endpoints.values()
             if principal.platform_admin or s.row.tenant_id == principal.tenant_id
         ]
 
     def get(self, principal: Principal, endpoint_id: str, base_url: str) -> dict[str, Any]:
-        return endpoint_view(self._get(principal, endpoint_id), base_url)
+        return self._view(self._get(principal, endpoint_id), base_url)
+
+    def _view(self, state: EndpointState, base_url: str) -> dict[str, Any]:
+        return {**endpoint_view(state, base_url), "versions": self.versions.view(state)}
 
     async def delete(self, principal: Principal, endpoint_id: str) -> dict[str, Any]:
         principal.require("admin")
@@ -239,36 +173,9 @@ class EndpointManager:
         await self.statuses.set(state, EndpointStatus.DRAINING, None, StatusTrigger.DELETING)
         state.status, state.trigger = EndpointStatus.DRAINING, StatusTrigger.DELETING
         self.routing.remove(endpoint_id)  # no new requests from here on
+        self.versions.forget(endpoint_id)
         spawn(state, self._drain_and_stop(state))
         return {"endpoint_id": endpoint_id, "status": EndpointStatus.DRAINING}
-
-    async def _drain_and_stop(self, state: EndpointState) -> None:
-        deadline = time.monotonic() + self.settings.replica_drain_timeout_s
-        # Polls counters the gateway moves; an event per counter would cost the hot path.
-        while state.route.outstanding > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.1)
-        for task in list(state.tasks):
-            if task is not asyncio.current_task():
-                task.cancel()
-        if state.kind not in (None, LLM):
-            await self.encoders.unregister(state.row.id)
-        else:
-            for replica in state.replicas:
-                if replica.handle is not None:
-                    await self.backend.stop(replica.handle)
-                self.replicas.release(replica)
-        for replica in state.replicas:
-            replica.state = ReplicaState.STOPPED
-        await asyncio.to_thread(self._mark_deleted, state.row.id)
-        state.status, state.trigger = EndpointStatus.DELETED, StatusTrigger.DELETING
-        self.endpoints.pop(state.row.id, None)
-
-    def _mark_deleted(self, endpoint_id: str) -> None:
-        with self.db.session() as s:
-            row = s.get(Endpoint, endpoint_id)
-            if row is not None:
-                row.deleted_at = repo.now()
-                row.status = EndpointStatus.DELETED.value
 
     async def wait_ready(self, endpoint_id: str, timeout_s: float) -> str:
         """For tests and bootstrap: wait until the endpoint is ready or failed."""

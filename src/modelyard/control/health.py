@@ -61,9 +61,12 @@ class ReplicaHealth:
         replica.load = r.json()
         capacity = int(replica.load.get("kv_cache_capacity_tokens") or 0)
         if replica.route is not None and capacity:
-            # The spec's admission formula: KV memory / the KV one request needs on average.
+            # The spec's admission formula: KV memory / the KV one request needs on average,
+            # capped by a runtime's parallel slots (llama.cpp) when it reports them.
             per_request = self.settings.admission_tokens_per_request
-            self.routing.set_capacity(replica.route, max(1, capacity // per_request))
+            limit = max(1, capacity // per_request)
+            slots = int(replica.load.get("max_concurrency") or 0)
+            self.routing.set_capacity(replica.route, min(limit, slots) if slots else limit)
         return None
 
     async def check_health(self, state: EndpointState) -> None:

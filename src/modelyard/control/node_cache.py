@@ -1,9 +1,10 @@
 """This node's cache of model files: the first cold-start layer.
 
-The artifact store is the registry's source of truth (local disk by default, an object store in
-a cluster); a worker loads from this node's own copy. On a miss a version's blobs are copied out
-of the store, each one hashed while it is copied and checked against its sha256 (so nothing
-corrupted is ever loaded), into a folder renamed into place once complete. Hits only touch the
+The artifact store is the registry's source of truth (local disk by default, an S3 bucket in a
+cluster: `store.artifact_store.BlobStore`); a worker loads from this node's own copy. On a miss a
+version's blobs are copied out of the store, whichever it is, through one code path: each one
+hashed while it is copied and checked against its sha256 (so nothing corrupted, on disk or in
+the bucket, is ever loaded), into a folder renamed into place once complete. Hits only touch the
 folder. The cache is capped in bytes and evicts the least recently used versions that no replica
 is using, together with what the engine derived from them (converted GGUF weights).
 """
@@ -17,11 +18,13 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 from modelyard.control.registry import ResolvedVersion
-from modelyard.store.artifacts import ArtifactStore, IntegrityError, check_relative_path
+from modelyard.store.artifact_store import BlobStore
+from modelyard.store.artifacts import IntegrityError, check_relative_path
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ class CacheEntry:
 
 
 class NodeCache:
-    def __init__(self, root: Path, store: ArtifactStore, max_bytes: int) -> None:
+    def __init__(self, root: Path, store: BlobStore, max_bytes: int) -> None:
         self.root = root
         self.store = store
         self.max_bytes = max_bytes
@@ -85,7 +88,7 @@ class NodeCache:
 
     def _copy_verified(self, sha256: str, dest: Path) -> None:
         digest = hashlib.sha256()
-        with open(self.store.path(sha256), "rb") as src, open(dest, "wb") as out:
+        with closing(self.store.open(sha256)) as src, open(dest, "wb") as out:
             while block := src.read(_CHUNK):
                 digest.update(block)
                 out.write(block)

@@ -114,6 +114,7 @@ class Placement:
     _endpoint_devices: dict[str, Counter[int]] = field(init=False, repr=False)
     _occupied: int = field(init=False, repr=False)
     _single_node: bool = field(init=False, repr=False)
+    _largest: int = field(init=False, repr=False)  # memory of the largest device
 
     def __post_init__(self) -> None:
         self.devices = sorted(self.devices, key=_order)
@@ -130,6 +131,7 @@ class Placement:
         self._endpoint_devices = {}
         self._occupied = 0
         self._single_node = len({d.node for d in self.devices}) <= 1
+        self._largest = max((d.memory_bytes for d in self.devices), default=0)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -153,6 +155,11 @@ class Placement:
     def assignment(self, replica_id: str) -> list[Device] | None:
         placed = self._replicas.get(replica_id)
         return [self.devices[i] for i in placed[1]] if placed else None
+
+    def request(self, replica_id: str) -> ReplicaRequest | None:
+        """What a placed replica asked for (a cluster backend asks its scheduler for the same)."""
+        placed = self._replicas.get(replica_id)
+        return placed[0] if placed else None
 
     def drain_order(self, replica_ids: list[str]) -> list[str]:
         """Which of these placed replicas to remove first when scaling down: the one leaving the
@@ -268,6 +275,8 @@ class Placement:
                 best = rank
             if best[:4] == (0, 0, 0, 0):
                 break  # nothing later can beat a clean, occupied device with less free memory
+            if best[:4] <= (0, 0, 1, 0) and not self._on_device[i] and free >= self._largest:
+                break  # only empty devices are left, none better than the best one seen
         if best is None:
             return None, self._no_room(req)
         return [best[-1]], ""

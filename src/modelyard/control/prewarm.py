@@ -8,6 +8,7 @@ weekday at 9am"). The clock is always passed in, so tests and the fleet simulato
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import defaultdict
 from datetime import UTC, datetime
@@ -18,6 +19,14 @@ WEEK_S = 7 * 24 * 3600
 
 def hour_of_week(at: float) -> tuple[int, int]:
     """(week number, hour of that week, Monday 00:00 UTC = 0) of a unix time."""
+    # The same for every moment of an hour: computed once per hour, not once per endpoint and
+    # tick (the controller's tick records all of them within the same hour).
+    return _hour_of_week(int(at // 3600))
+
+
+@functools.lru_cache(maxsize=64)
+def _hour_of_week(hour: int) -> tuple[int, int]:
+    at = hour * 3600
     ts = datetime.fromtimestamp(at, UTC)
     monday_based = ts.weekday() * 24 + ts.hour
     # Weeks counted from a Monday, so a week number changes exactly at Monday 00:00.
@@ -40,7 +49,10 @@ class TrafficHistory:
         week, how = hour_of_week(at)
         self._first_week.setdefault(endpoint_id, week)
         per_week = self._counts[endpoint_id][how]
-        per_week[week] = per_week.get(week, 0) + requests
+        if week in per_week:  # the common case (every tick): nothing to forget
+            per_week[week] += requests
+            return
+        per_week[week] = requests
         for old in [w for w in per_week if w <= week - self.weeks]:
             del per_week[old]
 

@@ -1,11 +1,13 @@
 """The reconcile loop: every tick, each endpoint's replicas are made to match what should run.
 
 Dead replicas are replaced, unhealthy ones leave the routing table until they answer again (and
-are replaced if they do not), a rollout whose version keeps failing falls back, each endpoint's
-autoscaler sets how many replicas it should have (down to zero when idle; a request for an
-endpoint at zero activates it at once), and the status says what came of it. The shared encoder
-host is repaired here too. Starting a replica happens here for every caller, so what a start
-came to (`ReplicaOutcome`) is acted on in one place.
+are replaced if they do not), a rollout whose version keeps failing falls back, a canary is
+judged against its SLO (rolled back, moved a step, promoted) and its replicas kept (the fallback
+and the gate's moves are recorded in the audit log as the platform's doing, actor `system`),
+each endpoint's autoscaler sets how many replicas it should have (down to zero when idle; a
+request for an endpoint at zero activates it at once), and the status says what came of it.
+The shared encoder host is repaired here too. Starting a replica happens here for every caller,
+so what a start came to (`ReplicaOutcome`) is acted on in one place.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from modelyard.config import PlatformSettings
+from modelyard.control.audit import AuditAction, AuditLog
 from modelyard.control.encoder_pool import EncoderPool
 from modelyard.control.endpoint_status import EndpointStatuses, StatusChange
 from modelyard.control.model_kind import LLM
@@ -24,6 +28,7 @@ from modelyard.control.replicas import ReplicaController
 from modelyard.control.rollout import Rollouts
 from modelyard.control.scaling import Scaler
 from modelyard.control.state import EndpointState, Replica, spawn
+from modelyard.control.versions import Versions
 from modelyard.core.routing import RoutingTable
 from modelyard.core.status import EndpointStatus, StatusTrigger
 
@@ -42,6 +47,8 @@ class Reconciler:
         statuses: EndpointStatuses,
         rollouts: Rollouts,
         routing: RoutingTable,
+        versions: Versions,
+        audit: AuditLog | None = None,
     ) -> None:
         self.settings = settings
         self.endpoints = endpoints
@@ -50,6 +57,8 @@ class Reconciler:
         self.statuses = statuses
         self.rollouts = rollouts
         self.routing = routing
+        self.versions = versions
+        self.audit = audit
         self.history = TrafficHistory()
         self.scaler = Scaler(settings, self.history)
         self._history_path: Path = settings.data_dir / "traffic_history.json"
@@ -60,6 +69,7 @@ class Reconciler:
     async def start_replica(self, state: EndpointState, replica: Replica) -> None:
         """Start `replica` and act on what came of it."""
         outcome = await self.replicas.run(state, replica)
+        self.versions.started(state, replica)
         if outcome.version_good:
             await self.rollouts.mark_good(state)
         if outcome.status is not None:
@@ -82,6 +92,31 @@ class Reconciler:
         )
         self.statuses.set_in_memory(state, waking)
         spawn(state, self.start_replica(state, self.replicas.new_replica(state)))
+
+    def poke(self, state: EndpointState) -> None:
+        """A version was added or changed roles: start what it needs now, not at the next
+        tick."""
+        spawn(state, self._versions(state))
+
+    async def _versions(self, state: EndpointState) -> None:
+        """The versions' tick: their replicas, the canary's SLO gate (audited)."""
+        before = self._audit_view(state)
+        starts, action = await self.versions.tick(state)
+        for replica in starts:
+            spawn(state, self.start_replica(state, replica))
+        if action is not None and self.audit is not None:
+            after = self._audit_view(state)
+            await self.audit.record_endpoint(None, action, state.row.id, before, after)
+
+    def _audit_view(self, state: EndpointState) -> dict[str, Any]:
+        row = state.row
+        return {
+            "tenant_id": row.tenant_id,
+            "version_id": row.version_id,
+            "model_artifact": row.artifact,
+            "weights": dict(state.route.weights),
+            "last_rollback": row.last_rollback,
+        }
 
     # ----- the loop --------------------------------------------------------------------------
 
@@ -122,11 +157,19 @@ class Reconciler:
         if state.kind != LLM:
             return  # encoder endpoints live and die with the shared host
         await self.replicas.check_health(state)
+        failed = state.row.version_id, state.row.artifact
         rolled_back = await self.rollouts.maybe_roll_back(state)
         if rolled_back is not None:
+            if self.audit is not None:  # the platform's doing: actor `system`, with the reason
+                after = {**self._audit_view(state), "reason": rolled_back.message}
+                before = {**after, "version_id": failed[0], "model_artifact": failed[1]}
+                del before["reason"]
+                action = AuditAction.ENDPOINT_ROLLOUT_FALLBACK
+                await self.audit.record_endpoint(None, action, state.row.id, before, after)
             await self.statuses.apply(state, rolled_back)
+        await self._versions(state)
         self.scaler.autoscale(state, self.activate)
-        for replica in self.replicas.converge(state):
+        for replica in self.replicas.converge(state, self.versions.kept(state)):
             spawn(state, self.start_replica(state, replica))
         await self.statuses.refresh(state)
 

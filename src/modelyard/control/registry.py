@@ -2,7 +2,9 @@
 
 A version is created from a manifest of files that are already in the artifact store (uploaded
 one by one, each verified against its sha256), in one transaction: either the whole version
-exists or nothing does. Versions are referenced as `name` (newest) or `name:N`.
+exists or nothing does. Versions are referenced as `name` (newest) or `name:N`. A `lora` version
+is a PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`) recorded against a base
+model of the same tenant's registry; endpoints serving that base serve its adapters.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from typing import Any
 
 from modelyard.core.errors import Conflict, Invalid, NotFound
 from modelyard.store import repository as repo
-from modelyard.store.artifacts import ArtifactError, ArtifactStore, check_relative_path, scan_folder
+from modelyard.store.artifact_store import BlobStore
+from modelyard.store.artifacts import ArtifactError, check_relative_path, scan_folder
 from modelyard.store.db import Database
 from modelyard.store.tables import Model, ModelVersion
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-FORMATS = ("hf", "gguf")
+FORMATS = ("hf", "gguf", "lora")
 
 
 def check_model_name(name: str) -> str:
@@ -35,6 +38,8 @@ def check_model_name(name: str) -> str:
 
 
 def detect_format(paths: list[str]) -> str:
+    if "adapter_config.json" in paths and "config.json" not in paths:
+        return "lora"
     if "config.json" in paths:
         return "hf"
     ggufs = [p for p in paths if p.endswith(".gguf")]
@@ -64,15 +69,17 @@ class ResolvedVersion:
     format: str
     files: dict[str, str]  # relative path → sha256
     total_size: int
+    base_model: str | None = None  # a `lora` version's base (a registry model name)
 
 
 def _resolved(model_name: str, v: ModelVersion) -> ResolvedVersion:
     files = {path: meta["sha256"] for path, meta in v.manifest["files"].items()}
-    return ResolvedVersion(v.id, model_name, v.version, v.format, files, v.total_size)
+    base = v.manifest.get("base_model")
+    return ResolvedVersion(v.id, model_name, v.version, v.format, files, v.total_size, base)
 
 
 class Registry:
-    def __init__(self, db: Database, store: ArtifactStore) -> None:
+    def __init__(self, db: Database, store: BlobStore) -> None:
         self.db = db
         self.store = store
 
@@ -87,7 +94,12 @@ class Registry:
         return owned and self.store.has(sha256)
 
     def create_version(
-        self, tenant_id: str, model_name: str, files: dict[str, dict[str, Any]], fmt: str | None
+        self,
+        tenant_id: str,
+        model_name: str,
+        files: dict[str, dict[str, Any]],
+        fmt: str | None,
+        base_model: str | None = None,
     ) -> ResolvedVersion:
         check_model_name(model_name)
         if not files:
@@ -118,12 +130,61 @@ class Registry:
         fmt = fmt or detect_format(list(manifest))
         if fmt not in FORMATS:
             raise Invalid(f"format must be one of {', '.join(FORMATS)}", param="format")
+        extra = self._check_base(tenant_id, model_name, fmt, manifest, base_model)
         with self.db.session() as s:
             model = repo.get_model(s, tenant_id, model_name) or repo.create_model(
                 s, tenant_id, model_name
             )
-            version = repo.add_version(s, model.id, fmt, {"files": manifest}, total)
+            version = repo.add_version(s, model.id, fmt, {"files": manifest, **extra}, total)
             return _resolved(model_name, version)
+
+    def _check_base(
+        self,
+        tenant_id: str,
+        model_name: str,
+        fmt: str,
+        manifest: dict[str, Any],
+        base_model: str | None,
+    ) -> dict[str, str]:
+        """A `lora` version names its base (a model of this tenant's registry, not an adapter)
+        and holds the PEFT pair; nothing else names a base."""
+        if fmt != "lora":
+            if base_model is not None:
+                raise Invalid("only a lora adapter names a base_model", param="base_model")
+            return {}
+        missing = {"adapter_config.json", "adapter_model.safetensors"} - set(manifest)
+        if missing:
+            raise Invalid(
+                f"a lora adapter needs {', '.join(sorted(missing))}",
+                param="files",
+                code="invalid_manifest",
+            )
+        if base_model is None:
+            raise Invalid(
+                "a lora adapter needs base_model (a registry model name)", param="base_model"
+            )
+        base = self.resolve(tenant_id, check_model_name(base_model), missing_ok=True)
+        if base is None or base.format == "lora" or base.model_name == model_name:
+            raise Invalid(
+                f"base_model {base_model!r} is not a model in this tenant's registry",
+                param="base_model",
+                code="model_not_found",
+            )
+        return {"base_model": base.model_name}
+
+    def adapters_of(self, tenant_id: str, base_model: str) -> dict[str, ResolvedVersion]:
+        """The tenant's adapters pushed against `base_model`: name → newest version."""
+        out: dict[str, ResolvedVersion] = {}
+        with self.db.session() as s:
+            for m in repo.list_models(s, tenant_id):
+                v = repo.get_version(s, m.id, None)
+                if (
+                    v is not None
+                    and v.format == "lora"
+                    and v.manifest.get("base_model") == base_model
+                ):
+                    out[m.name] = _resolved(m.name, v)
+        return out
 
     def register_folder(self, tenant_id: str, model_name: str, source: Path) -> ResolvedVersion:
         """Copy a local folder (or single file) into the store and register it as a version,
@@ -183,11 +244,15 @@ class Registry:
             model = repo.get_model(s, tenant_id, check_model_name(name))
             if model is None:
                 raise NotFound(f"model {name!r} is not in the registry", code="not_found")
-            if repo.endpoints_using_model(s, tenant_id, model.id):
+            using = repo.endpoints_using_model(s, tenant_id, model.id)
+            if using:
+                names = ", ".join(sorted(e.model_name for e in using)[:5])
                 raise Conflict(
-                    f"model {name!r} is deployed; delete its endpoints first",
+                    f"model {name!r} is in use by live endpoint(s) {names} (as their version, "
+                    "a canary, or the version they fall back to); delete them first",
                     code="model_in_use",
                 )
+            repo.release_deleted_endpoints(s, model.id)
             for v in repo.list_versions(s, model.id):
                 s.delete(v)
             s.delete(model)
@@ -200,6 +265,7 @@ def version_dict(model_name: str, v: ModelVersion) -> dict[str, Any]:
         "version": v.version,
         "ref": f"{model_name}:{v.version}",
         "format": v.format,
+        "base_model": v.manifest.get("base_model"),
         "total_size": v.total_size,
         "files": v.manifest["files"],
         "created_at": int(repo.as_utc(v.created_at).timestamp()),

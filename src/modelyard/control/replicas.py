@@ -21,10 +21,12 @@ from pathlib import Path
 import httpx
 
 from modelyard.config import PlatformSettings
-from modelyard.control.backends.base import Backend, ReplicaSpec, wait_healthy
+from modelyard.control import adapters, runtimes
+from modelyard.control.backends.base import Backend, ReplicaSpec, placed_devices, wait_healthy
 from modelyard.control.devices import inventory, pinning_env
 from modelyard.control.endpoint_status import StatusChange
 from modelyard.control.health import ReplicaHealth
+from modelyard.control.load_progress import CountingStore, copy_meter
 from modelyard.control.model_kind import LLM
 from modelyard.control.node_cache import NodeCache
 from modelyard.control.placement import Placement, ReplicaRequest
@@ -77,14 +79,19 @@ class ReplicaController(ReplicaHealth):
         self.routing = routing
         self.registry = registry
         self.endpoints = endpoints  # read only: which versions are in use
-        self.node_cache = NodeCache(
-            settings.data_dir / "node-cache", registry.store, settings.node_cache_bytes
+        self.node_cache = NodeCache(  # its reads counted: a replica's `copying` progress
+            settings.data_dir / "node-cache",
+            CountingStore(registry.store),
+            settings.node_cache_bytes,
         )
         self.placement = Placement(inventory(settings.devices))
         self.warm_pool = WarmPool(
             settings, backend, registry, self.node_cache, self.default_engine_env(), self.placement
         )
         self._http = httpx.AsyncClient(timeout=settings.health_probe_timeout_s)
+        # Engine settings of a version other than the endpoint's own (a canary's overrides), by
+        # (endpoint id, version id); written by `control/versions.py`.
+        self.version_engine: dict[tuple[str, str], dict[str, str]] = {}
 
     async def close(self) -> None:
         await self.warm_pool.stop()
@@ -97,17 +104,21 @@ class ReplicaController(ReplicaHealth):
         state.replicas.append(replica)
         return replica
 
-    async def fetch_model(self, state: EndpointState) -> Path:
-        """The version's files from this node's cache (copied from the store and verified on a
-        miss); called before every replica start, since an idle version may have been evicted."""
-        assert state.row.version_id is not None
-        version = await asyncio.to_thread(self.registry.by_id, state.row.version_id)
+    async def fetch_model(self, state: EndpointState, version_id: str | None = None) -> Path:
+        """The version's files (the endpoint's own by default) from this node's cache (copied
+        from the store and verified on a miss); called before every replica start, since an
+        idle version may have been evicted."""
+        version_id = version_id or state.row.version_id
+        assert version_id is not None
+        version = await asyncio.to_thread(self.registry.by_id, version_id)
         in_use = {
-            s.row.version_id
+            r.version_id
             for s in self.endpoints.values()
-            if s.live and s.row.version_id is not None
-        }
-        entry = await asyncio.to_thread(self.node_cache.fetch, version, in_use)
+            for r in s.live
+            if r.version_id is not None
+        } | {s.row.version_id for s in self.endpoints.values() if s.live and s.row.version_id}
+        with copy_meter(state, version.total_size):
+            entry = await asyncio.to_thread(self.node_cache.fetch, version, in_use)
         state.last_fetch = "node cache" if entry.hit else "artifact store"
         return entry.path
 
@@ -142,20 +153,31 @@ class ReplicaController(ReplicaHealth):
 
     async def _run(self, state: EndpointState, replica: Replica) -> ReplicaOutcome:
         assert state.model_path is not None
-        if state.row.version_id is not None and state.kind == LLM:
+        path = state.model_path
+        if replica.version_id is not None and state.kind == LLM:
             try:
-                state.model_path = await self.fetch_model(state)
+                path = await self.fetch_model(state, replica.version_id)
             except Exception as exc:
                 raise RuntimeError(f"cannot fetch the model: {exc}") from exc
-        if state.kind == LLM and not state.engine_env:
-            taken = await self.warm_pool.take(state.row.version_id, state.row.model_name)
+            if replica.version_id == state.row.version_id:
+                state.model_path = path
+        key = (state.row.id, replica.version_id or "")
+        own_env = self.version_engine.get(key, state.engine_env)
+        if adapters.serves_adapters(state):  # registry LoRA adapters of its base, on this node
+            names = await asyncio.to_thread(adapters.sync, self.registry, self.node_cache, state)
+            self.routing.set_adapters(state.route, names)
+            folder = adapters.adapter_folder(self.node_cache, state.row.id)
+            own_env = {**own_env, adapters.ENV: str(folder)}
+        native = state.row.framework == runtimes.NATIVE
+        if state.kind == LLM and native:  # the warm pool holds native workers only
+            taken = await self.warm_pool.take(replica.version_id, state.row.model_name, own_env)
             if taken is not None:  # a preloaded replica of this version: no load at all
                 replica.handle, replica.placement_id = taken
                 replica.devices = self._device_names(replica.placement_id)
                 state.last_fetch = "warm pool"
                 return await self.serve(state, replica)
-        env = {**self.default_engine_env(), **state.engine_env}
-        no_room = self._place(state, replica, env)
+        env = {**self.default_engine_env(), **own_env}
+        no_room = self._place(state, replica, env, path)
         if no_room is not None:
             no_room_status = StatusChange(
                 EndpointStatus.UNSCHEDULABLE, no_room, StatusTrigger.NO_ROOM
@@ -164,9 +186,18 @@ class ReplicaController(ReplicaHealth):
         spec = ReplicaSpec(
             replica_id=replica.replica_id,
             endpoint_id=state.row.id,
-            model_path=state.model_path,
+            model_path=path,
             served_model_name=state.row.model_name,
             engine_env=env,
+            version_id=replica.version_id,
+            **placed_devices(self.placement, replica.replica_id),
+            **runtimes.spec_fields(
+                self.settings,
+                state.row.framework,
+                state.row.engine_options or {},
+                path,
+                state.row.model_name,
+            ),
         )
         try:
             replica.handle = await self.backend.start(spec)
@@ -177,12 +208,13 @@ class ReplicaController(ReplicaHealth):
             return await self._start_failed(state, replica, exc)
         return await self.serve(state, replica)
 
-    def _place(self, state: EndpointState, replica: Replica, env: dict[str, str]) -> str | None:
+    def _place(
+        self, state: EndpointState, replica: Replica, env: dict[str, str], path: Path
+    ) -> str | None:
         """Reserve the replica's devices (and tell the worker which); why not, if none fits."""
-        assert state.model_path is not None
         count = max(1, int(state.row.hardware.get("gpu_count", 1)))
         need = replica_bytes_per_device(
-            state.model_path,
+            path,
             state.engine.model_copy(update={"tensor_parallel_size": count}),
             on_cuda=any(d.kind == "cuda" for d in self.placement.devices),
             overhead=self.settings.replica_overhead_bytes,
@@ -227,7 +259,9 @@ class ReplicaController(ReplicaHealth):
         if current:
             state.rollout_from = None
         replica.ready_after_s = time.time() - replica.started_at
-        replica.route = ReplicaRoute(replica.replica_id, replica.handle.url)
+        replica.route = ReplicaRoute(
+            replica.replica_id, replica.handle.url, version_id=replica.version_id
+        )
         await self.probe(replica)  # its load report and admission limit, before traffic
         self.routing.add_replica(state.route, replica.route)
         good = current and replica.version_id != state.row.good_version_id
@@ -244,12 +278,13 @@ class ReplicaController(ReplicaHealth):
         if replica.route is not None:
             self.routing.drop_replica(state.route, replica.route)
 
-    def converge(self, state: EndpointState) -> list[Replica]:
+    def converge(self, state: EndpointState, keep: frozenset[str] = frozenset()) -> list[Replica]:
         """Drain replicas, or list new ones to start (the caller runs them), until the live
         ones of the endpoint's version match `desired`; replicas of an older version serve
-        until the new ones all do."""
+        until the new ones all do, those of the versions in `keep` (a canary, the previous
+        version kept warm) stay."""
         live = state.current
-        stale = [r for r in state.live if r.version_id != state.row.version_id]
+        stale = [r for r in state.live if r.version_id not in {state.row.version_id, *keep}]
         ready = sum(r.state is ReplicaState.READY for r in live)
         if stale and ready >= max(state.desired, 1):
             for replica in stale:

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Activate = Callable[["EndpointState"], None]
+# The metrics whose observation reads the replicas' /health reports.
+_READS_REPLICA_LOADS = ("queue_depth", "gpu_utilization")
 
 
 @dataclass
@@ -76,6 +78,8 @@ class Scaler:
     def __init__(self, settings: PlatformSettings, history: TrafficHistory) -> None:
         self.settings = settings
         self.history = history
+        # (endpoint, up|down, reason) -> changes of desired replicas so far, for /metrics.
+        self.decided: dict[tuple[str, str, str], int] = {}
 
     def autoscale(self, state: EndpointState, activate: Activate) -> None:
         if state.autoscaler is None or state.load is None:
@@ -84,23 +88,51 @@ class Scaler:
             return  # nothing to judge until it serves (and a cold start is no idleness)
         now = time.monotonic()
         self.history.record(
-            state.row.id, time.time(), state.route.requests_total - state.requests_seen
+            state.route.endpoint_id, time.time(), state.route.requests_total - state.requests_seen
         )
         state.requests_seen = state.route.requests_total
-        if not state.live and state.desired == 0:
+        live = len(state.live)
+        if not live and state.desired == 0:
             self.maybe_prewarm(state, activate)
-        loads = {
-            r.replica_id: r.load for r in state.replicas if r.state is ReplicaState.READY and r.load
-        }
+        # This runs for every endpoint each tick (10,000 in ~100 ms is the budget), so what
+        # only some metrics or settings read is gathered only for them.
+        loads = (
+            {
+                r.replica_id: r.load
+                for r in state.replicas
+                if r.state is ReplicaState.READY and r.load
+            }
+            if state.load.metric in _READS_REPLICA_LOADS
+            else {}
+        )
+        factor = self.settings.scale_to_zero_reload_factor
+        if factor > 0:
+            # Keep-warm weighed by reload cost: the fastest measured load of this endpoint's
+            # replicas (kept while it is at zero, since the autoscaler keeps it).
+            reloads = [r.ready_after_s for r in state.replicas if r.ready_after_s is not None]
+            if reloads:
+                state.autoscaler.reload_s = min(reloads)
+        state.autoscaler.idle_per_reload = factor
         state.autoscaler.observe(state.load.observe(now, state.route, loads))
-        decision = state.autoscaler.decide(now, len(state.live))
+        decision = state.autoscaler.decide(now, live)
         if decision.desired != decision.current:
             state.decisions.append(decision)
+            self.count(state.row.id, decision)
             log.info(
                 "endpoint %s: %d -> %d replicas (%s)",
                 state.row.id, decision.current, decision.desired, decision.reason,
             )  # fmt: skip
         state.desired = decision.desired
+
+    def count(self, endpoint_id: str, decision: Decision) -> None:
+        """One more change of `endpoint_id`'s desired replicas, under a reason of few values."""
+        direction = "up" if decision.desired > decision.current else "down"
+        reason = "panic" if decision.panic else "load"
+        for prefix, kind in (("idle", "idle"), ("a request", "request"), ("pre-warm", "prewarm")):
+            if decision.reason.startswith(prefix):
+                reason = kind
+        key = (endpoint_id, direction, reason)
+        self.decided[key] = self.decided.get(key, 0) + 1
 
     def maybe_prewarm(
         self, state: EndpointState, activate: Callable[[EndpointState], None]
@@ -113,5 +145,6 @@ class Scaler:
             return
         reason = f"pre-warm: {expected:.1f} requests expected within {s.prewarm_lead_s:g}s"
         state.decisions.append(Decision(time.monotonic(), 0, 1, reason, False))
+        self.count(state.row.id, state.decisions[-1])
         log.info("endpoint %s: %s", state.row.id, reason)
         activate(state)

@@ -1,4 +1,5 @@
-"""Usage reports: metered rows grouped by model, key or day, priced per model, and CSV export."""
+"""Usage reports: metered rows grouped by model, key, day or model version (a canary beside
+the stable one), priced per model, and CSV export."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from modelyard.core.errors import Invalid
 from modelyard.store.repository import as_utc
 from modelyard.store.tables import UsageRecord
 
-GROUPS = ("model", "key", "day")
+GROUPS = ("model", "key", "day", "version")
 CSV_COLUMNS = (
     "request_id", "created_at", "tenant_id", "key_id", "endpoint_id", "model", "version_id",
     "kind", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms", "ttft_ms",
@@ -55,6 +56,8 @@ def _group_key(row: UsageRecord, group_by: str) -> str:
         return row.model
     if group_by == "key":
         return row.key_id
+    if group_by == "version":
+        return row.version_id or ""  # "": served from a path, no registry version
     return as_utc(row.created_at).strftime("%Y-%m-%d")
 
 

@@ -1,9 +1,11 @@
 """The warm pool: idle replicas of popular base models, already loaded, for cold endpoints.
 
 `warm_pool` names registry models of the platform admin and how many idle replicas of each to
-keep. An endpoint that needs a replica of the same version (and default engine settings) takes
-one over in milliseconds (the worker is told its new public name) instead of loading for
-seconds; the pool starts a replacement in the background.
+keep. An endpoint that needs a replica of the same base version takes one over in milliseconds
+(the worker is told its new public name) instead of loading for seconds; the pool starts a
+replacement in the background. The same base version: the pool's version itself, or any
+tenant's version made of the very same files (a tenant that pushed the same model); and its
+engine settings must come to the pool's (overrides that repeat a default are no difference).
 """
 
 from __future__ import annotations
@@ -121,14 +123,17 @@ class WarmPool:
             slot.starting -= 1
 
     async def take(
-        self, version_id: str | None, served_name: str
+        self, version_id: str | None, served_name: str, engine_env: dict[str, str] | None = None
     ) -> tuple[ReplicaHandle, str] | None:
-        """An idle loaded replica of this version, renamed for its endpoint, with its placement
-        id; None if there is none."""
-        slot = self._slots.get(version_id or "")
+        """An idle loaded replica of this base version (see the module's docstring) whose
+        engine settings match `engine_env` (the endpoint's overrides), renamed for its endpoint,
+        with its placement id; None if there is none."""
+        if version_id is None or not self._slots or not self.same_engine(engine_env or {}):
+            return None
+        slot = await self._slot_for(version_id)
         while slot is not None and slot.idle:
             handle = slot.idle.pop(0)
-            self._refill(version_id or "")
+            self._refill(slot.version.version_id)
             if not self.backend.alive(handle):
                 self.placement.release(handle.spec.replica_id)
                 continue
@@ -146,6 +151,27 @@ class WarmPool:
             return handle, handle.spec.replica_id
         return None
 
+    async def _slot_for(self, version_id: str) -> _Slot | None:
+        slot = self._slots.get(version_id)
+        if slot is not None:
+            return slot
+        try:
+            version = await asyncio.to_thread(self.registry.by_id, version_id)
+        except Exception:
+            return None
+        for slot in self._slots.values():
+            if slot.version.files == version.files and slot.version.format == version.format:
+                return slot
+        return None
+
+    def same_engine(self, overrides: dict[str, str]) -> bool:
+        """Whether a worker with the pool's engine settings under `overrides` (worker env vars)
+        runs exactly as the pool's own workers do."""
+        if not overrides:
+            return True
+        mine = _effective(self.engine_env)
+        return mine is not None and _effective({**self.engine_env, **overrides}) == mine
+
     def idle(self) -> dict[str, int]:
         return {s.version.model_name: len(s.idle) for s in self._slots.values()}
 
@@ -154,3 +180,16 @@ class WarmPool:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._http.aclose()
+
+
+def _effective(env: dict[str, str]) -> EngineSettings | None:
+    """The engine settings a worker given `env` runs with (None: not comparable)."""
+    fields = {
+        key.removeprefix("MODELYARD_").lower(): value
+        for key, value in env.items()
+        if key.removeprefix("MODELYARD_").lower() in EngineSettings.model_fields
+    }
+    try:
+        return EngineSettings(**fields)
+    except Exception:
+        return None

@@ -2,11 +2,16 @@
 
 Only the control plane writes it, through its verbs (`publish`, `remove`, `add_replica`,
 `drop_replica`, `set_replicas`, `mark_unready`, `readmit`, `set_unavailable`,
-`set_upstream_model`; each bumps `generation` and wakes waiting requests); the gateway reads it
-on every request (`resolve`, `pick`) and may `bench` a replica it could not reach until the
-control plane's next health check readmits it. `pick` chooses, among the ready replicas whose
-circuit breaker lets requests through and which are below their admission limit, the one with
-the fewest requests in flight. Requests that find every replica full wait in the endpoint's
+`set_upstream_model`, `set_weights`; each bumps `generation` and wakes waiting requests); the
+gateway reads it on every request (`resolve`, `pick`) and may `bench` a replica it could not
+reach until the control plane's next health check readmits it. `pick` chooses, among the ready
+replicas whose circuit breaker lets requests through and which are below their admission limit,
+the one with the fewest requests in flight. An endpoint serving several versions (a canary beside
+the stable one) carries their traffic weights: `pick` first draws the version (sticky by the
+request's affinity key: the same `user` or session lands on the same version while the weights
+stay), then the replica among that version's; only when the drawn version has no replica that
+could take a request does another version serve it (counted in `fallbacks`). Requests that find
+every replica full wait in the endpoint's
 `AdmissionQueue`, best tier first. When no replica serves and none will come up by waiting, the
 control plane says why (`set_unavailable`), so requests fail at once instead of waiting for a
 replica that is not coming. The gateway asks for a replica of an endpoint with none (scale from
@@ -17,18 +22,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from modelyard.core import prefix_affinity
 from modelyard.core.admission import AdmissionQueue
 from modelyard.core.breaker import CircuitBreaker
+from modelyard.core.prefix_affinity import PrefixHint
 
 
 class Activate(Protocol):
     """Asks the control plane for a replica of an endpoint that has none (scale from zero)."""
 
     def __call__(self, endpoint_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class VersionWindow:
+    """What the gateway saw of one version of an endpoint over a recent window: requests
+    answered, of which failed (a 5xx from the replica, a timeout, a broken connection), and the
+    95th percentile latency of the good ones (time to first token for streams)."""
+
+    samples: int = 0
+    errors: int = 0
+    p95_s: float | None = None
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.samples if self.samples else 0.0
+
+
+class ReadVersionStats(Protocol):
+    """The gateway's verb the control plane reads a version's recent outcomes through (the
+    canary's SLO gate), handed to it by the composition root."""
+
+    def __call__(self, endpoint_id: str, version_id: str, window_s: float) -> VersionWindow: ...
+
+
+def affinity_bucket(key: str) -> int:
+    """A stable bucket 0..99 for an affinity key (a request's `user` or session id)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % 100
 
 
 @dataclass(eq=False)
@@ -40,6 +77,15 @@ class ReplicaRoute:
     # Admission limit from the replica's KV cache capacity; None = unlimited.
     max_concurrency: int | None = None
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    version_id: str | None = None  # the registry version it serves
+
+    def usable(self, now: float, exclude: set[str] | None) -> bool:
+        """In routing, its breaker lets requests through, and this request has not tried it."""
+        return (
+            self.ready
+            and self.breaker.available(now)
+            and (not exclude or self.replica_id not in exclude)
+        )
 
     def has_room(self) -> bool:
         return self.max_concurrency is None or self.outstanding < self.max_concurrency
@@ -51,7 +97,7 @@ class EndpointRoute:
     tenant_id: str
     model_name: str
     public: bool
-    version_id: str | None
+    version_id: str | None  # the stable version
     max_tokens_cap: int
     replicas: list[ReplicaRoute] = field(default_factory=list)
     # The model's name on its replicas when it differs from the public one (the shared
@@ -59,6 +105,10 @@ class EndpointRoute:
     upstream_model: str | None = None
     # Filled into chat and completion requests that leave these sampling fields out.
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # Percent of requests per version while several serve (a canary): empty or one entry means
+    # every ready replica takes requests whatever its version (a plain rollout).
+    weights: dict[str, int] = field(default_factory=dict)
+    fallbacks: int = 0  # requests served by another version: the drawn one had no usable replica
     requests_total: int = 0
     last_request_at: float | None = None
     # Set by the control plane while no replica serves and none will come up by waiting (the
@@ -66,13 +116,17 @@ class EndpointRoute:
     # when to retry. None while one serves, or while one is loading for a scale from zero.
     unavailable: str | None = None
     retry_after_s: int = 10
+    # Registry LoRA adapters its replicas serve, by their own names (control/adapters.py).
+    adapters: frozenset[str] = frozenset()
     queue: AdmissionQueue = field(default_factory=lambda: AdmissionQueue())
+    # Cluster mode, on the controller: requests queued at the gateways (summed from Redis).
+    remote_waiting: int = 0
     _changed: asyncio.Event | None = None
 
     @property
     def waiting(self) -> int:
-        """Requests queued for admission at the gateway."""
-        return len(self.queue)
+        """Requests queued for admission at the gateway (at every gateway, on a controller)."""
+        return len(self.queue) + self.remote_waiting
 
     @property
     def outstanding(self) -> int:
@@ -112,12 +166,22 @@ class RoutingTable:
     def __init__(self) -> None:
         self.generation = 0
         self._endpoints: dict[str, EndpointRoute] = {}
+        # model name -> its endpoints (every tenant's), so `resolve` looks at the few sharing
+        # the name instead of scanning the table (10,000 endpoints: ~ms per request otherwise).
+        self._by_name: dict[str, list[EndpointRoute]] = {}
+        self._order: dict[str, int] = {}  # endpoint id -> when first published (table order)
+        self._published = 0
 
     # ----- written by the control plane ---------------------------------------------------------
 
     def publish(self, route: EndpointRoute) -> None:
         """An endpoint becomes addressable (or its entry is replaced)."""
+        self._unindex(self._endpoints.get(route.endpoint_id))
+        if route.endpoint_id not in self._endpoints:
+            self._published += 1
+            self._order[route.endpoint_id] = self._published
         self._endpoints[route.endpoint_id] = route
+        self._by_name.setdefault(route.model_name, []).append(route)
         self.generation += 1
 
     def remove(self, endpoint_id: str) -> EndpointRoute | None:
@@ -125,8 +189,18 @@ class RoutingTable:
         self.generation += 1
         route = self._endpoints.pop(endpoint_id, None)
         if route is not None:
+            self._unindex(route)
+            del self._order[endpoint_id]
             route.notify()
         return route
+
+    def _unindex(self, route: EndpointRoute | None) -> None:
+        same = self._by_name.get(route.model_name) if route is not None else None
+        if same is None:
+            return
+        same[:] = [r for r in same if r is not route]
+        if not same:
+            del self._by_name[route.model_name]
 
     def add_replica(self, route: EndpointRoute, replica: ReplicaRoute) -> None:
         """A started, healthy replica joins the endpoint's routing."""
@@ -190,6 +264,18 @@ class RoutingTable:
         route.version_id = version_id
         self.generation += 1
 
+    def set_weights(self, route: EndpointRoute, weights: dict[str, int]) -> None:
+        """The traffic split over the endpoint's versions (percent; a canary, a promotion, a
+        rollback): requests picked from here on follow it at once."""
+        route.weights = dict(weights)
+        self._changed(route)
+
+    def set_adapters(self, route: EndpointRoute, names: frozenset[str]) -> None:
+        """The registry adapters the endpoint serves (requests may name them as the model)."""
+        if names != route.adapters:
+            route.adapters = names
+            self.generation += 1
+
     def set_upstream_model(self, route: EndpointRoute, name: str | None) -> None:
         """The model's name on its replicas when it differs from the public one."""
         route.upstream_model = name
@@ -204,6 +290,10 @@ class RoutingTable:
     def get(self, endpoint_id: str) -> EndpointRoute | None:
         return self._endpoints.get(endpoint_id)
 
+    def all_routes(self) -> list[EndpointRoute]:
+        """Every endpoint (cluster mode: a gateway's load report, the controller's sums)."""
+        return list(self._endpoints.values())
+
     def visible(self, tenant_id: str) -> list[EndpointRoute]:
         """The tenant's own endpoints, then public ones whose name it does not shadow."""
         own = [e for e in self._endpoints.values() if e.tenant_id == tenant_id]
@@ -216,28 +306,74 @@ class RoutingTable:
         return own + public
 
     def resolve(self, tenant_id: str, model: str) -> EndpointRoute | None:
-        """By model name, or by endpoint id (`ep-…`), among what the tenant can see."""
-        for route in self.visible(tenant_id):
-            if model in (route.model_name, route.endpoint_id):
-                return route
-        return None
+        """By model name, or by endpoint id (`ep-…`), among what the tenant can see (as
+        `visible` orders it: the tenant's own first, then public ones it does not shadow)."""
+        named = self._by_name.get(model, ())
+        own = [r for r in named if r.tenant_id == tenant_id]
+        by_id = self._endpoints.get(model)
+        if by_id is not None and by_id.tenant_id == tenant_id:
+            own.append(by_id)
+        if own:  # the first published, as the table's order would have it
+            return min(own, key=self._first) if len(own) > 1 else own[0]
+        public = [r for r in named if r.public]
+        if by_id is not None and by_id.public and not self._shadowed(tenant_id, by_id):
+            public.append(by_id)
+        if not public:
+            return None
+        return min(public, key=self._first) if len(public) > 1 else public[0]
+
+    def _shadowed(self, tenant_id: str, route: EndpointRoute) -> bool:
+        """The tenant has an endpoint of its own under this public endpoint's model name."""
+        return any(r.tenant_id == tenant_id for r in self._by_name.get(route.model_name, ()))
+
+    def _first(self, route: EndpointRoute) -> int:
+        # The table's order (a dict keeps a replaced entry where it was first published).
+        return self._order[route.endpoint_id]
 
     @staticmethod
-    def pick(route: EndpointRoute, exclude: set[str] | None = None) -> ReplicaRoute | None:
+    def pick(
+        route: EndpointRoute,
+        exclude: set[str] | None = None,
+        affinity: str | None = None,
+        prefix: PrefixHint | None = None,
+    ) -> ReplicaRoute | None:
+        """The least-loaded replica with room, of the version drawn by weight (see the module's
+        docstring), or with a `prefix` hint the one its prompt prefix maps to within bounded load
+        (`core/prefix_affinity.py`); None while none has room (the caller waits) or every one
+        was tried."""
         now = time.monotonic()
-        candidates = [
-            r
-            for r in route.replicas
-            if r.ready
-            and r.has_room()
-            and r.breaker.available(now)
-            and (not exclude or r.replica_id not in exclude)
-        ]
+        usable = [r for r in route.replicas if r.usable(now, exclude)]
+        if len(route.weights) > 1 or (
+            route.weights and any(r.version_id not in route.weights for r in usable)
+        ):
+            version = RoutingTable.draw_version(route.weights, affinity)
+            own = [r for r in usable if r.version_id == version]
+            if own:
+                usable = own
+            else:  # the drawn version cannot serve now: another one does, counted
+                # Never one at weight 0: a rolled-back canary, a previous version kept warm.
+                usable = [r for r in usable if route.weights.get(r.version_id or "", 0) > 0]
+                if usable:
+                    route.fallbacks += 1
+        candidates = [r for r in usable if r.has_room()]
         if not candidates:
             return None
-        chosen = min(candidates, key=lambda r: r.outstanding)
+        chosen = prefix_affinity.choose(prefix, candidates, usable) if prefix else None
+        if chosen is None:
+            chosen = min(candidates, key=lambda r: r.outstanding)
         chosen.breaker.on_send(now)
         return chosen
+
+    @staticmethod
+    def draw_version(weights: dict[str, int], affinity: str | None = None) -> str | None:
+        """A version by weight: the affinity key's stable bucket, else a random one."""
+        bucket = affinity_bucket(affinity) if affinity else random.randrange(100)
+        total = 0
+        for version, weight in weights.items():
+            total += weight
+            if bucket < total:
+                return version
+        return None
 
     @staticmethod
     def bench(replica: ReplicaRoute) -> None:

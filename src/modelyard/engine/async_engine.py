@@ -211,6 +211,11 @@ class AsyncEngine:
             self._streams[request_id] = stream
         start = time.monotonic()
         self._inbox.put(_Add(request_id, prompt_token_ids, params, priority, start, cache_salt))
+        # Logged in the caller's context: the worker's request id rides on these lines.
+        log.debug(
+            "request %s queued: %d prompt tokens, priority %d",
+            request_id, len(prompt_token_ids), priority,
+        )  # fmt: skip
         finished = False
         try:
             while True:
@@ -239,3 +244,7 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+            log.debug(
+                "request %s %s after %.1f ms", request_id, "ended" if finished else "aborted",
+                (time.monotonic() - start) * 1000,
+            )  # fmt: skip

@@ -16,8 +16,10 @@ from pathlib import Path
 from modelyard.config import EngineSettings
 from modelyard.engine.admission import EngineLimits, RequestRejected, check_request
 from modelyard.engine.faults import RequestFailed, is_fatal
+from modelyard.engine.grammar import GrammarCompiler
 from modelyard.engine.kv_cache_manager import KVCacheManager
 from modelyard.engine.loading import load
+from modelyard.engine.lora.engine_hooks import AdapterWaitlist, adapter_namespace
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.requests import EngineRequest, RequestOutput
@@ -63,9 +65,11 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
         self._requests: dict[str, EngineRequest] = {}
         self._next_seq_id = 0
+        self.lora_waiting = AdapterWaitlist()  # requests whose adapter waits for a slot
 
     @classmethod
     def from_settings(cls, model: str | Path, settings: EngineSettings) -> LLMEngine:
@@ -129,13 +133,19 @@ class LLMEngine:
         priority: int = 0,
         arrival: float | None = None,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> None:
         """Queue a checked request. Its prompt shares prefix-cache blocks only with requests of
-        the same `cache_salt` (none: with the other requests without one)."""
+        the same `cache_salt` (none: with the other requests without one) and the same `lora`
+        adapter (`RequestRejected` naming `model` if it cannot be served; while every adapter
+        slot is held by running requests, the request waits for one in `lora_waiting`)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         arrival = time.monotonic() if arrival is None else arrival
         salt = cache_salt.encode("utf-8") if cache_salt else b""
+        lora = lora if lora is not None else params.lora
+        if lora is not None:
+            salt += b"\0lora\0" + adapter_namespace(self.runner, lora)
         req = EngineRequest.create(
             request_id,
             prompt_token_ids,
@@ -147,10 +157,12 @@ class LLMEngine:
             arrival,
             salt,
         )
+        self.grammars.attach(req.seqs)
         self._next_seq_id += len(req.seqs)
         self._requests[request_id] = req
-        for seq in req.seqs:
-            self.scheduler.add(seq)
+        if lora is None or self.lora_waiting.hold(self.runner, req, lora, self._requests):
+            for seq in req.seqs:
+                self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)
@@ -172,7 +184,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.lora_waiting)
 
     # ----- the step --------------------------------------------------------------------------
 
@@ -181,6 +193,10 @@ class LLMEngine:
         alone are failed (an output with `error`, their blocks freed) and the others go on.
         Fatal errors (`faults.is_fatal`) and failures outside the model and sampler propagate."""
         started = time.perf_counter()
+        if self.lora_waiting:  # holders that finished freed their adapter slots
+            for req in self.lora_waiting.admit(self.runner, self._requests):
+                for seq in req.seqs:
+                    self.scheduler.add(seq)
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
@@ -283,7 +299,8 @@ class LLMEngine:
             self._finish(seq, FinishReason.STOP)
             return
         detok.add_token(token)
-        if detok.stopped:
+        # A complete grammar ends the sequence (the matcher raises on a refused token).
+        if detok.stopped or (seq.grammar is not None and seq.grammar.advance(token)):
             self._finish(seq, FinishReason.STOP)
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, FinishReason.LENGTH)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from modelyard.config import EngineSettings
+from modelyard.engine.lora.manager import LoRAManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.loader import load_model, read_model_config, to_hf_folder
@@ -77,6 +78,10 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
     folder = to_hf_folder(model, settings.cache_dir)
     cfg = read_model_config(folder)
     check_tensor_parallel(cfg, tp)
+    if tp > 1 and (settings.quantization or settings.max_loras):
+        raise ValueError(
+            "quantization and max_loras are not supported with tensor_parallel_size > 1"
+        )
     if tp > 1 and device.type == "cuda":
         available = torch.cuda.device_count()
         if (device.index or 0) + tp > available:
@@ -115,10 +120,23 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
     try:
         if leader is not None:
             leader.start()
-        loaded = load_model(folder, dtype, device, max_model_len, tp_rank=0, tp_size=tp)
+        loaded = load_model(
+            folder,
+            dtype,
+            device,
+            max_model_len,
+            tp_rank=0,
+            tp_size=tp,
+            quantization=settings.quantization,
+        )
         runner = ModelRunner(
             loaded.model, cfg, num_blocks, settings.block_size, dtype, device, tp, leader
         )
+        if settings.max_loras:
+            runner.lora = LoRAManager(
+                loaded.model, cfg, settings.max_loras, settings.max_lora_rank, settings.lora_dir
+            )
+            runner.lora.registry_dir = settings.lora_registry_dir
         tokenizer = Tokenizer.load(folder, cfg)
         if leader is not None:
             leader.wait_ready()

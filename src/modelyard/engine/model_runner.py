@@ -24,6 +24,7 @@ from modelyard.engine.models.llama import LlamaForCausalLM
 from modelyard.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from modelyard.engine.lora.manager import LoRAManager
     from modelyard.engine.tensor_parallel import TensorParallelLeader
 
 
@@ -34,6 +35,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]  # in the order of logits_indices
+    lora_slots: list[int] | None = None  # per flat-batch token: its adapter slot (0 = base)
 
 
 def allocate_kv_caches(
@@ -73,6 +75,7 @@ class ModelRunner:
         self.device = device
         self.tp_size = tp_size
         self.leader = leader
+        self.lora: LoRAManager | None = None  # set by `loading` when max_loras > 0
         num_slots = num_blocks * block_size
         shape = (2, num_slots, config.num_key_value_heads // tp_size, config.head_dim)
         self.kv_caches = allocate_kv_caches(shape, config.num_hidden_layers, dtype, device)
@@ -97,11 +100,14 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling_seqs: list[Sequence] = []
         chunks: list[PrefillChunk] = []
+        lora_slots: list[int] | None = [] if self.lora is not None else None
 
         for seq, n in decodes + prefills:
             start = seq.num_computed_tokens
             end = start + n
             offset = len(input_ids)
+            if lora_slots is not None and self.lora is not None:
+                lora_slots.extend([self.lora.slot_of(seq.request_id)] * n)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slot_mapping.extend(self._slots(seq, start, end))
@@ -137,11 +143,14 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_indices, **as_long),
             sampling_seqs=sampling_seqs,
+            lora_slots=lora_slots,
         )
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits `[len(sampling_seqs), vocab]`."""
+        if self.lora is not None:
+            self.lora.set_rows(inputs.lora_slots or [], self.device)
         if self.leader is None:
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
         else:

@@ -35,6 +35,10 @@ class RequestOutput:
     cached_tokens: int
     completion_tokens: int
     error: RequestFailed | None = None  # the request failed in this step (finished is True)
+    # time.monotonic() of the request's arrival and of its first admission to a batch (None:
+    # still waiting): the worker's queue and prefill time histograms.
+    arrival: float = 0.0
+    first_scheduled: float | None = None
 
 
 @dataclass
@@ -130,4 +134,6 @@ class EngineRequest:
             cached_tokens=leader.num_cached_tokens,
             completion_tokens=sum(s.num_output_tokens for s in self.seqs),
             error=error,
+            arrival=leader.arrival,
+            first_scheduled=leader.first_scheduled,
         )

@@ -1,15 +1,16 @@
 """`Sampler`: picks the next token of every sampling row in one batched pass.
 
-Row-wise knobs (temperature, top-k, top-p, min-p, penalties, seeds) are applied as tensors over
-the whole batch, touching only the rows that asked for them. Sampling uses the exponential-race
-form of the categorical draw (argmax of p / E, E ~ Exp(1)) so a seeded row draws its noise from
-its own generator and stays reproducible whatever else shares the batch.
+Row-wise knobs (logit bias, temperature, top-k, top-p, min-p, penalties, seeds) are applied as
+tensors over the whole batch, touching only the rows that asked for them. Sampling uses the
+exponential-race form of the categorical draw (argmax of p / E, E ~ Exp(1)) so a seeded row
+draws its noise from its own generator and stays reproducible whatever else shares the batch.
 """
 
 from __future__ import annotations
 
 import torch
 
+from modelyard.engine.grammar_mask import apply_grammar_masks
 from modelyard.engine.sequence import Sequence, TokenLogprob
 
 
@@ -31,6 +32,16 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]
                 0, out, torch.ones_like(out, dtype=torch.float32)
             )
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """OpenAI's `logit_bias`: each row's own (token, bias) pairs added to its logits."""
+    for r in rows:
+        ids, biases = zip(*seqs[r].params.logit_bias, strict=True)
+        index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+        logits[r].index_add_(
+            0, index, torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        )
 
 
 def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -86,9 +97,13 @@ class Sampler:
         raw_logprobs = logits[want_logprobs].log_softmax(dim=1) if want_logprobs else None
 
         penalized = [i for i, s in enumerate(seqs) if s.params.has_penalties]
-        if penalized:
-            logits = logits.clone()
+        biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+        if penalized or biased:
+            logits = logits.clone()  # the logprobs above stay the model's
             _apply_penalties(logits, seqs, penalized)
+            _apply_logit_bias(logits, seqs, biased)
+        # Grammar rows: forbidden tokens to -inf (logprobs above stay the model's).
+        logits = apply_grammar_masks(logits, seqs)
 
         next_tokens = logits.argmax(dim=1)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]

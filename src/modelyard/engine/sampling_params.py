@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from modelyard.engine.structured import StructuredOutput
+
 
 class InvalidSamplingParams(ValueError):
     """A sampling parameter is out of range; `param` names it for the API error."""
@@ -51,6 +53,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token and top k
     skip_special_tokens: bool = True
     extra_eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # Constrained decoding: every sampled token must keep the output inside this grammar.
+    structured: StructuredOutput | None = None
+    lora: str | None = None  # the LoRA adapter this request runs under (None: the base model)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     @property
     def greedy(self) -> bool:
@@ -126,6 +132,12 @@ class SamplingParams:
                 all(0 <= t < vocab_size for t in self.extra_eos_token_ids),
                 f"extra_eos_token_ids must be in [0, {vocab_size})",
                 "extra_eos_token_ids",
+            ),
+            (
+                all(0 <= t < vocab_size and -100.0 <= b <= 100.0 for t, b in self.logit_bias),
+                f"logit_bias keys must be token ids in [0, {vocab_size}) and its values "
+                "between -100 and 100",
+                "logit_bias",
             ),
             (
                 self.logprobs is None or 0 <= self.logprobs <= top,

@@ -9,6 +9,7 @@ latest running sequence is preempted: its blocks are freed and it is recomputed 
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from modelyard.engine.kv_cache_manager import KVCacheManager
@@ -143,6 +144,7 @@ class Scheduler:
                 if not seq.admitted:
                     seq.num_cached_tokens = num_computed
                     seq.admitted = True
+                    seq.first_scheduled = time.monotonic()
                 seq.status = SequenceStatus.RUNNING
                 admitted.append(seq)
                 out.scheduled.append((seq, num_new))

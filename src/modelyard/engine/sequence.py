@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from modelyard.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from modelyard.engine.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -41,6 +45,7 @@ class Sequence:
     params: SamplingParams
     priority: int = 0  # lower runs first: 0 interactive, 1 batch
     arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None  # time.monotonic() of its first admission (queue time)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -53,6 +58,7 @@ class Sequence:
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cache_salt: bytes = b""  # a prefix-cache namespace (per tenant): only equal salts share blocks
+    grammar: GrammarState | None = None  # the output's matcher when it is constrained
 
     @property
     def num_tokens(self) -> int:

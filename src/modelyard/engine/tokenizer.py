@@ -166,9 +166,20 @@ class Tokenizer:
 
     # ----- chat ------------------------------------------------------------------------------
 
+    @property
+    def template_supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions itself (it reads `tools`, as
+        Hermes, Qwen, Llama 3.1+ and Mistral templates do); SmolLM2's does not."""
+        return bool(self.chat_template) and "tools" in str(self.chat_template)
+
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """The prompt text; `tools` (OpenAI-shape function tools) go to the template as
+        transformers passes them, for templates that render them."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
@@ -178,7 +189,7 @@ class Tokenizer:
                 self._template.render(
                     messages=messages,
                     add_generation_prompt=add_generation_prompt,
-                    tools=None,
+                    tools=tools or None,
                     documents=None,
                     **self.special_tokens,
                 )
@@ -186,6 +197,8 @@ class Tokenizer:
         except Exception as exc:  # jinja raises whatever the template author chose
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         # The rendered template already holds the special tokens (BOS included) it wants.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)

@@ -24,11 +24,21 @@ from typing import Any
 
 from modelyard.core.errors import RateLimited, Unavailable
 from modelyard.core.identity import Principal
+from modelyard.core.prefix_affinity import PrefixHint
 from modelyard.core.routing import EndpointRoute
+from modelyard.gateway.access_log import logged
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
-from modelyard.gateway.quota import ConcurrencyLimiter, LimitsUnavailable, QuotaCounter, month_of
+from modelyard.gateway.quota import (
+    ConcurrencyLimiter,
+    LimitsUnavailable,
+    QuotaCounter,
+    RedisConcurrencyLimiter,
+    RedisQuotaCounter,
+    month_of,
+)
 from modelyard.gateway.ratelimit import Decision, RateLimiter
+from modelyard.gateway.ratelimit_redis import RedisAdmission, RedisRateLimiter
 from modelyard.protocol.errors import APIError
 from modelyard.store.repository import now
 
@@ -71,6 +81,11 @@ class Call:
     # The settlement (metering or refund), once started: runs to its end whatever the client does.
     closing: asyncio.Task[UsageEvent | None] | None = None
     relaying: bool = False  # the stream's relay has started (and will settle in its `finally`)
+    # Which version serves it (the replica picked: a canary or the stable one), and the key that
+    # keeps a user or session on one version while the weights stay (its `user`, x-session-id).
+    version_id: str | None = None
+    affinity: str | None = None
+    prefix: PrefixHint | None = None  # where its prompt prefix is likely cached (several replicas)
 
 
 class Accounting:
@@ -89,6 +104,41 @@ class Accounting:
         self.slots = slots
         self.recorder = recorder
         self.metrics = metrics
+        # All three in one Redis: admission takes one round trip (`admit_at_once`).
+        self.at_once = (
+            RedisAdmission(limiter, quota, slots)
+            if isinstance(limiter, RedisRateLimiter)
+            and isinstance(quota, RedisQuotaCounter)
+            and isinstance(slots, RedisConcurrencyLimiter)
+            else None
+        )
+
+    async def admit_at_once(self, call: Call, model: str) -> None:
+        """`acquire` and `hold` as one Redis script: the same refusals, and on a refusal
+        nothing is held (so the access line is all there is to settle)."""
+        assert self.at_once is not None
+        p = call.principal
+        month = month_of(now())
+        with fail_closed():
+            admitted = await self.at_once.admit(
+                p.key_id, p.limits, call.reserved, p.tenant_id, month, p.monthly_token_quota,
+                _slot_scope(p), call.request_id, p.max_concurrent_requests,
+            )  # fmt: skip
+        call.decision = admitted.decision
+        if not admitted.decision.allowed:
+            await self.acquire_refused(admitted.decision, model)
+        if admitted.refused is not None:
+            call.reserved = 0  # nothing taken: the refusal's settlement gives nothing back
+            await self.close(call, served=False)
+            if admitted.refused == "quota":
+                exc: Exception = self.quota_exceeded(p, admitted.quota_before)
+            else:
+                exc = self.concurrency_exceeded(p)
+            exc.headers.update(admitted.decision.headers())  # type: ignore[attr-defined]
+            raise exc
+        if p.monthly_token_quota is not None:
+            call.quota_reserved, call.quota_month = call.reserved, month
+        call.slot = p.max_concurrent_requests is not None
 
     async def hold(self, call: Call) -> None:
         """Reserve the request's tokens against the monthly quota (like TPM: settled to the
@@ -102,18 +152,27 @@ class Accounting:
                     _slot_scope(p), call.request_id, p.max_concurrent_requests
                 )
             if not taken:
-                self.metrics.limited.labels("concurrency").inc()
-                raise RateLimited(
-                    f"Too many requests in flight for your organization: the limit is "
-                    f"{p.max_concurrent_requests} concurrent requests. Retry when one finishes.",
-                    code="concurrency_limit_exceeded",
-                    retry_after_s=1,
-                )
+                raise self.concurrency_exceeded(p)
             call.slot = True
+
+    def concurrency_exceeded(self, principal: Principal) -> RateLimited:
+        self.metrics.limited.labels("concurrency").inc()
+        return RateLimited(
+            f"Too many requests in flight for your organization: the limit is "
+            f"{principal.max_concurrent_requests} concurrent requests. Retry when one finishes.",
+            code="concurrency_limit_exceeded",
+            retry_after_s=1,
+        )
 
     async def acquire(self, principal: Principal, model: str, reserved: int) -> Decision:
         with fail_closed():
             decision = await self.limiter.acquire(principal.key_id, principal.limits, reserved)
+        if not decision.allowed:
+            await self.acquire_refused(decision, model)
+        return decision
+
+    async def acquire_refused(self, decision: Decision, model: str) -> None:
+        """Raise the rate-limit refusal of `decision`."""
         if not decision.allowed:
             self.metrics.limited.labels(decision.reason or "limit").inc()
             what = "requests" if decision.reason == "requests" else "tokens"
@@ -124,7 +183,6 @@ class Accounting:
                 code="rate_limit_exceeded",
                 headers=decision.headers(),
             )
-        return decision
 
     async def reserve_quota(self, call: Call) -> None:
         p = call.principal
@@ -153,7 +211,8 @@ class Accounting:
         """Settle the request once, whichever of metering or refund comes first, in a task the
         client's disconnect cannot cancel (awaiting it may be cancelled; the work goes on)."""
         if call.closing is None:
-            call.closing = self.recorder.settle(self._settle(call, served))
+            # Its access line is logged once it is settled (tokens and latency known).
+            call.closing = self.recorder.settle(logged(call, served, self._settle(call, served)))
         return await asyncio.shield(call.closing)
 
     async def _settle(self, call: Call, served: bool) -> UsageEvent | None:
@@ -161,6 +220,9 @@ class Accounting:
         try:
             if served:
                 return await self._meter(call)
+            if call.status_code >= 400:  # the replica's own error answer
+                r = call.route
+                self.metrics.answered(r.endpoint_id, r.model_name, p.tenant_id, call.status_code)
             if not call.batch:
                 await _tolerant(
                     self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0), "TPM refund"
@@ -179,14 +241,13 @@ class Accounting:
     async def _meter(self, call: Call) -> UsageEvent:
         latency = time.perf_counter() - call.started
         model = call.route.model_name
-        self.metrics.requests.labels(model, call.status_code).inc()
-        self.metrics.latency.labels(model).observe(latency)
-        if call.ttft is not None:
-            self.metrics.ttft.labels(model).observe(call.ttft)
-        self.metrics.tokens.labels(model, "prompt").inc(call.prompt_tokens)
-        self.metrics.tokens.labels(model, "completion").inc(call.completion_tokens)
-        actual = call.prompt_tokens + call.completion_tokens
         p = call.principal
+        self.metrics.requests.labels(model, call.status_code).inc()
+        self.metrics.served(
+            call.route.endpoint_id, model, p.tenant_id, latency, call.ttft,
+            call.prompt_tokens, call.completion_tokens, call.status_code,
+        )  # fmt: skip
+        actual = call.prompt_tokens + call.completion_tokens
         if not call.batch:
             await _tolerant(
                 self.limiter.reconcile(p.key_id, p.limits, call.reserved, actual),
@@ -198,7 +259,7 @@ class Accounting:
             key_id=p.key_id,
             endpoint_id=call.route.endpoint_id,
             model=model,
-            version_id=call.route.version_id,
+            version_id=call.version_id or call.route.version_id,
             kind=call.kind,
             prompt_tokens=call.prompt_tokens,
             completion_tokens=call.completion_tokens,
@@ -221,9 +282,14 @@ class Accounting:
 
 
 def take_usage(call: Call, usage: dict[str, Any]) -> None:
-    call.prompt_tokens = int(usage.get("prompt_tokens", call.prompt_tokens))
-    call.completion_tokens = int(usage.get("completion_tokens", call.completion_tokens))
-    details = usage.get("prompt_tokens_details") or {}
+    # Chat and completions name them prompt/completion tokens, the Responses API input/output.
+    call.prompt_tokens = int(
+        usage.get("prompt_tokens", usage.get("input_tokens", call.prompt_tokens))
+    )
+    call.completion_tokens = int(
+        usage.get("completion_tokens", usage.get("output_tokens", call.completion_tokens))
+    )
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
     call.cached_tokens = int(details.get("cached_tokens") or 0)
 
 

@@ -14,12 +14,14 @@ from pydantic import BaseModel, ValidationError
 from modelyard.config import PlatformSettings, PrefixCacheScope
 from modelyard.core.errors import DomainError, Invalid, model_not_found
 from modelyard.core.identity import Principal
+from modelyard.core.logs import current_request_id
 from modelyard.core.routing import EndpointRoute, RoutingTable
-from modelyard.gateway.accounting import Accounting, Call
+from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
 from modelyard.gateway.cache_scope import scope_prefix_cache
 from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.errors import APIError, validation_error
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
+from modelyard.protocol.responses_api import ResponsesRequest
 
 # The engine serves lower priorities first: interactive requests get their tenant tier's rank
 # (0 priority, 1 standard, 2 free), batch items this plus the rank, after all interactive ones.
@@ -29,6 +31,7 @@ _SCHEMAS: dict[str, type[BaseModel]] = {
     "chat.completions": ChatCompletionRequest,
     "completions": CompletionRequest,
     "embeddings": EmbeddingRequest,
+    "responses": ResponsesRequest,
 }
 
 
@@ -86,7 +89,10 @@ def shape_for_worker(
 ) -> None:
     """What the worker receives, in place: its own model name, the endpoint's sampling
     defaults for the fields left out (or sent as null), the priority, the cache scope."""
-    if route.upstream_model:
+    model = str(payload.get("model", ""))
+    if model not in (route.model_name, route.endpoint_id):  # `<model>:<adapter>`: a LoRA adapter
+        payload["model"] = f"{route.upstream_model or route.model_name}:{model.rpartition(':')[2]}"
+    elif route.upstream_model:
         payload["model"] = route.upstream_model
     if kind == "embeddings":
         return
@@ -114,12 +120,24 @@ class Admission:
         """Rate limits, then the quota reservation and a concurrency slot; all or nothing."""
         route = self.resolve(principal, req.model)
         reserved = self.reserve(route, payload, req)
+        if self.accounting.at_once is not None:  # limits, quota and slot in one round trip
+            call = Call(
+                principal=principal,
+                route=route,
+                kind=kind,
+                request_id=current_request_id() or uuid.uuid4().hex,
+                reserved=reserved,
+                decision=NO_LIMITS,
+            )
+            await self.accounting.admit_at_once(call, req.model)
+            return call
         decision = await self.accounting.acquire(principal, req.model, reserved)
         call = Call(
             principal=principal,
             route=route,
             kind=kind,
-            request_id=uuid.uuid4().hex,
+            # The id the request context made (its logs' and response's), else a new one.
+            request_id=current_request_id() or uuid.uuid4().hex,
             reserved=reserved,
             decision=decision,
         )
@@ -138,9 +156,16 @@ class Admission:
             return estimate_prompt_tokens(payload)
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if max_tokens is not None and max_tokens > route.max_tokens_cap:
+            # The name the client used for its bound.
+            if isinstance(req, ResponsesRequest):
+                param = "max_output_tokens"
+            elif getattr(req, "max_completion_tokens", None):
+                param = "max_completion_tokens"
+            else:
+                param = "max_tokens"
             raise Invalid(
-                f"max_tokens is {max_tokens}, above this model's cap of {route.max_tokens_cap}",
-                param="max_tokens",
+                f"{param} is {max_tokens}, above this model's cap of {route.max_tokens_cap}",
+                param=param,
                 code="invalid_value",
             )
         completion = max_tokens or self.settings.default_reserved_completion_tokens
@@ -151,6 +176,11 @@ class Admission:
 
     def resolve(self, principal: Principal, model: str) -> EndpointRoute:
         route = self.routing.resolve(principal.tenant_id, model)
+        if route is None and ":" in model:  # `<model>:<adapter>`: its base endpoint serves it
+            route = self.routing.resolve(principal.tenant_id, model.rpartition(":")[0])
+        if route is None:  # a registry adapter by its own name: an endpoint of its base
+            visible = self.routing.visible(principal.tenant_id)
+            route = next((r for r in visible if model in r.adapters), None)
         if route is None:
             raise model_not_found(model)
         return route

@@ -29,6 +29,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from modelyard.core.identity import Principal
+from modelyard.gateway.metrics import REQUEST_TENANT
 from modelyard.protocol.errors import APIError
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
@@ -39,7 +40,6 @@ KEY_PREFIX = "sk-my-"
 # What a lookup raises when the database cannot be reached (not when a query is wrong).
 _UNREACHABLE = (OperationalError, InterfaceError, PoolTimeout, OSError)
 _RETRY_AFTER_S = 5
-SCOPES = ("inference", "admin")
 
 
 def generate_key() -> tuple[str, str, str]:
@@ -157,6 +157,7 @@ class Authenticator:
         if principal is None:
             shown = key.strip()[:10] + "…" if len(key.strip()) > 10 else "…"
             raise _unauthorized(f"Incorrect API key provided: {shown}. It may have been revoked.")
+        REQUEST_TENANT.set(principal.tenant_id)  # the label of this request's refusals, if any
         return principal
 
     def _last_good(self, key_hash: str, now: float, exc: Exception) -> Principal:

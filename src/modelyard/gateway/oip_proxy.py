@@ -11,6 +11,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
+from modelyard.core.logs import current_request_id
 from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
 from modelyard.gateway.admission import Admission
 from modelyard.gateway.auth import Authenticator
@@ -40,7 +41,9 @@ class OipProxy:
         upstream = route.upstream_model or route.model_name
         path = f"/v2/models/{upstream}" + (f"/{action}" if action else "")
         if action != "infer":
-            call = Call(principal, route, "oip", uuid.uuid4().hex, 0, NO_LIMITS)
+            call = Call(
+                principal, route, "oip", current_request_id() or uuid.uuid4().hex, 0, NO_LIMITS
+            )
             status, content = await self.upstream.call_unary(call, None, path)
             return Response(
                 _rename(content, upstream, route.model_name),
@@ -48,7 +51,9 @@ class OipProxy:
                 media_type="application/json",
             )
         decision = await self.accounting.acquire(principal, model, 0)
-        call = Call(principal, route, "oip.infer", uuid.uuid4().hex, 0, decision)
+        call = Call(
+            principal, route, "oip.infer", current_request_id() or uuid.uuid4().hex, 0, decision
+        )
         try:
             await self.accounting.hold(call)
             headers = {"x-request-id": call.request_id, **decision.headers()}

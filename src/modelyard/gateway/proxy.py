@@ -19,7 +19,8 @@ from fastapi.responses import Response
 
 from modelyard.config import PlatformSettings
 from modelyard.core.identity import Principal
-from modelyard.core.routing import Activate, ReplicaRoute, RoutingTable
+from modelyard.core.prefix_affinity import PrefixHint, prefix_hint
+from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call, take_usage
 from modelyard.gateway.admission import (
     BATCH_PRIORITY_BASE,
@@ -73,6 +74,13 @@ class Gateway:
     async def stop(self) -> None:
         await self.upstream.stop()
 
+    def _prefix(self, payload: dict[str, Any], route: EndpointRoute) -> PrefixHint | None:
+        """The request's prefix key, when there is a choice of replica to make with it."""
+        s = self.settings
+        if not s.prefix_aware_routing or len(route.replicas) < 2:
+            return None
+        return prefix_hint(payload, s.prefix_routing_chars, s.prefix_routing_load_factor)
+
     async def _replica(self, call: Call, tried: set[str]) -> ReplicaRoute | None:
         """The replica choice alone (the admission queue's tests drive it directly)."""
         return await self.upstream.replica(call, tried)
@@ -82,6 +90,8 @@ class Gateway:
         principal.require("inference")
         payload, req = parse(kind, await request.body())
         call = await self.admission.admit(principal, payload, req, kind)
+        # Keeps a session (else a user) on one version of a canaried endpoint.
+        call.affinity = request.headers.get("x-session-id") or getattr(req, "user", None)
         route = call.route
         try:
             headers = {"x-request-id": call.request_id, **call.decision.headers()}
@@ -89,6 +99,7 @@ class Gateway:
                 payload, route, kind, principal, self.settings.prefix_cache_scope,
                 principal.tier.rank,
             )  # fmt: skip
+            call.prefix = self._prefix(payload, route)
             route.arrive()
             cold = not route.ready_replicas and self.upstream.activate is not None
             if getattr(req, "stream", False):
@@ -125,7 +136,8 @@ class Gateway:
         unknown model, quota, no replica)."""
         req = validate(kind, payload)
         route = self.admission.resolve(principal, req.model)
-        body = {**payload, "stream": False}
+        # Embeddings have no stream field (and refuse unknown ones); the rest must not stream.
+        body = dict(payload) if kind == "embeddings" else {**payload, "stream": False}
         shape_for_worker(
             body, route, kind, principal, self.settings.prefix_cache_scope,
             BATCH_PRIORITY_BASE + principal.tier.rank,

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-_QUOTA_TTL_S = 40 * 24 * 3600
+QUOTA_TTL_S = 40 * 24 * 3600
 # A slot in Redis whose gateway died without releasing it is forgotten after this long (longer
 # than any request may run: the gateway cuts unary requests at ~130 s, idle streams at ~35 s).
 SLOT_LEASE_S = 900.0
@@ -128,32 +128,32 @@ class RedisQuotaCounter:
     def redis(self) -> Redis:
         return self._redis
 
-    def _key(self, tenant_id: str, month: str) -> str:
+    def key(self, tenant_id: str, month: str) -> str:
         return f"{self._prefix}quota:{tenant_id}:{month}"
 
     @shared_store
     async def used(self, tenant_id: str, month: str) -> int:
-        value = await self._redis.get(self._key(tenant_id, month))
+        value = await self._redis.get(self.key(tenant_id, month))
         return 0 if value is None else int(value)
 
     @shared_store
     async def add(self, tenant_id: str, month: str, tokens: int) -> int:
-        key = self._key(tenant_id, month)
+        key = self.key(tenant_id, month)
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.incrby(key, tokens)
-            pipe.expire(key, _QUOTA_TTL_S)
+            pipe.expire(key, QUOTA_TTL_S)
             total, _ = await pipe.execute()
         return int(total)
 
     @shared_store
     async def seed(self, tenant_id: str, month: str, tokens: int) -> None:
-        await self._redis.set(self._key(tenant_id, month), tokens, nx=True, ex=_QUOTA_TTL_S)
+        await self._redis.set(self.key(tenant_id, month), tokens, nx=True, ex=QUOTA_TTL_S)
 
     @shared_store
     async def reserve(self, tenant_id: str, month: str, tokens: int, quota: int) -> int | None:
         before = int(
             await self._reserve(
-                keys=[self._key(tenant_id, month)], args=[tokens, quota, _QUOTA_TTL_S]
+                keys=[self.key(tenant_id, month)], args=[tokens, quota, QUOTA_TTL_S]
             )
         )
         return None if before < 0 else before
@@ -224,12 +224,15 @@ class RedisConcurrencyLimiter:
     ) -> None:
         self._redis = redis
         self._prefix = prefix
-        self._lease_s = lease_s
+        self.lease_s = lease_s
         self._acquire = redis.register_script(_SLOT_LUA)
+
+    def key(self, scope: str) -> str:
+        return self._prefix + scope
 
     @shared_store
     async def acquire(self, scope: str, slot: str, limit: int) -> bool:
-        taken = await self._acquire(keys=[self._prefix + scope], args=[slot, limit, self._lease_s])
+        taken = await self._acquire(keys=[self._prefix + scope], args=[slot, limit, self.lease_s])
         return bool(int(taken))
 
     @shared_store

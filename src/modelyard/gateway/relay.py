@@ -23,7 +23,9 @@ from modelyard.core.errors import DomainError
 from modelyard.core.routing import ReplicaRoute
 from modelyard.gateway.accounting import Accounting, Call, take_usage
 from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.responses_stream import inspect_typed, is_final, is_typed
 from modelyard.gateway.upstream import Upstream, unavailable
+from modelyard.gateway.version_stats import tag_version
 from modelyard.protocol.errors import APIError, error_body
 from modelyard.protocol.openai import PROMPT_TOKENS_HEADER
 from modelyard.protocol.sse import (
@@ -90,6 +92,7 @@ class Relay:
 
     async def unary(self, call: Call, payload: bytes, headers: dict[str, str]) -> Response:
         status, content = await self.upstream.call_unary(call, payload)
+        tag_version(call.version_id, headers)
         if status != 200:
             return await self.unpaid(call, content, headers)
         body = orjson.loads(content)
@@ -104,9 +107,13 @@ class Relay:
         self, call: Call, payload: bytes, wants_usage: bool, headers: dict[str, str]
     ) -> Response:
         response, replica = await self.upstream.send(call, payload, stream=True)
+        tag_version(call.version_id, headers)
         if response.status != 200:
             content = await _read_refusal(call, response, replica)
             replica.breaker.record(ok=response.status < 500)
+            self.upstream.stats.record(
+                call.route.endpoint_id, replica.version_id, response.status < 500, None
+            )
             call.status_code = response.status
             return await self.unpaid(call, content, headers)
         call.prompt_tokens = int(response.headers.get(PROMPT_TOKENS_HEADER, 0))
@@ -193,11 +200,11 @@ class Relay:
                 while EVENT_END in buffer:
                     event, buffer = buffer.split(EVENT_END, 1)
                     if _inspect(call, event, wants_usage):
-                        if event == DONE_EVENT:
+                        if event == DONE_EVENT or is_final(event):
                             # Billed (journaled on disk) before the client sees the end.
                             await self.accounting.close(call, served=True)
                         yield event + EVENT_END
-                        delivered = event == DONE_EVENT
+                        delivered = event == DONE_EVENT or is_final(event)
             complete = True
         except (TimeoutError, aiohttp.ClientError) as exc:
             call.status = "error"
@@ -224,6 +231,9 @@ class Relay:
                 response.close()
             call.route.release(replica)
             replica.breaker.record(ok=call.status != "error")
+            self.upstream.stats.record(
+                call.route.endpoint_id, replica.version_id, call.status != "error", call.ttft
+            )
             await self.accounting.close(call, served=True)
 
 
@@ -241,6 +251,8 @@ async def _read_refusal(
 
 def _inspect(call: Call, event: bytes, wants_usage: bool) -> bool:
     """Meter one SSE event; False if it must not reach the client."""
+    if is_typed(event):  # the Responses API's typed events
+        return inspect_typed(call, event)
     if not event.startswith(DATA_PREFIX) or event == DONE_EVENT:
         return True
     try:

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 
 from modelyard.config import PlatformSettings
+from modelyard.core import tracing
 from modelyard.core.admission import AdmissionRefused, Waiter, admission_rank
 from modelyard.core.errors import RateLimited, Unavailable, UpstreamFailed
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import Call
 from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.version_stats import VersionStats
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,7 @@ _PATHS = {
     "chat.completions": "/v1/chat/completions",
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
 }
 # Failures before any response byte: the request never reached a model, so another replica may
 # take it. (aiohttp measured ~3x less client CPU per proxied request than httpx here.)
@@ -60,7 +64,12 @@ class Upstream:
         self.metrics = metrics
         # The control plane's verb for scale from zero (None: no endpoint scales from zero).
         self.activate = activate
+        # Cluster mode: how long to wait for a fresh routing entry when every replica of the
+        # entry a request was routed on refused the connection (gone: replaced, or moved).
+        self.stale_route_wait_s = 0.0
         self.session: aiohttp.ClientSession | None = None
+        # Each version's answers, for the canary's SLO gate (read by the control plane).
+        self.stats = VersionStats()
         self._unary_timeout = aiohttp.ClientTimeout(
             total=settings.gateway_request_timeout_s, connect=settings.gateway_connect_timeout_s
         )
@@ -102,7 +111,7 @@ class Upstream:
         try:
             while True:
                 if route.queue.may_take(rank, waiter):
-                    replica = self.routing.pick(route, tried)
+                    replica = self.routing.pick(route, tried, call.affinity, call.prefix)
                     if replica is not None:
                         return replica
                 if not route.ready_replicas:
@@ -168,18 +177,29 @@ class Upstream:
         last_error: Exception | None = None
         for attempt in range(self.settings.gateway_retries + 1):
             replica = await self.replica(call, tried, progress)
+            if replica is None and await self._fresh_entry(call, tried, last_error):
+                replica = await self.replica(call, tried, progress)
             if replica is None:
                 break
             tried.add(replica.replica_id)
             replica.outstanding += 1
+            call.version_id = replica.version_id
             try:
-                response = await self.session.request(
-                    "GET" if payload is None else "POST",
-                    replica.url + (path or _PATHS[call.kind]),
-                    data=payload,
-                    headers={"content-type": "application/json", "x-request-id": call.request_id},
-                    timeout=self._stream_timeout if stream else self._unary_timeout,
-                )
+                # With tracing on: a span until the answer starts, whose traceparent the worker
+                # continues (`core.tracing`; nothing is added while it is off).
+                attrs = {"replica": replica.replica_id, "attempt": attempt}
+                with tracing.span("upstream", "client", attrs):
+                    response = await self.session.request(
+                        "GET" if payload is None else "POST",
+                        replica.url + (path or _PATHS[call.kind]),
+                        data=payload,
+                        headers={
+                            "content-type": "application/json",
+                            "x-request-id": call.request_id,
+                            **tracing.outbound_headers(),
+                        },
+                        timeout=self._stream_timeout if stream else self._unary_timeout,
+                    )
                 return response, replica
             except _RETRYABLE as exc:
                 call.route.release(replica)
@@ -212,6 +232,20 @@ class Upstream:
             retry_after_s=5,
         )
 
+    async def _fresh_entry(self, call: Call, tried: set[str], last_error: Exception | None) -> bool:
+        """After a replica refused the connection: wait (up to `stale_route_wait_s`) for the
+        routing entry to name a ready replica this request has not tried. The request keeps
+        its id and its one usage record; nothing of it reached the client yet."""
+        if self.stale_route_wait_s <= 0 or not isinstance(last_error, aiohttp.ClientConnectorError):
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.stale_route_wait_s
+        while (remaining := deadline - loop.time()) > 0:
+            if any(r.ready and r.replica_id not in tried for r in call.route.replicas):
+                return True
+            await call.route.wait_change(remaining)
+        return False
+
     async def call_unary(
         self, call: Call, payload: bytes | None, path: str | None = None
     ) -> tuple[int, bytes]:
@@ -222,11 +256,14 @@ class Upstream:
         except (aiohttp.ClientError, TimeoutError) as exc:
             response.close()
             replica.breaker.record(ok=False)
+            self.stats.record(call.route.endpoint_id, replica.version_id, False, None)
             failed = f"the model server failed: {exc!r}"
             raise UpstreamFailed(failed, code="upstream_error") from exc
         finally:
             call.route.release(replica)
             response.release()
         replica.breaker.record(ok=response.status < 500)
+        ok, latency = response.status < 500, time.perf_counter() - call.started
+        self.stats.record(call.route.endpoint_id, replica.version_id, ok, latency)
         call.status_code = response.status
         return response.status, content

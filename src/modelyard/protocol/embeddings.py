@@ -1,5 +1,9 @@
 """OpenAI's `/v1/embeddings` at the HTTP edge: the request schema, its input limits, and the
 response body (float lists, or base64 of little-endian float32 as the official client decodes).
+
+Every field OpenAI defines is honoured (`dimensions` truncates Matryoshka-style where the model
+allows it, else a 400 naming it); `user` is accepted and, as at OpenAI, changes nothing; any
+other argument gets OpenAI's 400 "Unrecognized request argument supplied".
 """
 
 from __future__ import annotations
@@ -9,16 +13,15 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import Field, StrictInt, StrictStr
 
 from modelyard.protocol.errors import bad_request
+from modelyard.protocol.openai import StrictRequest
 
 MAX_INPUTS = 2048  # OpenAI's own limit on the inputs of one request
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class EmbeddingRequest(StrictRequest):
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     model: str = Field(min_length=1)
     encoding_format: Literal["float", "base64"] = "float"

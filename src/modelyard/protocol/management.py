@@ -73,6 +73,18 @@ class DeployRequest(BaseModel):
     public: bool = Field(False, description="Visible to every tenant (platform admin only).")
 
 
+class ReplicaLoadProgress(BaseModel):
+    """`replicas.items[].load_progress` of the endpoint view: a starting replica's phase
+    (`copying` the model files to the node, `loading` weights, `warming`, then `ready`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    phase: Literal["copying", "loading", "warming", "ready"]
+    fraction: float = Field(ge=0.0, le=1.0, description="Of the current phase.")
+    bytes_done: int | None = Field(None, ge=0, description="Copying: bytes copied so far.")
+    bytes_total: int | None = Field(None, ge=0, description="Copying: the model's bytes.")
+
+
 TierName = Literal["free", "standard", "priority"]
 # The columns are 32-bit (64-bit for the quota): larger numbers are a 400, not a database error.
 INT32_MAX = 2**31 - 1
@@ -132,8 +144,11 @@ class KeyCreate(BaseModel):
 
     name: str = Field("default", min_length=1, max_length=200)
     tenant_id: str | None = Field(None, description="Platform admin only: whose key this is.")
-    scopes: list[Literal["inference", "admin"]] = Field(
-        default_factory=lambda: ["inference"], min_length=1
+    scopes: list[Literal["inference", "admin", "metrics"]] = Field(
+        default_factory=lambda: ["inference"],
+        min_length=1,
+        description="inference (the OpenAI API), admin (the tenant's management API), metrics "
+        "(GET /metrics: the tenant's own series).",
     )
     rpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
     tpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -156,4 +171,6 @@ class VersionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     files: dict[str, FileEntry] = Field(min_length=1)
-    format: Literal["hf", "gguf"] | None = None
+    format: Literal["hf", "gguf", "lora"] | None = None
+    # A lora adapter's base: a model of the same registry (required for lora, else refused).
+    base_model: str | None = None

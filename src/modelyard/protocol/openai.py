@@ -1,9 +1,12 @@
 """Request schemas of the OpenAI API (chat completions, completions), validated by pydantic.
 
-Unknown fields are ignored, as OpenAI's own server does, except those that ask for a feature
-this server does not have (tools, response_format, logit_bias…): those get a clear 400.
-Extra knobs that vLLM users expect (top_k, min_p, repetition_penalty, stop_token_ids,
-ignore_eos, priority, cache_salt) are accepted as well.
+No field is dropped silently (the table is in docs/api.md): every OpenAI field is either
+honoured, refused with a 400 naming it when it asks for something this server does not do
+(`audio`, `prediction`, `reasoning_effort`, `store: true`…), or accepted and ignored where
+that changes nothing a client can observe (`user`, `safety_identifier`, `prompt_cache_key`).
+An argument OpenAI does not know either gets OpenAI's own answer, a 400 "Unrecognized request
+argument supplied: X". Extra knobs that vLLM users expect (top_k, min_p, repetition_penalty,
+stop_token_ids, ignore_eos, skip_special_tokens, priority, cache_salt, guided_*) are accepted.
 
 Every text field must be encodable as UTF-8: JSON can spell a lone surrogate (`"\udcff"`),
 which no tokenizer takes, so it is refused here with the field's name. Ranges that depend on
@@ -15,13 +18,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from modelyard.protocol.structured import StructuredFields
+from modelyard.protocol.tools import FunctionCall, ToolCall, ToolFields
 
 # A worker's stream says how many prompt tokens it holds, so a metering proxy can bill the
 # prompt of a stream whose client goes away before the final usage chunk.
 PROMPT_TOKENS_HEADER = "x-modelyard-prompt-tokens"
 # A cache salt is an opaque namespace name, hashed once per request: no need for more.
 MAX_CACHE_SALT_CHARS = 256
+
+
+MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI
 
 
 def _check_text(value: str, where: str) -> str:
@@ -36,49 +46,116 @@ def _check_text(value: str, where: str) -> str:
     return value
 
 
+def refused(message: str) -> PydanticCustomError:
+    """A known field this server cannot honour: the 400 names the field (its location)."""
+    return PydanticCustomError("unsupported", message)
+
+
+class StrictRequest(BaseModel):
+    """A request body whose unknown top-level arguments get OpenAI's own 400 (the message
+    names the argument; OpenAI's `param` is null for it too)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unknown_arguments(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = cls.model_fields
+            for key in data:
+                if key not in known:
+                    raise PydanticCustomError(
+                        "unrecognized_argument",
+                        "Unrecognized request argument supplied: {name}",
+                        {"name": str(key)[:256]},
+                    )
+        return data
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # Ignored: obfuscation pads events against length side channels; these streams do not pad.
+    include_obfuscation: bool | None = None
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
+class RefusalPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    """One message of the history. Assistant `tool_calls` / `function_call` and `tool` (or
+    legacy `function`) results are rendered into the prompt (`modelyard.worker.tools`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    function_call: FunctionCall | None = None
+    refusal: str | None = None
+    # Output-only fields an SDK may echo back with an assistant message: null or ignored.
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
 
     @field_validator("content")
     @classmethod
-    def _content_is_text(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+    def _content_is_text(
+        cls, value: str | list[ContentPart] | None
+    ) -> str | list[ContentPart] | None:
         if isinstance(value, str):
             _check_text(value, "content")
         elif value is not None:
             for i, part in enumerate(value):
-                _check_text(part.text, f"content[{i}].text")
+                text = part.text if isinstance(part, TextPart) else part.refusal
+                _check_text(text, f"content[{i}]")
         return value
 
-    @field_validator("name")
+    @field_validator("name", "tool_call_id", "refusal")
     @classmethod
     def _name_is_text(cls, value: str | None) -> str | None:
-        return None if value is None else _check_text(value, "name")
+        return None if value is None else _check_text(value, "the value")
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            raise refused("audio in messages is not supported by this server (text only)")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise PydanticCustomError(
+                "missing_tool_call_id", "a message with role 'tool' needs a 'tool_call_id'"
+            )
+        if self.role != "assistant" and (self.tool_calls or self.function_call):
+            raise PydanticCustomError(
+                "tool_calls_role", "only assistant messages may carry tool_calls"
+            )
+        return self
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
 
 
-class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class SamplingFields(StructuredFields, StrictRequest):
     model: str = Field(min_length=1)
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -89,6 +166,7 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # Accepted, not used for generation (OpenAI uses it for abuse monitoring only).
     user: str | None = None
     # Beyond OpenAI, as in vLLM.
     top_k: int | None = Field(None, ge=-1)
@@ -105,8 +183,11 @@ class SamplingFields(BaseModel):
         description="Prefix-cache namespace: only requests with the same salt share cached "
         "prompt blocks. Behind the gateway it is always the tenant's (a client's is replaced).",
     )
-    # Accepted by OpenAI, not implemented here: a non-default value is rejected.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="Token id (as a string) -> a bias in [-100, 100] added to its logit before "
+        f"sampling (at most {MAX_LOGIT_BIAS_TOKENS} tokens; ids must be in the vocabulary).",
+    )
 
     @field_validator("stop")
     @classmethod
@@ -122,28 +203,91 @@ class SamplingFields(BaseModel):
     def _is_text(cls, value: str | None) -> str | None:
         return None if value is None else _check_text(value, "the value")
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # Shapes and ranges here; ids against the model's vocabulary at the worker's edge.
+        if len(value or ()) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or not key.isascii():
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:20]!r}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                raise ValueError(f"logit_bias values must be between -100 and 100, got {bias}")
+        return value
+
+    def logit_bias_items(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
     def stop_list(self) -> tuple[str, ...]:
         return tuple(self.stop or ())  # type: ignore[arg-type]
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(ToolFields, SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    # OpenAI's fields that ask for what this server does not do: refused unless left at the
+    # value that asks for nothing (see docs/api.md).
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    web_search_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    # Accepted, no effect on the answer: identifiers for abuse monitoring and cache routing
+    # (the prefix cache here is automatic).
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format"
-        if self.logit_bias:
-            return "logit_bias"
-        return None
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(m != "text" for m in value):
+            raise refused("only the 'text' modality is supported by this server")
+        return value
+
+    @field_validator("audio", "prediction", "web_search_options")
+    @classmethod
+    def _not_offered(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            raise refused("this feature is not supported by this server")
+        return value
+
+    @field_validator("reasoning_effort", "verbosity", "prompt_cache_retention")
+    @classmethod
+    def _not_for_this_model(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise refused("this parameter is not supported with this model")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _default_tier(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "default"):
+            raise refused("only the 'auto' and 'default' service tiers are offered")
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _stateless(cls, value: bool | None) -> bool | None:
+        if value:
+            raise refused("this server does not store completions; store must be false")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_needs_store(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value:
+            # OpenAI's own rule: metadata only goes with stored completions.
+            raise refused("metadata is only allowed when store is enabled (never, here)")
+        return value
 
 
 class CompletionRequest(SamplingFields):
@@ -174,6 +318,4 @@ class CompletionRequest(SamplingFields):
             return "best_of"
         if self.echo:
             return "echo"
-        if self.logit_bias:
-            return "logit_bias"
         return None

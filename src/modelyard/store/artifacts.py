@@ -3,7 +3,9 @@
 Writes go to a temporary file that is hashed while it is written and renamed into place only
 when the hash matches, so a broken or lying upload leaves nothing behind. A model version is a
 manifest (relative path → sha256); a node's cache (`control.node_cache`) copies its blobs out,
-verifying each hash, for workers to load.
+verifying each hash, for workers to load. The contract every store keeps (this one and
+`artifact_s3.S3ArtifactStore`) is `artifact_store.BlobStore`; the Files API's files always live
+here, model blobs here or in S3.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import hashlib
 import os
 import re
 import tempfile
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO, Protocol
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 22
@@ -61,7 +64,15 @@ class StoredBlob:
     size: int
 
 
-class ArtifactStore:
+class ChunkReader(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+class LocalArtifactStore:
+    """Blobs under `root/blobs/sha256/ab/abcd…`, owner-only; uploads staged in `root/tmp`."""
+
+    kind = "local"
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.blobs = root / "blobs" / "sha256"
@@ -118,23 +129,53 @@ class ArtifactStore:
         size = source.stat().st_size
         if max_bytes is not None and size > max_bytes:
             raise ArtifactError(f"{source} is larger than the limit of {max_bytes} bytes")
+        with open(source, "rb") as src:
+            return self.put_reader(src, None, max_bytes)
+
+    def put_reader(
+        self, reader: ChunkReader, expected_sha256: str | None, max_bytes: int | None = None
+    ) -> StoredBlob:
+        """Store what `reader` yields (hashing while copying); raises, keeping nothing, on a
+        hash or size mismatch."""
+        if expected_sha256 is not None:
+            check_sha256(expected_sha256)
         digest = hashlib.sha256()
+        size = 0
         fd, name = tempfile.mkstemp(dir=self.tmp, prefix="copy-")
         tmp_path = Path(name)
         try:
-            with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
-                while block := src.read(_CHUNK):
+            with os.fdopen(fd, "wb") as out:
+                while block := reader.read(_CHUNK):
+                    size += len(block)
+                    if max_bytes is not None and size > max_bytes:
+                        raise ArtifactError(f"blob is larger than the limit of {max_bytes} bytes")
                     digest.update(block)
                     out.write(block)
-            self._commit(tmp_path, digest.hexdigest(), None)
+            self._commit(tmp_path, digest.hexdigest(), expected_sha256)
         finally:
             tmp_path.unlink(missing_ok=True)
         return StoredBlob(digest.hexdigest(), size)
+
+    def open(self, sha256: str) -> BinaryIO:
+        return open(self.path(sha256), "rb")
+
+    def delete(self, sha256: str) -> None:
+        self.path(sha256).unlink(missing_ok=True)
+
+    def list(self) -> Iterator[StoredBlob]:
+        for path in sorted(self.blobs.glob("*/*")):
+            if _SHA256.match(path.name) and path.is_file():
+                yield StoredBlob(path.name, path.stat().st_size)
 
     def verify(self, sha256: str) -> None:
         actual = hash_file(self.path(sha256))
         if actual != sha256:
             raise IntegrityError(f"blob {sha256} is corrupted on disk (it hashes to {actual})")
+
+
+# The name every caller used before the store had a second implementation (the Files API's
+# files and the tests build it directly).
+ArtifactStore = LocalArtifactStore
 
 
 def make_owner_only(root: Path) -> None:

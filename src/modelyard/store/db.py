@@ -54,6 +54,10 @@ def migrate(engine: Engine) -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            # Several processes (gateways, controllers) may start at once on one database:
+            # one migrates, the others wait for it and then find the schema current.
+            conn.exec_driver_sql("SELECT pg_advisory_xact_lock(7164503761)")
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
 

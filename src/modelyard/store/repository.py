@@ -20,6 +20,7 @@ from modelyard.store.tables import (
     ApiKey,
     Blob,
     Endpoint,
+    EndpointVersion,
     Model,
     ModelVersion,
     Tenant,
@@ -208,6 +209,16 @@ def live_endpoints(s: Session, tenant_id: str | None = None) -> Sequence[Endpoin
     return s.scalars(q).all()
 
 
+def endpoint_versions(s: Session, endpoint_id: str) -> Sequence[EndpointVersion]:
+    """The endpoint's versions beside its stable one that still matter (not retired)."""
+    q = (
+        select(EndpointVersion)
+        .where(EndpointVersion.endpoint_id == endpoint_id, EndpointVersion.state != "retired")
+        .order_by(EndpointVersion.created_at)
+    )
+    return s.scalars(q).all()
+
+
 def deployed_capacity(s: Session, tenant_id: str) -> tuple[int, int]:
     """A tenant's live endpoints and the replicas they may scale to (hardware.max_replicas)."""
     endpoints = live_endpoints(s, tenant_id)
@@ -226,14 +237,37 @@ def live_endpoint_by_name(s: Session, tenant_id: str, model_name: str) -> Endpoi
 
 
 def endpoints_using_model(s: Session, tenant_id: str, model_id: str) -> Sequence[Endpoint]:
+    """Live endpoints that serve, keep or fall back to a version of the model: as their
+    version, their last good version, or a canary or warm previous version beside it."""
     version_ids = select(ModelVersion.id).where(ModelVersion.model_id == model_id)
+    beside = select(EndpointVersion.endpoint_id).where(
+        EndpointVersion.version_id.in_(version_ids), EndpointVersion.state == "serving"
+    )
     return s.scalars(
         select(Endpoint).where(
             Endpoint.tenant_id == tenant_id,
             Endpoint.deleted_at.is_(None),
+            Endpoint.version_id.in_(version_ids)
+            | Endpoint.good_version_id.in_(version_ids)
+            | Endpoint.id.in_(beside),
+        )
+    ).all()
+
+
+def release_deleted_endpoints(s: Session, model_id: str) -> int:
+    """Deleted endpoints stop pointing at the model's versions (their `artifact` text keeps
+    the reference), so the versions can go; returns how many rows changed."""
+    version_ids = select(ModelVersion.id).where(ModelVersion.model_id == model_id)
+    rows = s.scalars(
+        select(Endpoint).where(
+            Endpoint.deleted_at.is_not(None),
             Endpoint.version_id.in_(version_ids),
         )
     ).all()
+    for row in rows:
+        row.version_id = None
+    s.flush()
+    return len(rows)
 
 
 # ----- usage ----------------------------------------------------------------------------------

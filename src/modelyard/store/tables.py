@@ -129,6 +129,8 @@ class Endpoint(Base):
     scaling: Mapped[dict[str, Any]]
     engine_options: Mapped[dict[str, Any]]
     sampling_defaults: Mapped[dict[str, Any] | None]
+    # The last rollback of a canary or a promotion: why, the numbers, who, when.
+    last_rollback: Mapped[dict[str, Any] | None]
     status: Mapped[str] = mapped_column(String(40))
     status_message: Mapped[str | None] = mapped_column(String(2000))
     created_at: Mapped[datetime]
@@ -143,6 +145,27 @@ Index(
     sqlite_where=Endpoint.deleted_at.is_(None),
     postgresql_where=Endpoint.deleted_at.is_(None),
 )
+
+
+class EndpointVersion(Base):
+    """One version of an endpoint beside its stable one (`control/versions.py`): a canary with
+    its share of traffic, the stable version while a canary runs, or the previous stable one
+    kept warm after a promotion (until `warm_until`) so that a rollback loads nothing."""
+
+    __tablename__ = "endpoint_versions"
+
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("endpoints.id"), primary_key=True)
+    version_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    artifact: Mapped[str] = mapped_column(String(1000))  # NAME:VERSION
+    role: Mapped[str] = mapped_column(String(20))  # stable | canary | previous
+    weight: Mapped[int] = mapped_column(Integer)  # percent of the endpoint's requests
+    replicas: Mapped[int] = mapped_column(Integer)
+    engine_options: Mapped[dict[str, Any]]  # over the endpoint's
+    slo: Mapped[dict[str, Any]]  # thresholds and progressive steps
+    state: Mapped[str] = mapped_column(String(20))  # serving | rolled_back | retired
+    warm_until: Mapped[datetime | None]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
 
 
 class UsageRecord(Base):
@@ -238,6 +261,10 @@ class BatchItem(Base):
     error: Mapped[dict[str, Any] | None]
     request_id: Mapped[str | None] = mapped_column(String(80))
     finished_at: Mapped[datetime | None]
+    # The batch runner that claimed the item and until when (renewed while it runs): after
+    # that another runner may take it over (`batch/leases.py`).
+    lease_owner: Mapped[str | None] = mapped_column(String(100))
+    lease_expires_at: Mapped[datetime | None]
 
 
 Index("ix_batch_items_pending", BatchItem.batch_id, BatchItem.status)
@@ -249,3 +276,42 @@ Index(
     sqlite_where=text("valid"),
     postgresql_where=text("valid"),
 )
+
+
+class AuditEvent(Base):
+    """One change to an endpoint, key, tenant or registry version: who, what, when, and the
+    public views before and after (never a secret). Written by `control.audit.AuditLog`."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    at: Mapped[datetime]
+    # The tenant whose resource changed (what scopes reads); None for platform-wide changes.
+    tenant_id: Mapped[str | None] = mapped_column(String(40))
+    # Who: the API key and its tenant; both None for the platform itself (automatic rollback).
+    actor_key_id: Mapped[str | None] = mapped_column(String(40))
+    actor_tenant_id: Mapped[str | None] = mapped_column(String(40))
+    action: Mapped[str] = mapped_column(String(60))  # e.g. endpoint.deploy, key.revoke
+    target_type: Mapped[str] = mapped_column(String(40))  # endpoint | api_key | tenant | …
+    target_id: Mapped[str] = mapped_column(String(300))
+    before: Mapped[dict[str, Any] | None]
+    after: Mapped[dict[str, Any] | None]
+
+
+Index("ix_audit_tenant_at", AuditEvent.tenant_id, AuditEvent.at)
+Index("ix_audit_at", AuditEvent.at)
+Index("ix_audit_target", AuditEvent.target_type, AuditEvent.target_id)
+
+
+class RoutingEntry(Base):
+    """An endpoint's routing entry as the leading controller published it (cluster mode):
+    gateways mirror these into their own routing tables, applying an entry only when its
+    `generation` is newer than the one they hold (`gateway/route_mirror.py`)."""
+
+    __tablename__ = "routing_entries"
+
+    endpoint_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger, index=True)
+    removed: Mapped[bool] = mapped_column(Boolean, default=False)  # a tombstone: no new requests
+    entry: Mapped[dict[str, Any]]  # `control/route_publisher.entry_of`'s dict
+    updated_at: Mapped[datetime]

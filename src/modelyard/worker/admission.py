@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from modelyard.engine.admission import RequestRejected
 from modelyard.engine.llm_engine import LLMEngine
+from modelyard.engine.lora.engine_hooks import check_adapter
 from modelyard.engine.sampling_params import MAX_N, SamplingParams
+from modelyard.engine.structured import StructuredOutput
 from modelyard.protocol.errors import APIError, bad_request
 from modelyard.protocol.openai import SamplingFields
 
@@ -28,8 +30,11 @@ def admit(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_param: str,
+    structured: StructuredOutput | None = None,
+    lora: str | None = None,
 ) -> SamplingParams:
-    """The checked `SamplingParams` of one engine request of `req` over `prompt`."""
+    """The checked `SamplingParams` of one engine request of `req` over `prompt`; `structured`
+    (compiled by `modelyard.worker.structured.compile_structured`) constrains its output."""
     params = SamplingParams(
         n=req.n,
         max_tokens=max_tokens or engine.default_max_tokens(len(prompt)),
@@ -46,9 +51,14 @@ def admit(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        structured=structured,
+        lora=lora,
+        logit_bias=req.logit_bias_items(),
     )
     try:
         engine.check_request(prompt, params, req.priority, prompt_param)
+        if lora is not None:
+            check_adapter(engine.runner, lora)
     except RequestRejected as exc:
         # The completions API names its top-logprob count `logprobs`.
         renames = {"top_logprobs": "logprobs"} if prompt_param == "prompt" else None

@@ -16,8 +16,11 @@ from modelyard.protocol.errors import install_error_handlers
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 from modelyard.protocol.responses import JSONResponse
+from modelyard.protocol.responses_api import ResponsesRequest
 from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.openai_serving import OpenAIServing
+from modelyard.worker.request_context import WorkerRequestContext, traced
+from modelyard.worker.responses import ResponsesServing
 
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
@@ -38,8 +41,9 @@ def create_app(
     app = FastAPI(title="modelyard worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(WorkerRequestContext)  # outermost: the gateway's request id and trace
     metrics = WorkerMetrics(engine.engine, model_name)
-    serving = OpenAIServing(engine, model_name, metrics)
+    serving = OpenAIServing(traced(engine), model_name, metrics)
     app.state.serving = serving
 
     @app.post("/v1/chat/completions")
@@ -49,6 +53,12 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await serving.completion(body, request)
+
+    responses = ResponsesServing(serving)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Any:
+        return await responses.create(body, request)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -37,6 +37,7 @@ from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.oip import install_oip_error_handlers
 from modelyard.protocol.responses import json_response
 from modelyard.worker.encoder_serving import EncoderServing
+from modelyard.worker.request_context import WorkerRequestContext
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ def create_encoder_app(host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_B
     install_error_handlers(app)
     install_oip_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(WorkerRequestContext)  # the gateway's request id and trace
     metrics = EncoderMetrics(host)
     serving = EncoderServing(host, metrics)
     app.state.serving = serving
@@ -147,6 +149,8 @@ def serve_encoders(
 ) -> None:
     import uvicorn
 
+    from modelyard.config import TelemetrySettings
+    from modelyard.core.logs import uvicorn_log_options
     from modelyard.worker.server import die_with_parent
 
     die_with_parent()
@@ -156,4 +160,7 @@ def serve_encoders(
         log.info("model %r: %s at %s", name, spec.kind, path)
     app = create_encoder_app(model_host, max_body_bytes)
     log.info("serving %d encoder models on http://%s:%d", len(models), host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+        **uvicorn_log_options(TelemetrySettings()),
+    )  # fmt: skip

@@ -55,8 +55,12 @@ class Usage:
         self.cached[prompt_index] = out.cached_tokens
         self.completion[prompt_index] = out.completion_tokens
 
+    def totals(self) -> tuple[int, int]:
+        """Prompt and completion tokens of all the engine requests."""
+        return sum(self.prompt.values()), sum(self.completion.values())
+
     def as_dict(self) -> dict[str, Any]:
-        prompt, completion = sum(self.prompt.values()), sum(self.completion.values())
+        prompt, completion = self.totals()
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -124,8 +128,7 @@ class FanOut:
         try:
             async for pi, out in self.merged(request_id, jobs, req):
                 usage.add(pi, out)
-                if any(d.token_ids for d in out.deltas):
-                    timer.tokens()
+                timer.output(out)
                 for d in out.deltas:
                     c = choices.setdefault(pi * req.n + d.index, Choice())
                     c.text.append(d.text)
@@ -135,7 +138,7 @@ class FanOut:
                         c.finish_reason = d.finish_reason.value
         except ENGINE_FAILURES as exc:
             raise api_error(exc) from exc
-        timer.done()
+        timer.done(*usage.totals())
         return choices, usage
 
     async def stream(
@@ -157,8 +160,7 @@ class FanOut:
                     yield sse_data({**base, "choices": [role_chunk(i)]})
             async for pi, out in self.merged(request_id, jobs, req):
                 usage.add(pi, out)
-                if any(d.token_ids for d in out.deltas):
-                    timer.tokens()
+                timer.output(out)
                 for d in out.deltas:
                     index = pi * req.n + d.index
                     if d.text or d.logprobs:
@@ -172,7 +174,7 @@ class FanOut:
                     yield sse_data({**base, "choices": [choice_chunk(index, "", [], reason)]})
             if include_usage:
                 yield sse_data({**base, "choices": [], "usage": usage.as_dict()})
-            timer.done()
+            timer.done(*usage.totals())
         except ENGINE_FAILURES as exc:
             yield sse_data(stream_error(exc))
         yield DONE

@@ -2,13 +2,17 @@
 
 This module turns the API request into engine requests, checked once, here, before anything
 is queued (`modelyard.worker.admission`), and builds the API's response shapes; running the
-engine requests and streaming their outputs is `modelyard.worker.fanout`'s job.
+engine requests and streaming their outputs is `modelyard.worker.fanout`'s job, tools (prompt,
+constraint, parsing) `modelyard.worker.tools`'s, and a stream with tools
+`modelyard.worker.tool_stream`'s. The Responses API (`modelyard.worker.responses`) runs on
+`prepare_chat`/`chat_body` too.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -16,6 +20,7 @@ from fastapi import Request
 from modelyard.core.errors import model_not_found
 from modelyard.engine.async_engine import AsyncEngine
 from modelyard.engine.sequence import TokenLogprob
+from modelyard.engine.structured import StructuredOutput
 from modelyard.engine.tokenizer import ChatTemplateError
 from modelyard.protocol.disconnect import run_until_disconnect
 from modelyard.protocol.errors import APIError, bad_request
@@ -25,6 +30,23 @@ from modelyard.worker.admission import admit, check_choices
 from modelyard.worker.fanout import FanOut, streaming_response
 from modelyard.worker.logprobs import chat_logprobs, completion_logprobs
 from modelyard.worker.metrics import WorkerMetrics
+from modelyard.worker.structured import (
+    compile_structured,
+    structured_field,
+    structured_for,
+    structured_output_from_request,
+)
+from modelyard.worker.tool_parsers import parser_for
+from modelyard.worker.tool_prompt import template_messages
+from modelyard.worker.tool_stream import chat_tool_stream, choice_events
+from modelyard.worker.tools import (
+    ChatJob,
+    ToolPlan,
+    decode,
+    message,
+    plan_tools,
+    tool_constraint,
+)
 
 MAX_PROMPTS = 64
 
@@ -35,6 +57,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.tokenizer = engine.engine.tokenizer
+        self.model_type = engine.engine.model_config.model_type
         self.fanout = FanOut(engine, metrics)
         self.created = int(time.time())
 
@@ -54,90 +77,138 @@ class OpenAIServing:
             ],
         }
 
-    def _check_model(self, req: SamplingFields, unsupported: str | None) -> None:
-        if req.model != self.model_name:
+    def _check_model(self, req: SamplingFields, unsupported: str | None) -> str | None:
+        """Refuse a foreign model or an unsupported field; returns the LoRA adapter that
+        `<served model>:<adapter>` names (None: the base model)."""
+        base, _, adapter = req.model.rpartition(":")
+        lora = adapter if base == self.model_name and adapter else None
+        if req.model != self.model_name and lora is None:
             raise APIError.from_domain(model_not_found(req.model))
         if unsupported:
             raise bad_request(
                 f"'{unsupported}' is not supported by this server.", unsupported, "unsupported"
             )
+        return lora
 
     # ----- chat ------------------------------------------------------------------------------
 
-    async def chat(self, req: ChatCompletionRequest, request: Request) -> Any:
-        self._check_model(req, req.unsupported())
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    async def prepare_chat(self, req: ChatCompletionRequest) -> ChatJob:
+        """The checked engine request of a chat request: prompt (tools rendered), params (the
+        tool choice's or response_format's constraint compiled), the tool plan."""
+        lora = self._check_model(req, None)
+        plan = plan_tools(req)
+        renders_tools = self.tokenizer.template_supports_tools
+        messages, tools = template_messages(req.messages, plan, renders_tools)
         try:
-            prompt = self.tokenizer.encode_chat(messages)
+            prompt = self.tokenizer.encode_chat(messages, tools)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if req.stream and k is not None and plan.active:
+            raise bad_request("logprobs cannot be streamed with tools", "logprobs")
+        structured = await self._chat_constraint(req, plan)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = admit(self.engine.engine, req, prompt, max_tokens, k, "messages")
+        params = admit(self.engine.engine, req, prompt, max_tokens, k, "messages", structured, lora)
+        parser = parser_for(self.model_type, self.tokenizer.chat_template, renders_tools)
+        return ChatJob(prompt, params, plan, parser, k)
+
+    async def _chat_constraint(
+        self, req: ChatCompletionRequest, plan: ToolPlan
+    ) -> StructuredOutput | None:
+        engine = self.engine.engine
+        if not plan.constrained:
+            return await structured_for(engine, req)
+        if structured_output_from_request(req) is not None:
+            raise bad_request(
+                f"'{structured_field(req)}' cannot be combined with a tool_choice that forces "
+                "a call",
+                structured_field(req),
+            )
+        return await compile_structured(engine, tool_constraint(plan), "tools")
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Any:
+        job = await self.prepare_chat(req)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        jobs = [(prompt, params)]
         created = int(time.time())
-        response_id = f"chatcmpl-{request_id}"
-
+        base = {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": self.model_name,
+        }
         if req.stream:
-            base = {
-                "id": response_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-            }
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            if job.plan.active:
+                events = choice_events(
+                    self.fanout, request_id, [job.job], req, job.plan, job.parser
+                )
+                body = chat_tool_stream(events, base, req.n, job.plan, include_usage)
+            else:
+                body = self._plain_chat_stream(request_id, job, req, base, include_usage)
+            return streaming_response(body, request_id, len(job.prompt))
+        result = await run_until_disconnect(request, self.chat_body(job, req, request_id))
+        return JSONResponse({**result, "created": created}, headers={"x-request-id": request_id})
 
-            def role_chunk(i: int) -> dict[str, Any]:
-                return {
+    async def chat_body(
+        self, job: ChatJob, req: ChatCompletionRequest, request_id: str
+    ) -> dict[str, Any]:
+        """The non-streamed chat completion of a prepared request."""
+        choices, usage = await self.fanout.collect(request_id, [job.job], req)
+        out = []
+        for i, c in sorted(choices.items()):
+            decoded = decode(job.plan, job.parser, "".join(c.text))
+            reason = job.plan.finish_reason if decoded.calls else c.finish_reason
+            out.append(
+                {
                     "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-
-            def choice_chunk(
-                i: int, text: str, lps: list[TokenLogprob], reason: str | None
-            ) -> dict[str, Any]:
-                return {
-                    "index": i,
-                    "delta": {"content": text} if text else {},
-                    "logprobs": chat_logprobs(self.tokenizer, lps)
-                    if k is not None and lps
+                    "message": message(job.plan, decoded),
+                    "logprobs": chat_logprobs(self.tokenizer, c.logprobs)
+                    if job.k is not None
                     else None,
                     "finish_reason": reason,
                 }
-
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self.fanout.stream(
-                request_id, jobs, req, include_usage, base, role_chunk, choice_chunk
             )
-            return streaming_response(body, request_id, len(prompt))
+        return {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": out,
+            "usage": usage.as_dict(),
+        }
 
-        choices, usage = await run_until_disconnect(
-            request, self.fanout.collect(request_id, jobs, req)
-        )
-        return JSONResponse(
-            {
-                "id": response_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": "".join(c.text)},
-                        "logprobs": chat_logprobs(self.tokenizer, c.logprobs)
-                        if k is not None
-                        else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for i, c in sorted(choices.items())
-                ],
-                "usage": usage.as_dict(),
-            },
-            headers={"x-request-id": request_id},
+    def _plain_chat_stream(
+        self,
+        request_id: str,
+        job: ChatJob,
+        req: ChatCompletionRequest,
+        base: dict[str, Any],
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        k = job.k
+
+        def role_chunk(i: int) -> dict[str, Any]:
+            return {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+
+        def choice_chunk(
+            i: int, text: str, lps: list[TokenLogprob], reason: str | None
+        ) -> dict[str, Any]:
+            return {
+                "index": i,
+                "delta": {"content": text} if text else {},
+                "logprobs": chat_logprobs(self.tokenizer, lps) if k is not None and lps else None,
+                "finish_reason": reason,
+            }
+
+        return self.fanout.stream(
+            request_id, [job.job], req, include_usage, base, role_chunk, choice_chunk
         )
 
     # ----- completions -----------------------------------------------------------------------
@@ -158,11 +229,15 @@ class OpenAIServing:
         return prompts
 
     async def completion(self, req: CompletionRequest, request: Request) -> Any:
-        self._check_model(req, req.unsupported())
+        lora = self._check_model(req, req.unsupported())
         prompts = self._prompts(req.prompt)
         check_choices(len(prompts), req.n)
         engine = self.engine.engine
-        jobs = [(p, admit(engine, req, p, req.max_tokens, req.logprobs, "prompt")) for p in prompts]
+        structured = await structured_for(engine, req)
+        jobs = [
+            (p, admit(engine, req, p, req.max_tokens, req.logprobs, "prompt", structured, lora))
+            for p in prompts
+        ]
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         created = int(time.time())
         response_id = f"cmpl-{request_id}"

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import uvicorn
 
-from modelyard.config import EngineSettings
+from modelyard.config import EngineSettings, TelemetrySettings
+from modelyard.core.logs import uvicorn_log_options
 from modelyard.engine.async_engine import AsyncEngine
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.worker.app import create_app
+from modelyard.worker.load_report import reporting_load
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,8 @@ def serve_worker(
     log_level: str = "info",
 ) -> None:
     die_with_parent()
-    engine = build_engine(model, settings)
+    with reporting_load(model, settings.cache_dir):  # the platform shows a replica's phase
+        engine = build_engine(model, settings)
     exit_on_failure = _ExitOnFailure()
     leader = engine.engine.runner.leader
     if leader is not None:
@@ -91,8 +94,9 @@ def serve_worker(
         app = create_app(engine, name)
         log.info("serving model %r on http://%s:%d/v1", name, host, port)
         config = uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
-        )
+            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+            **uvicorn_log_options(TelemetrySettings()),
+        )  # fmt: skip
         exit_on_failure.server = uvicorn.Server(config)
         exit_on_failure.server.run()
     finally:

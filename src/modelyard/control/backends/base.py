@@ -6,9 +6,12 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
+
+if TYPE_CHECKING:
+    from modelyard.control.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,13 @@ class ReplicaSpec:
     engine_env: dict[str, str] = field(default_factory=dict)  # MODELYARD_* for the worker
     command: str = "worker"  # worker | encoders
     args: tuple[str, ...] = ()  # extra command-line options
+    # What placement reserved, for a backend that asks a cluster scheduler for it (ray): the
+    # version the node fetches from the artifact store, and the devices (kind, how many, bytes
+    # of each). The local backend needs none of it: placement already chose this node's devices.
+    version_id: str | None = None
+    device_kind: str = "cpu"
+    device_count: int = 1
+    device_bytes: int = 0
 
 
 @dataclass
@@ -37,6 +47,11 @@ class Backend(Protocol):
         """Launch the replica; returns once it is launched (not yet healthy)."""
         ...
 
+    def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:
+        """Take over a replica another controller started and recorded (cluster mode: the new
+        leader keeps it running); the handle's `alive`/`stop` work from here on."""
+        ...
+
     def alive(self, handle: ReplicaHandle) -> bool: ...
 
     def exit_status(self, handle: ReplicaHandle) -> int | None: ...
@@ -46,6 +61,18 @@ class Backend(Protocol):
         ...
 
     async def stop_all(self) -> None: ...
+
+
+def placed_devices(placement: Placement, replica_id: str) -> dict[str, Any]:
+    """`ReplicaSpec`'s device fields for a replica `placement` placed (none if it did not)."""
+    request, devices = placement.request(replica_id), placement.assignment(replica_id)
+    if request is None or not devices:
+        return {}
+    return {
+        "device_kind": devices[0].kind,
+        "device_count": len(devices),
+        "device_bytes": request.memory_bytes,
+    }
 
 
 class ReplicaStartError(RuntimeError):

@@ -3,19 +3,26 @@
 Each worker gets a free loopback port and its own log file, and is told to die with the
 platform process (PR_SET_PDEATHSIG on Linux), so a crashed or killed `modelyard serve` leaves no
 orphans (the worker arms that itself, see `worker.server`); a clean shutdown terminates them.
+
+`detached=True` (the `controller` role): workers are not tied to the controller and outlive it,
+stopping or dying, so that a standby that takes over adopts them (`adopt`: a replica another
+process started, known by its pid) instead of restarting them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from modelyard.control.backends.base import ReplicaHandle, ReplicaSpec
+from modelyard.core.load_progress import LOAD_PROGRESS_ENV, progress_file_beside
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +38,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalBackend:
-    def __init__(self, log_dir: Path, host: str = "127.0.0.1") -> None:
+    def __init__(self, log_dir: Path, host: str = "127.0.0.1", detached: bool = False) -> None:
         self.log_dir = log_dir
         self.host = host
+        self.detached = detached
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._adopted: dict[str, int] = {}  # replica id -> pid of a worker another process started
         log_dir.mkdir(parents=True, exist_ok=True)
 
     async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
         port = free_port(self.host)
+        # No --log-level: a replica logs as its platform does (its environment and TOML file).
         cmd = [sys.executable, "-m", "modelyard.cli", spec.command, "--host", self.host,
-               "--port", str(port), "--log-level", "warning", *spec.args]  # fmt: skip
+               "--port", str(port), *spec.args]  # fmt: skip
         if spec.command == "worker":
             cmd += ["--model", str(spec.model_path), "--served-model-name", spec.served_model_name]
         log_path = self.log_dir / f"{spec.replica_id}.log"
@@ -48,8 +58,11 @@ class LocalBackend:
             **os.environ,
             **spec.engine_env,
             "PYTHONUNBUFFERED": "1",
-            PARENT_PID_ENV: str(os.getpid()),
+            LOAD_PROGRESS_ENV: str(progress_file_beside(log_path)),
         }
+        env.pop(PARENT_PID_ENV, None)
+        if not self.detached:
+            env[PARENT_PID_ENV] = str(os.getpid())
         # Spawned from the event-loop thread on purpose: the worker's parent-death signal is
         # tied to the thread that forked it, and this one lives as long as the platform.
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230
@@ -67,15 +80,31 @@ class LocalBackend:
         log.info("started replica %s (pid %d) on port %d", spec.replica_id, proc.pid, port)
         return ReplicaHandle(spec, f"http://{self.host}:{port}", proc.pid, log_path)
 
+    def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:
+        """A worker another controller started (it runs at `url` as `pid`) is this one's now."""
+        if pid is not None:
+            self._adopted[spec.replica_id] = pid
+        return ReplicaHandle(spec, url, pid, self.log_dir / f"{spec.replica_id}.log")
+
     def alive(self, handle: ReplicaHandle) -> bool:
+        pid = self._adopted.get(handle.spec.replica_id)
+        if pid is not None:
+            return _worker_alive(pid)
         proc = self._procs.get(handle.spec.replica_id)
         return proc is not None and proc.poll() is None
 
     def exit_status(self, handle: ReplicaHandle) -> int | None:
+        pid = self._adopted.get(handle.spec.replica_id)
+        if pid is not None:  # not our child: its code is its parent's to read
+            return None if _worker_alive(pid) else -1
         proc = self._procs.get(handle.spec.replica_id)
         return None if proc is None else proc.poll()
 
     async def stop(self, handle: ReplicaHandle, timeout_s: float = 10.0) -> None:
+        pid = self._adopted.pop(handle.spec.replica_id, None)
+        if pid is not None:
+            await _stop_pid(handle.spec.replica_id, pid, timeout_s)
+            return
         proc = self._procs.pop(handle.spec.replica_id, None)
         if proc is None or proc.poll() is not None:
             return
@@ -90,6 +119,12 @@ class LocalBackend:
     async def stop_all(self) -> None:
         procs = list(self._procs.items())
         self._procs.clear()
+        adopted = list(self._adopted.items())
+        self._adopted.clear()
+        if self.detached:
+            return  # they outlive this controller: the next leader adopts them
+        for replica_id, pid in adopted:
+            await _stop_pid(replica_id, pid, 10.0)
         for _, proc in procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -99,3 +134,37 @@ class LocalBackend:
             except subprocess.TimeoutExpired:
                 log.warning("replica %s ignored SIGTERM; killing it", replica_id)
                 proc.kill()
+
+
+def _worker_alive(pid: int) -> bool:
+    """`pid` runs and is a modelyard process (not a recycled pid of something else)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"modelyard" in f.read()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:  # no /proc (not Linux): the signal 0 probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+async def _stop_pid(replica_id: str, pid: int, timeout_s: float) -> None:
+    """SIGTERM a worker this process did not start, SIGKILL it after `timeout_s`."""
+    if not _worker_alive(pid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while _worker_alive(pid):
+        if asyncio.get_running_loop().time() > deadline:
+            log.warning("replica %s ignored SIGTERM; killing it", replica_id)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            return
+        await asyncio.sleep(0.1)

@@ -17,6 +17,7 @@ from modelyard.engine.models.gguf_convert import convert_gguf
 from modelyard.engine.models.llama import LlamaForCausalLM
 from modelyard.engine.models.packed_linear import packing_available
 from modelyard.engine.models.sharding import Slice, check_tensor_parallel, shard_slice
+from modelyard.engine.quantization import QUANTIZATIONS, quantize_model_int8
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,10 @@ def load_model(
     pack_cpu_linears: bool = True,
     tp_rank: int = 0,
     tp_size: int = 1,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Load the model, or with `tp_size > 1` rank `tp_rank`'s shard of it (see `sharding`)."""
+    """Load the model, or with `tp_size > 1` rank `tp_rank`'s shard of it (see `sharding`);
+    `quantization="int8"`: weight-only int8 linears (see `engine.quantization`)."""
     cfg = read_model_config(folder)
     check_tensor_parallel(cfg, tp_size)
     with torch.device("meta"):
@@ -144,6 +147,10 @@ def load_model(
     model.load_state_dict(state, assign=True, strict=True)
     model.fuse_projections()
     model = model.to(device).eval()
-    if pack_cpu_linears and packing_available(device, dtype):
+    if quantization == "int8":
+        quantize_model_int8(model, dtype)
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}; supported: {QUANTIZATIONS}")
+    elif pack_cpu_linears and packing_available(device, dtype):
         model.pack_for_cpu()
     return LoadedModel(model=model, config=cfg, folder=folder)

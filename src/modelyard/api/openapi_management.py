@@ -1,0 +1,257 @@
+"""Response schemas of the management routes (tenants, keys, usage, endpoints, the registry, the
+fleet, webhooks), for the served OpenAPI document only.
+
+Those handlers build plain dicts; these models validate nothing at run time. They say what a
+client gets, `install_openapi` puts them on the routes (`RESPONSES`), and the schemathesis suite
+checks every answer against them. Required fields are those every answer has; nullable ones say
+so; objects may carry more fields than listed (a newer platform adds some).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class Tenant(BaseModel):
+    id: str
+    object: Literal["tenant"]
+    name: str
+    tier: str
+    monthly_token_quota: int | None
+    max_rpm: int | None
+    max_tpm: int | None
+    max_concurrent_requests: int | None
+    max_concurrent_batch_items: int | None
+    max_endpoints: int | None
+    max_replicas: int | None
+    system: bool = Field(description="The platform's own tenant (its admin is platform admin).")
+    created_at: int
+
+
+class TenantList(BaseModel):
+    object: Literal["list"]
+    data: list[Tenant]
+
+
+class ApiKey(BaseModel):
+    id: str
+    object: Literal["api_key"]
+    name: str
+    tenant_id: str
+    prefix: str = Field(description="The key's first characters, to recognise it.")
+    scopes: list[str]
+    rpm_limit: int | None
+    tpm_limit: int | None
+    created_at: int
+    revoked_at: int | None
+
+
+class ApiKeyCreated(ApiKey):
+    key: str = Field(description="The secret, shown in this answer only.")
+
+
+class ApiKeyList(BaseModel):
+    object: Literal["list"]
+    data: list[ApiKey]
+
+
+class UsageGroup(BaseModel):
+    """One group; its key field is named after `group_by` (`model`, `key`, `day`, `version`)."""
+
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    total_tokens: int
+    cost_usd: float
+
+
+class UsageTotals(UsageGroup):
+    pass
+
+
+class UsageReport(BaseModel):
+    object: Literal["usage"]
+    start: int
+    end: int
+    group_by: str
+    data: list[UsageGroup]
+    totals: UsageTotals
+
+
+class Device(BaseModel):
+    name: str
+    kind: str
+    memory_bytes: int
+    used_bytes: int
+    replicas: list[str] = Field(description="Ids of the replicas placed on it.")
+
+
+class DeviceList(BaseModel):
+    object: Literal["list"]
+    data: list[Device]
+
+
+class RegistryVersion(BaseModel):
+    id: str
+    model: str
+    version: int
+    ref: str = Field(description="NAME:VERSION, what a deploy names.")
+    format: str
+    base_model: str | None
+    total_size: int
+    files: dict[str, Any] | None = None
+    created_at: int | None = None
+
+
+class RegistryModel(BaseModel):
+    id: str
+    name: str
+    created_at: int
+    versions: list[RegistryVersion]
+
+
+class RegistryModelList(BaseModel):
+    object: Literal["list"]
+    data: list[RegistryModel]
+
+
+class RegistryModelDeleted(BaseModel):
+    name: str
+    deleted: bool
+
+
+class BlobStored(BaseModel):
+    sha256: str
+    size: int
+
+
+class ScalingDecision(BaseModel):
+    at: float
+    current: int
+    desired: int
+    reason: str
+    panic: bool
+
+
+class Autoscaling(BaseModel):
+    desired: int
+    current: int
+    last_decision: ScalingDecision | None
+    recent_changes: list[ScalingDecision]
+
+
+class LoadProgress(BaseModel):
+    phase: str = Field(description="copying, loading, warming or ready.")
+    fraction: float
+
+
+class Replica(BaseModel):
+    id: str
+    state: str
+    address: str | None
+    started_at: int
+    version_id: str | None
+    error: str | None
+    load_progress: LoadProgress | None
+
+
+class Replicas(BaseModel):
+    desired: int
+    ready: int
+    restarts: int
+    last_error: str | None
+    items: list[Replica]
+
+
+class EndpointVersions(BaseModel):
+    """The versions an endpoint serves (a canary, a previous one kept warm) and their weights."""
+
+    weights: dict[str, int]
+    canary: dict[str, Any] | None
+    items: list[dict[str, Any]]
+    last_rollback: dict[str, Any] | None
+
+
+class VersionsRolledBack(EndpointVersions):
+    rollback: dict[str, Any]
+    took_ms: float
+
+
+class Endpoint(BaseModel):
+    endpoint_id: str
+    object: Literal["endpoint"]
+    model_name: str
+    status: str
+    status_message: str | None
+    public: bool
+    kind: str | None = Field(description="llm, or the encoder kind (embedding, classifier).")
+    model_artifact: str
+    version_id: str | None
+    rollout_from: str | None
+    traffic: dict[str, int] = Field(description="Percent of requests per version id.")
+    created_at: int
+    endpoint_url: str
+    autoscaling: Autoscaling
+    replicas: Replicas
+    versions: EndpointVersions
+
+
+class EndpointList(BaseModel):
+    object: Literal["list"]
+    data: list[Endpoint]
+
+
+class DeployAccepted(BaseModel):
+    endpoint_id: str
+    status: str
+    estimated_ready_seconds: int
+    endpoint_url: str
+
+
+class EndpointChange(BaseModel):
+    """An update or delete was accepted: the endpoint's status from here on."""
+
+    endpoint_id: str
+    status: str
+
+
+class WebhookSecret(BaseModel):
+    object: Literal["webhook.secret"]
+    tenant_id: str
+    secret: str = Field(description="whsec_…, Standard Webhooks' format.")
+    format: str
+
+
+# (method, path) -> the model of the route's success answer.
+RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
+    ("get", "/v1/tenants"): TenantList,
+    ("post", "/v1/tenants"): Tenant,
+    ("get", "/v1/tenants/{tenant_id}"): Tenant,
+    ("patch", "/v1/tenants/{tenant_id}"): Tenant,
+    ("get", "/v1/keys"): ApiKeyList,
+    ("post", "/v1/keys"): ApiKeyCreated,
+    ("get", "/v1/keys/{key_id}"): ApiKey,
+    ("patch", "/v1/keys/{key_id}"): ApiKey,
+    ("delete", "/v1/keys/{key_id}"): ApiKey,
+    ("get", "/v1/usage"): UsageReport,
+    ("get", "/v1/devices"): DeviceList,
+    ("get", "/v1/registry/models"): RegistryModelList,
+    ("get", "/v1/registry/models/{name}"): RegistryModel,
+    ("delete", "/v1/registry/models/{name}"): RegistryModelDeleted,
+    ("post", "/v1/registry/models/{name}/versions"): RegistryVersion,
+    ("put", "/v1/blobs/{sha256}"): BlobStored,
+    ("post", "/v1/models/deploy"): DeployAccepted,
+    ("get", "/v1/endpoints"): EndpointList,
+    ("get", "/v1/endpoints/{endpoint_id}"): Endpoint,
+    ("patch", "/v1/endpoints/{endpoint_id}"): EndpointChange,
+    ("delete", "/v1/endpoints/{endpoint_id}"): EndpointChange,
+    ("post", "/v1/endpoints/{endpoint_id}/versions"): EndpointVersions,
+    ("patch", "/v1/endpoints/{endpoint_id}/traffic"): EndpointVersions,
+    ("post", "/v1/endpoints/{endpoint_id}/promote"): EndpointVersions,
+    ("post", "/v1/endpoints/{endpoint_id}/rollback"): VersionsRolledBack,
+    ("get", "/v1/webhooks/secret"): WebhookSecret,
+    ("post", "/v1/webhooks/secret/rotate"): WebhookSecret,
+}

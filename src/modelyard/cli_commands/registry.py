@@ -1,0 +1,101 @@
+"""`modelyard models list|show|delete` (the registry; `models push` uploads, in `cli.py`),
+`modelyard devices` (the fleet) and `modelyard webhooks secret` — the admin tasks that are not a
+tenant, key, endpoint or batch."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from modelyard.cli_commands import common
+from modelyard.cli_commands.output import (
+    api_errors,
+    console,
+    details,
+    field,
+    print_json,
+    show,
+    when,
+)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+webhooks_app = typer.Typer(no_args_is_help=True, help="Batch webhooks: the signing secret.")
+
+
+def _size(n: Any) -> str:
+    if not isinstance(n, int):
+        return "-"
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+
+
+# One row per version: a model with three versions is three rows, newest last.
+VERSION_COLUMNS = [
+    ("REF", field("ref")),
+    ("ID", field("id")),
+    ("FORMAT", field("format")),
+    ("BASE", field("base_model")),
+    ("SIZE", lambda v: _size(v.get("total_size"))),
+    ("CREATED", lambda v: when(v.get("created_at"))),
+]
+
+
+def models_list(as_json: JsonFlag = False) -> None:
+    """The registry's models and their versions (this key's tenant)."""
+    with api_errors(), common.client() as c:
+        models = c.get("/v1/registry/models")["data"]
+    if as_json:
+        print_json(models)
+        return
+    rows = [v for m in models for v in m.get("versions") or []]
+    show(rows, VERSION_COLUMNS, "Registry", False)
+
+
+def models_show(name: str, as_json: JsonFlag = False) -> None:
+    """One model: its versions, their format and size."""
+    with api_errors(), common.client() as c:
+        model = c.get(f"/v1/registry/models/{name}")
+    if as_json:
+        print_json(model)
+        return
+    show(model.get("versions") or [], VERSION_COLUMNS, f"{name} ({model.get('id')})", False)
+
+
+def models_delete(name: str) -> None:
+    """Delete a model and all its versions (refused while an endpoint serves one)."""
+    with api_errors(), common.client() as c:
+        c.delete(f"/v1/registry/models/{name}")
+    console.print(f"deleted {name}")
+
+
+DEVICE_COLUMNS = [
+    ("DEVICE", field("name")),
+    ("KIND", field("kind")),
+    ("USED", lambda d: _size(d.get("used_bytes"))),
+    ("MEMORY", lambda d: _size(d.get("memory_bytes"))),
+    ("REPLICAS", lambda d: ", ".join(d.get("replicas") or []) or "-"),
+]
+
+
+def devices(as_json: JsonFlag = False) -> None:
+    """The fleet: each device, its memory in use and the replicas placed on it (platform admin)."""
+    with api_errors(), common.client() as c:
+        show(c.get("/v1/devices")["data"], DEVICE_COLUMNS, "Devices", as_json)
+
+
+@webhooks_app.command("secret")
+def webhooks_secret(
+    rotate: Annotated[
+        bool, typer.Option("--rotate", help="Make a new one (the old stops signing at once).")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """The secret this tenant's batch webhooks are signed with (`whsec_…`)."""
+    with api_errors(), common.client() as c:
+        secret = c.post("/v1/webhooks/secret/rotate") if rotate else c.get("/v1/webhooks/secret")
+    details(secret, as_json)

@@ -1,0 +1,300 @@
+"""Ray backend: each replica is a Ray actor on the node Ray's scheduler picks.
+
+The platform's placement and autoscaling decide how many replicas an endpoint has and what each
+needs; Ray decides which node runs it. A replica asks Ray for what placement reserved
+(`ray_request`): a CPU core for its process, its GPUs (`num_gpus`) or, on a CPU device, its
+memory budget (`memory`), and for a tensor-parallel replica one bundle per rank in a
+`STRICT_PACK` placement group (its ranks are processes of one worker, so on one node). The actor
+(`ray_host.ReplicaHost`) gets the model onto its node, starts the same `modelyard worker` the
+local backend starts, on the node's address, and that address goes into the routing entry.
+
+A replica's life is its actor's: the backend awaits the actor's `wait()` and learns of the
+worker's exit (its code and log tail) or of the actor's death, which is how a lost node shows
+(`alive` turns false at once; the endpoint manager then replaces the replica wherever Ray finds
+room). Nothing here polls Ray. `ray` is imported only when this backend is built.
+
+`detached=True` (the `controller` role): actors and placement groups outlive the controller that
+made them (named `replica-<id>` in namespace `modelyard`), so a standby that takes over adopts
+them; otherwise they belong to this process and die with it, leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modelyard.config import PlatformSettings
+from modelyard.control.backends.base import ReplicaHandle, ReplicaSpec, ReplicaStartError
+from modelyard.control.backends.ray_host import ReplicaHost, Started
+from modelyard.control.registry import Registry, ResolvedVersion
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "modelyard"
+# Exit code reported for a replica whose actor died under it (node lost, actor killed): the
+# worker was killed with it (SIGKILL, see `ray_host`).
+LOST_EXIT_CODE = -9
+
+
+def actor_name(replica_id: str) -> str:
+    return f"replica-{replica_id}"
+
+
+@dataclass(frozen=True)
+class RayRequest:
+    """What to ask Ray for one replica: the host actor's options, and for a tensor-parallel
+    replica the placement group's bundles (the host takes bundle 0, rank holders the rest)."""
+
+    actor: dict[str, Any]
+    bundles: list[dict[str, float]] = field(default_factory=list)
+
+
+def ray_request(spec: ReplicaSpec) -> RayRequest:
+    """Ray resources for the devices placement reserved for `spec`."""
+    per_rank: dict[str, float] = {"CPU": 1.0}
+    if spec.device_kind == "cuda":
+        per_rank["GPU"] = 1.0
+    elif spec.device_bytes > 0:  # a CPU "device" is a memory budget
+        per_rank["memory"] = float(spec.device_bytes)
+    actor = {"num_cpus": 1, "num_gpus": per_rank.get("GPU", 0)}
+    if "memory" in per_rank:
+        actor["memory"] = int(per_rank["memory"])
+    if spec.device_count <= 1:
+        return RayRequest(actor)
+    return RayRequest(actor, [dict(per_rank) for _ in range(spec.device_count)])
+
+
+class RankHolder:
+    """Holds one rank's bundle of a tensor-parallel replica and says which GPUs Ray gave it."""
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()]
+
+
+@dataclass
+class _Running:
+    host: Any  # the ReplicaHost actor handle
+    group: Any = None  # its placement group (tensor parallel)
+    holders: list[Any] = field(default_factory=list)
+    watch: asyncio.Task[None] | None = None
+    exit: int | None = None
+
+
+class RayBackend:
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        log_dir: Path,
+        registry: Registry | None = None,
+        detached: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.log_dir = log_dir
+        self.detached = detached
+        self._running: dict[str, _Running] = {}
+        self._remote: tuple[Any, Any] | None = None  # ray.remote(ReplicaHost), (RankHolder)
+        self._connecting = threading.Lock()
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- Ray ----------------------------------------------------------------------------------
+
+    def _connect(self) -> tuple[Any, Any]:
+        """Join the cluster (once: replicas start concurrently) and wrap the actor classes."""
+        with self._connecting:
+            return self._connect_once()
+
+    def _connect_once(self) -> tuple[Any, Any]:
+        if self._remote is None:
+            import ray
+
+            if not ray.is_initialized():
+                # The platform is a Ray driver; the workers' output stays in their node's logs.
+                ray.init(
+                    address=self.settings.ray_address,
+                    namespace=NAMESPACE,
+                    log_to_driver=False,
+                    logging_level=logging.WARNING,
+                )
+            self._remote = (ray.remote(ReplicaHost), ray.remote(RankHolder))
+        return self._remote
+
+    def _store(self) -> dict[str, Any]:
+        """How a node reaches the artifact store (never credentials: the node's own chain)."""
+        s = self.settings
+        keys = ("artifact_store", "s3_bucket", "s3_prefix", "s3_endpoint_url", "s3_region")
+        return {
+            "settings": {k: getattr(s, k) for k in keys} | {"node_cache_bytes": s.node_cache_bytes},
+            "local_root": str((s.data_dir / "artifacts").resolve()),
+        }
+
+    def _version(self, version_id: str) -> ResolvedVersion:
+        """The version's files (what a node's cache fetches), from the registry."""
+        if self.registry is None:  # built apart from a platform (the controller role)
+            from modelyard.store.artifact_store import open_artifact_store
+            from modelyard.store.artifacts import ArtifactStore
+            from modelyard.store.db import Database
+
+            local = ArtifactStore(self.settings.data_dir / "artifacts")
+            self.registry = Registry(
+                Database(self.settings.resolved_database_url),
+                open_artifact_store(self.settings, local),
+            )
+        return self.registry.by_id(version_id)
+
+    # -- Backend ------------------------------------------------------------------------------
+
+    async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        host_cls, holder_cls = await asyncio.to_thread(self._connect)
+        request = ray_request(spec)
+        lifetime = "detached" if self.detached else None
+        running = _Running(host=None)
+        name = actor_name(spec.replica_id)
+        options: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "lifetime": lifetime}
+        timeout = self.settings.replica_start_timeout_s
+        try:
+            if request.bundles:
+                running.group = ray.util.placement_group(
+                    request.bundles, strategy="STRICT_PACK", name=name, lifetime=lifetime
+                )
+                await asyncio.wait_for(running.group.ready(), timeout)
+                for i in range(1, len(request.bundles)):
+                    strategy = PlacementGroupSchedulingStrategy(running.group, i)
+                    holder = holder_cls.options(
+                        scheduling_strategy=strategy, lifetime=lifetime, **request.actor
+                    ).remote()
+                    running.holders.append(holder)
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(running.group, 0)
+            else:
+                # Replicas spread over nodes: losing one node loses as few replicas as it can.
+                options["scheduling_strategy"] = "SPREAD"
+            running.host = host_cls.options(**options, **request.actor).remote()
+            version = None
+            if spec.version_id is not None:
+                version = await asyncio.to_thread(self._version, spec.version_id)
+            gpus = [g for h in running.holders for g in await h.gpu_ids.remote()]
+            started: Started = await asyncio.wait_for(
+                running.host.start.remote(spec, version, self._store(), gpus), timeout
+            )
+        except BaseException as exc:
+            await asyncio.shield(self._release(running))
+            if isinstance(exc, TimeoutError):
+                why = f"Ray found no node with room for {request.actor} within {timeout:g}s"
+                raise ReplicaStartError(why) from exc
+            if isinstance(exc, ray.exceptions.RayError):
+                raise ReplicaStartError(f"its Ray actor failed: {_first_line(exc)}") from exc
+            raise
+        return self._track(spec, running, started)
+
+    def _track(self, spec: ReplicaSpec, running: _Running, started: Started) -> ReplicaHandle:
+        replica_id = spec.replica_id
+        self._running[replica_id] = running
+        log_path = self.log_dir / f"{replica_id}.log"
+        self._note(log_path, f"on Ray node {started.node_id} at {started.url} (pid {started.pid})")
+        running.watch = asyncio.create_task(self._watch(replica_id, running, log_path))
+        log.info("started replica %s on Ray node %s at %s", replica_id, started.node_id[:12],
+                 started.url)  # fmt: skip
+        return ReplicaHandle(spec, started.url, started.pid, log_path)
+
+    async def _watch(self, replica_id: str, running: _Running, log_path: Path) -> None:
+        """Until the worker exits or the actor dies; records which, for `exit_status`."""
+        import ray
+
+        try:
+            code, tail = await running.host.wait.remote()
+            running.exit = code
+            self._note(log_path, f"worker exited with code {code}: {tail}")
+        except ray.exceptions.RayError as exc:  # the actor died: node lost, actor killed
+            running.exit = LOST_EXIT_CODE
+            why = _first_line(exc) if "node" not in str(exc) else "its Ray node died"
+            self._note(log_path, f"replica lost: {why}")
+            log.warning("replica %s lost: %s", replica_id, why)
+
+    @staticmethod
+    def _note(log_path: Path, line: str) -> None:
+        # The platform's copy of what matters in the node's log (`log_tail` reads it).
+        with open(log_path, "a") as f:
+            f.write(line + "\n")
+
+    def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:
+        """A replica another controller started: its actor, found by name, is watched from here
+        on (a name Ray no longer knows is a replica that is gone)."""
+        import ray
+
+        self._connect()
+        running = _Running(host=None)
+        try:
+            running.host = ray.get_actor(actor_name(spec.replica_id), namespace=NAMESPACE)
+        except ValueError:
+            running.exit = LOST_EXIT_CODE
+        with contextlib.suppress(ValueError):
+            running.group = ray.util.get_placement_group(actor_name(spec.replica_id))
+        self._running[spec.replica_id] = running
+        log_path = self.log_dir / f"{spec.replica_id}.log"
+        if running.host is not None:
+            running.watch = asyncio.get_running_loop().create_task(
+                self._watch(spec.replica_id, running, log_path)
+            )
+        return ReplicaHandle(spec, url, pid, log_path)
+
+    def alive(self, handle: ReplicaHandle) -> bool:
+        running = self._running.get(handle.spec.replica_id)
+        return running is not None and running.exit is None
+
+    def exit_status(self, handle: ReplicaHandle) -> int | None:
+        running = self._running.get(handle.spec.replica_id)
+        return LOST_EXIT_CODE if running is None else running.exit
+
+    async def stop(self, handle: ReplicaHandle, timeout_s: float = 10.0) -> None:
+        """The worker drains on SIGTERM (SIGKILL after `timeout_s`), then its actor goes."""
+        running = self._running.pop(handle.spec.replica_id, None)
+        if running is None:
+            return
+        if running.host is not None and running.exit is None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(running.host.stop.remote(timeout_s), timeout_s + 5.0)
+        await self._release(running)
+
+    async def _release(self, running: _Running) -> None:
+        """Kill the actors and remove the placement group (nothing of the replica stays)."""
+        import ray
+
+        if running.watch is not None:
+            running.watch.cancel()
+        for actor in [running.host, *running.holders]:
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+        if running.group is not None:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(running.group)
+
+    async def stop_all(self) -> None:
+        running = list(self._running.values())
+        self._running.clear()
+        if self.detached:  # they outlive this controller: the next leader adopts them
+            for r in running:
+                if r.watch is not None:
+                    r.watch.cancel()
+            return
+        handles = [r for r in running if r.host is not None and r.exit is None]
+        await asyncio.gather(
+            *(asyncio.wait_for(r.host.stop.remote(10.0), 15.0) for r in handles),
+            return_exceptions=True,
+        )
+        for r in running:
+            await self._release(r)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -1,0 +1,168 @@
+"""Endpoint changes that keep the endpoint: a rollout to another version, a canary beside the
+stable version (add, traffic, promote, rollback) and new sampling defaults or scaling.
+
+A mixin of `EndpointManager` (control/endpoints.py): each verb checks the caller, then hands the
+work to `rollout` (a version replacing the endpoint's) or `versions` (canary, weights, promote,
+rollback, the SLO gate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from modelyard.config import PlatformSettings
+from modelyard.control import deploy as validation
+from modelyard.control.autoscaler import Autoscaler, ScalingPolicy
+from modelyard.control.canary import SloPolicy
+from modelyard.control.model_kind import LLM
+from modelyard.control.scaling import LoadTracker
+from modelyard.control.state import EndpointState
+from modelyard.control.version_tracks import VersionRole
+from modelyard.core.errors import Conflict, Invalid
+from modelyard.core.identity import Principal
+from modelyard.core.routing import RoutingTable
+from modelyard.core.status import EndpointStatus
+from modelyard.protocol.management import SamplingDefaults, Scaling
+from modelyard.store.db import Database
+from modelyard.store.tables import Endpoint
+
+if TYPE_CHECKING:
+    from modelyard.control.endpoint_status import EndpointStatuses
+    from modelyard.control.reconcile import Reconciler
+    from modelyard.control.registry import Registry
+    from modelyard.control.rollout import Rollouts
+    from modelyard.control.versions import Versions
+
+
+class VersionVerbs:
+    settings: PlatformSettings
+    db: Database
+    registry: Registry
+    routing: RoutingTable
+    statuses: EndpointStatuses
+    rollouts: Rollouts
+    versions: Versions
+    reconciler: Reconciler
+    _get: Callable[[Principal, str], EndpointState]  # EndpointManager's
+
+    async def update(self, principal: Principal, endpoint_id: str, artifact: str) -> dict[str, Any]:
+        """Roll the endpoint out to another registry version. Its replicas keep serving until
+        the new version's are ready; if those fail to load, the endpoint falls back."""
+        principal.require("admin")
+        state = self._get(principal, endpoint_id)
+        if state.kind not in (None, LLM):
+            raise Invalid(
+                "encoder endpoints are updated by deploying again", param="model_artifact"
+            )
+        if self.versions.of(state, VersionRole.CANARY) is not None:
+            raise Conflict(
+                "a canary runs on this endpoint: promote it or roll it back first",
+                code="canary_exists",
+            )
+        version = await asyncio.to_thread(self.registry.resolve, principal.tenant_id, artifact)
+        assert version is not None
+        status = state.status
+        if version.version_id != state.row.version_id:
+            # A plain rollout replaces every version: a previous one kept warm goes too.
+            self.versions.forget(endpoint_id)
+            self.routing.set_weights(state.route, {})
+            rolling_out = await self.rollouts.start(state, version)
+            await self.statuses.apply(state, rolling_out)
+            status = rolling_out.status
+        return {"endpoint_id": endpoint_id, "status": status, "version_id": version.version_id}
+
+    async def add_version(
+        self,
+        principal: Principal,
+        endpoint_id: str,
+        artifact: str,
+        weight: int,
+        replicas: int,
+        engine: dict[str, Any],
+        slo: dict[str, Any] | None,
+        steps: list[int] | None,
+    ) -> dict[str, Any]:
+        """A registry version joins the endpoint as a canary with `weight` percent of its
+        requests (see `control/versions.py`)."""
+        principal.require("admin")
+        validation.check_engine_paths(self.settings, principal, engine)
+        state = self._llm(principal, endpoint_id)
+        policy = SloPolicy.from_request(self.settings, slo, steps)
+        version = await asyncio.to_thread(self.registry.resolve, principal.tenant_id, artifact)
+        assert version is not None
+        await self.versions.add(state, version, weight, replicas, engine, policy)
+        self.reconciler.poke(state)
+        return self.versions.view(state)
+
+    async def set_traffic(
+        self, principal: Principal, endpoint_id: str, weights: dict[str, int]
+    ) -> dict[str, Any]:
+        principal.require("admin")
+        state = self._llm(principal, endpoint_id)
+        await self.versions.set_traffic(state, weights)
+        return self.versions.view(state)
+
+    async def promote(self, principal: Principal, endpoint_id: str) -> dict[str, Any]:
+        principal.require("admin")
+        state = self._llm(principal, endpoint_id)
+        await self.versions.promote(state)
+        self.reconciler.poke(state)
+        return self.versions.view(state)
+
+    async def rollback(
+        self, principal: Principal, endpoint_id: str, reason: str | None
+    ) -> dict[str, Any]:
+        """All traffic back at once, to replicas that already run (see `Versions.rollback`)."""
+        principal.require("admin")
+        state = self._llm(principal, endpoint_id)
+        started = time.perf_counter()
+        record = await self.versions.rollback(
+            state, reason or "manual rollback", principal.key_id or "system"
+        )
+        self.reconciler.poke(state)
+        return {
+            **self.versions.view(state),
+            "rollback": record,
+            "took_ms": round((time.perf_counter() - started) * 1000, 1),
+        }
+
+    async def reconfigure(
+        self,
+        principal: Principal,
+        endpoint_id: str,
+        sampling: SamplingDefaults | None,
+        scaling: Scaling | None,
+    ) -> None:
+        """New sampling defaults (the next request gets them) or scaling policy (the next
+        tick's decision follows it), without a rollout."""
+        principal.require("admin")
+        state = self._get(principal, endpoint_id)
+        row = state.row
+        if sampling is not None:
+            row.sampling_defaults = sampling.model_dump(exclude_none=True)
+            state.route.sampling_defaults = dict(row.sampling_defaults)
+        if scaling is not None:
+            row.scaling = scaling.model_dump()
+            policy = ScalingPolicy.from_deploy(row.hardware, row.scaling)
+            state.autoscaler = Autoscaler(policy)
+            state.load = LoadTracker(policy.metric)
+
+        def write() -> None:
+            with self.db.session() as s:
+                stored = s.get(Endpoint, row.id)
+                if stored is not None:
+                    stored.sampling_defaults, stored.scaling = row.sampling_defaults, row.scaling
+
+        await asyncio.to_thread(write)
+
+    def _llm(self, principal: Principal, endpoint_id: str) -> EndpointState:
+        state = self._get(principal, endpoint_id)
+        if state.kind not in (None, LLM) or state.status in (
+            EndpointStatus.DRAINING,
+            EndpointStatus.DELETED,
+        ):
+            raise Invalid("only a live LLM endpoint serves several versions", param="endpoint_id")
+        return state

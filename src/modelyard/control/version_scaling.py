@@ -1,0 +1,125 @@
+"""A canary's own autoscaling: its replicas follow the load its share of the requests brings.
+
+The endpoint's autoscaler (`control/scaling.py`) sizes the stable version on the whole
+endpoint's load, on purpose: a rollback sends every request to the stable version at once, so
+it must already have the replicas for all of them. A canary gets an `Autoscaler` of its own
+with the endpoint's scaling policy, floored at the replicas it was added with and capped at the
+endpoint's `max_replicas` (never at zero: a canary without replicas has nothing to judge), fed
+by what its own replicas carry:
+
+- `concurrency`: requests in flight on its replicas, plus its weight's share of the requests
+  queued at the gateway;
+- `queue_depth`: that queued share plus the sequences waiting in its engines;
+- `gpu_utilization`: its engines' busy fraction since the last tick;
+- `requests_per_second`: its weight's share of the endpoint's new requests per second.
+
+A previous version kept warm after a promotion takes no requests and keeps its count.
+`size` applies the target: missing replicas are listed for the caller to start (with backoff
+after failed starts), extra ones drain as the endpoint's own do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from modelyard.control.autoscaler import Autoscaler, Observation, ScalingPolicy
+from modelyard.control.replicas import ReplicaController, scale_down_order
+from modelyard.control.state import EndpointState, Replica, spawn
+from modelyard.control.version_tracks import VersionRole
+from modelyard.core.routing import EndpointRoute
+from modelyard.core.status import ReplicaState
+from modelyard.store import repository as repo
+
+if TYPE_CHECKING:
+    from modelyard.control.version_tracks import Track
+
+_MAX_BACKOFF_S = 60.0
+
+
+def canary_autoscaler(endpoint: ScalingPolicy, floor: int) -> Autoscaler:
+    """The canary's autoscaler: the endpoint's policy between `floor` and its max_replicas."""
+    floor = max(1, floor)
+    policy = replace(
+        endpoint,
+        min_replicas=floor,
+        max_replicas=max(floor, endpoint.max_replicas),
+        scale_to_zero=False,
+    )
+    return Autoscaler(policy)
+
+
+@dataclass
+class VersionLoad:
+    """One version's load, observed each tick (see the module's docstring)."""
+
+    metric: str
+    _busy: dict[str, tuple[float, float]] = field(default_factory=dict)  # replica → (at, busy s)
+    _requests: int | None = None
+    _at: float | None = None
+
+    def observe(
+        self, now: float, route: EndpointRoute, weight: int, replicas: list[Replica]
+    ) -> Observation:
+        share = max(0, min(100, weight)) / 100
+        elapsed = now - self._at if self._at is not None else 0.0
+        new = route.requests_total - self._requests if self._requests is not None else 0
+        self._requests, self._at = route.requests_total, now
+        ready = [r for r in replicas if r.state is ReplicaState.READY]
+        in_flight = sum(r.route.outstanding for r in ready if r.route is not None)
+        queued = route.waiting * share
+        active = in_flight > 0 or (share > 0 and (new > 0 or route.waiting > 0))
+
+        if self.metric == "concurrency":
+            value = in_flight + queued
+        elif self.metric == "queue_depth":
+            value = queued + sum(int((r.load or {}).get("waiting", 0)) for r in ready)
+        elif self.metric == "requests_per_second":
+            value = new * share / elapsed if elapsed > 0 else 0.0
+        else:  # gpu_utilization
+            value = 0.0
+            seen = set()
+            for r in ready:
+                if r.load is None:
+                    continue
+                seen.add(r.replica_id)
+                busy = float(r.load.get("busy_seconds", 0.0))
+                last = self._busy.get(r.replica_id)
+                if last is not None and now > last[0]:
+                    value += min(1.0, max(0.0, (busy - last[1]) / (now - last[0])))
+                self._busy[r.replica_id] = (now, busy)
+            for gone in set(self._busy) - seen:
+                del self._busy[gone]
+        return Observation(at=now, value=float(value), active=active)
+
+
+def size(state: EndpointState, track: Track, replicas: ReplicaController) -> list[Replica]:
+    """Bring `track`'s live replicas to its target (its own autoscaler's, else the count it was
+    given): returns the new ones to start; extra ones start draining."""
+    live = [r for r in state.live if r.version_id == track.version_id]
+    if any(r.state is ReplicaState.READY for r in live):
+        track.failures = 0
+    now = time.monotonic()
+    target = track.replicas
+    scaled = track.role is VersionRole.CANARY  # a previous version keeps its count
+    if scaled and track.autoscaler is not None and track.load is not None:
+        track.autoscaler.observe(track.load.observe(now, state.route, track.weight, live))
+        target = track.autoscaler.decide(now, len(live)).desired
+    track.desired = target
+    missing = target - len(live)
+    if missing < 0:
+        for replica in scale_down_order(live, replicas.placement)[:-missing]:
+            replica.state = ReplicaState.DRAINING
+            if replica.route is not None:
+                replicas.routing.mark_unready(replica.route)
+                spawn(state, replicas.drain(state, replica))
+        return []
+    if missing == 0 or now < track.next_start_at:
+        return []
+    if track.failures:
+        backoff = min(_MAX_BACKOFF_S, 2.0 ** min(track.failures, 6))
+        track.next_start_at = now + backoff
+    fresh = [Replica(repo.new_id("rep"), version_id=track.version_id) for _ in range(missing)]
+    state.replicas.extend(fresh)
+    return fresh

@@ -1,0 +1,11 @@
+"""Redis keys the gateways and the leading controller share in cluster mode (one place, since
+neither layer may import the other)."""
+
+from __future__ import annotations
+
+# `<prefix><gateway id>`: a gateway's counters per endpoint, JSON, expiring (load_report.py).
+LOAD_PREFIX = "modelyard:load:"
+# A set of endpoint ids a gateway wants a replica of (scale from zero); the leader drains it.
+ACTIVATE_KEY = "modelyard:activate"
+# The leading controller's URL (gateways forward control requests there), expiring.
+LEADER_KEY = "modelyard:controller:leader"

@@ -1,0 +1,306 @@
+"""Grammars for constrained decoding: compile a `StructuredOutput` once, one matcher per sequence.
+
+The grammar library is llguidance (chosen by measurement, see BENCHMARKS.md: it compiles a JSON
+schema in about a millisecond where xgrammar takes 5-40, masks a batch of 32 in under a
+millisecond on this CPU, and needs no extra runtime packages). `GrammarCompiler` builds the
+library's tokenizer view lazily (a third of a second, on the first structured request, not at
+start), compiles each (kind, spec) once into a template matcher, and keeps the last
+`capacity` of them (LRU). A sequence gets a copy of the template (`GrammarState`), which
+follows its output tokens; its mask is built by `modelyard.engine.grammar_mask`.
+
+JSON is generated compact-but-readable (`", "` and `": "` separators, no free whitespace): a
+small model given free whitespace can emit newlines until `max_tokens` and never close the
+object. For the same reason numbers the schema leaves unbounded are bounded
+(`bound_numbers`): integers to ±(2^53-1), I-JSON's interoperable range, numbers to that range
+and at most 9 decimals; a schema's own bounds and `multipleOf` win. Strings held to a `pattern`
+or to an open-ended `format` (email, hostname, uri…) with no `maxLength` get
+`maxLength: DEFAULT_MAX_PATTERN_CHARS` (`bound_strings`): such a string may be unable to end
+where the model is (an email after `a@b` needs its domain's dot), so nothing could cut it short;
+a schema whose pattern needs more than the bound is compiled as given. The output still
+validates against the schema as given. And in the last `closing_window(max_tokens)` tokens of
+its budget a JSON sequence closes what is open (`GrammarState.closing`,
+`grammar_mask.prefer_closers`): inside a free string (most of the vocabulary allowed) it takes
+a token that ends the string (`"`, `"}`, `"]`…) where one is allowed; elsewhere one made of `}`
+and `]` only. So a string that rambles on is cut short instead of the answer being cut off
+mid-JSON. Where no such token is allowed (a
+required key, a number's first digit, a pattern not yet met) the model chooses as before.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from modelyard.engine.structured import StructuredKind, StructuredOutput
+
+if TYPE_CHECKING:
+    from modelyard.engine.sequence import Sequence
+    from modelyard.engine.tokenizer import Tokenizer
+
+DEFAULT_CACHE_CAPACITY = 256
+MAX_ERROR_CHARS = 400
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+ANY_OBJECT_SCHEMA = '{"type": "object"}'
+SAFE_INTEGER = 2**53 - 1
+NUMBER_STEP = 1e-9
+CLOSING_WINDOW = 32
+CLOSER_CHARS = frozenset('"}]')
+DEFAULT_MAX_PATTERN_CHARS = 64
+# Formats whose strings have a length of their own (no bound added).
+_BOUNDED_FORMATS = frozenset({"date", "time", "date-time", "uuid", "ipv4", "ipv6"})
+
+
+def closing_window(max_tokens: int) -> int:
+    """How many of its last tokens a constrained sequence spends closing what is open."""
+    return min(CLOSING_WINDOW, max_tokens // 2)
+
+
+class GrammarError(ValueError):
+    """A schema, regex or grammar that cannot be compiled (the request's fault: a 400)."""
+
+
+class GrammarViolation(RuntimeError):
+    """A sequence's matcher refused a token or broke (fails that request only)."""
+
+
+def _short(message: str) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 1] + "…"
+
+
+def bound_numbers(schema: Any) -> Any:
+    """A copy of `schema` in which every integer or number without a bound gets one (see the
+    module docstring), so that no digit run can go on forever."""
+    if isinstance(schema, list):
+        return [bound_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bound_numbers(value) for key, value in schema.items()}
+    types = out.get("type")  # a schema's type, or a property named "type" (then not a str)
+    kinds = {t for t in (types if isinstance(types, list) else [types]) if isinstance(t, str)}
+    if kinds & {"integer", "number"} and "enum" not in out and "const" not in out:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+        if "number" in kinds and "multipleOf" not in out:
+            out["multipleOf"] = NUMBER_STEP
+    return out
+
+
+def bound_strings(schema: Any) -> Any:
+    """A copy of `schema` in which every string with a `pattern` or an open-ended `format` and
+    no `maxLength` gets `DEFAULT_MAX_PATTERN_CHARS` (see the module docstring)."""
+    if isinstance(schema, list):
+        return [bound_strings(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bound_strings(value) for key, value in schema.items()}
+    if not isinstance(out.get("pattern", out.get("format")), str) or "maxLength" in out:
+        return out  # (a property named "pattern" or "format" is a schema, not a str)
+    open_format = isinstance(out.get("format"), str) and out["format"] not in _BOUNDED_FORMATS
+    if isinstance(out.get("pattern"), str) or open_format:
+        out["maxLength"] = DEFAULT_MAX_PATTERN_CHARS
+    return out
+
+
+def _schema_grammar(spec: str, strings_bounded: bool = True) -> str:
+    import llguidance
+
+    try:
+        schema = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"the schema is not valid JSON: {exc}") from None
+    bounded = bound_numbers(schema)
+    schema_text = json.dumps(bound_strings(bounded) if strings_bounded else bounded)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema_text, defaults=JSON_OPTIONS)
+
+
+def grammar_text(structured: StructuredOutput, strings_bounded: bool = True) -> str:
+    """The llguidance grammar for `structured`; `GrammarError` when it cannot be written."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher
+    try:
+        if structured.kind is StructuredKind.JSON_OBJECT:
+            return matcher.grammar_from_json_schema(ANY_OBJECT_SCHEMA, defaults=JSON_OPTIONS)
+        if structured.kind is StructuredKind.JSON_SCHEMA:
+            return _schema_grammar(structured.spec, strings_bounded)
+        if structured.kind is StructuredKind.REGEX:
+            return matcher.grammar_from_regex(structured.spec)
+        if structured.kind is StructuredKind.CHOICE:
+            choices = json.loads(structured.spec)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise GrammarError("choices must be non-empty strings")
+            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        # EBNF: Lark syntax, or GBNF (`root ::= …`, llama.cpp's), converted to Lark.
+        return llguidance.grammar_from("grammar", structured.spec)
+    except GrammarError:
+        raise
+    except ValueError as exc:
+        raise GrammarError(_short(str(exc))) from None
+
+
+@dataclass(frozen=True)
+class Closers:
+    """`[vocab]` booleans: tokens that end a string (`"`, `"}`…) and tokens of `}`/`]` only."""
+
+    quote: torch.Tensor
+    brace: torch.Tensor
+
+
+class CompiledGrammar:
+    """A grammar compiled for one tokenizer: a matcher in its start state, copied per sequence."""
+
+    def __init__(self, template: Any, vocab_size: int, closers: Closers, json: bool) -> None:
+        self._template = template
+        self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
+        self.closers = closers
+        self.json = json  # only JSON closes early: in a regex or EBNF a quote is just text
+
+    def state(self, max_tokens: int) -> GrammarState:
+        closing_from = max_tokens - closing_window(max_tokens) if self.json else max_tokens + 1
+        return GrammarState(self._template.deep_copy(), self.words, self.closers, closing_from)
+
+
+class GrammarCompiler:
+    """Compiles `StructuredOutput`s for one model's tokenizer; thread-safe (the worker compiles
+    in threads while the engine thread copies matchers)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, capacity: int = DEFAULT_CACHE_CAPACITY
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
+        self.capacity = capacity
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._ll_tokenizer: Any = None
+        self._closers: Closers | None = None
+        self._ll_lock = threading.Lock()
+        self.compiles = 0  # cache misses, for tests and benchmarks
+
+    @property
+    def ll_tokenizer(self) -> Any:
+        """llguidance's view of the vocabulary (built on first use: ~0.3 s for 49k tokens)."""
+        with self._ll_lock:
+            if self._ll_tokenizer is None:
+                import llguidance
+
+                backend = self._tokenizer.backend
+                if not hasattr(backend, "to_str"):
+                    raise GrammarError("structured output needs a fast (tokenizers) tokenizer")
+                eos = sorted(self._tokenizer.eos_token_ids) or None
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    backend.to_str(), n_vocab=self.vocab_size, eos_token=eos
+                )
+            return self._ll_tokenizer
+
+    @property
+    def closers(self) -> Closers:
+        """The tokens made only of `"`, `}` and `]`, by whether they start with `"` (built once)."""
+        with self._ll_lock:
+            if self._closers is None:
+                backend = self._tokenizer.backend
+                n = self._tokenizer.vocab_size
+                texts = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=True)
+                quote = torch.zeros(self.vocab_size, dtype=torch.bool)
+                brace = torch.zeros(self.vocab_size, dtype=torch.bool)
+                for i, text in enumerate(texts):
+                    if text and set(text) <= CLOSER_CHARS:
+                        (quote if text[0] == '"' else brace)[i] = True
+                self._closers = Closers(quote, brace)
+            return self._closers
+
+    def cached(self, structured: StructuredOutput) -> CompiledGrammar | None:
+        with self._lock:
+            compiled = self._cache.get(structured.key)
+            if compiled is not None:
+                self._cache.move_to_end(structured.key)
+            return compiled
+
+    def compile(self, structured: StructuredOutput) -> CompiledGrammar:
+        """The compiled grammar (from the cache when there); `GrammarError` naming the problem."""
+        compiled = self.cached(structured)
+        if compiled is not None:
+            return compiled
+        import llguidance
+
+        text = grammar_text(structured)
+        template = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
+        if template.is_error() and structured.kind is StructuredKind.JSON_SCHEMA:
+            # Maybe the string bound made a pattern unsatisfiable: the schema as given.
+            text = grammar_text(structured, strings_bounded=False)
+            template = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
+        if template.is_error():
+            raise GrammarError(_short(template.get_error()))
+        json_kinds = (StructuredKind.JSON_OBJECT, StructuredKind.JSON_SCHEMA)
+        compiled = CompiledGrammar(
+            template, self.vocab_size, self.closers, structured.kind in json_kinds
+        )
+        with self._lock:
+            self.compiles += 1
+            self._cache[structured.key] = compiled
+            self._cache.move_to_end(structured.key)
+            while len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def attach(self, seqs: list[Sequence]) -> None:
+        """Give each sequence of a new request its own matcher (n>1: one each)."""
+        structured = seqs[0].params.structured if seqs else None
+        if structured is None:
+            return
+        compiled = structured.compiled
+        if not isinstance(compiled, CompiledGrammar):  # a direct engine caller: compile here
+            compiled = self.compile(structured)
+        for seq in seqs:
+            seq.grammar = compiled.state(seq.params.max_tokens)
+
+
+class GrammarState:
+    """One sequence's matcher. It has consumed exactly the sequence's output tokens: a preempted
+    sequence keeps its tokens (it is recomputed, not resampled), and `sync` rebuilds the state
+    from the tokens should the two ever differ."""
+
+    def __init__(self, matcher: Any, words: int, closers: Closers, closing_from: int) -> None:
+        self.matcher = matcher
+        self.words = words
+        self.closers = closers  # see the module docstring
+        self.closing_from = closing_from
+        self.consumed = 0
+
+    @property
+    def closing(self) -> bool:
+        """In the last tokens of its budget: prefer the tokens that close what is open."""
+        return self.consumed >= self.closing_from
+
+    @property
+    def complete(self) -> bool:
+        """Nothing more can follow: the output is a full sentence of the grammar."""
+        return bool(self.matcher.is_stopped())
+
+    def check(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarViolation(_short(self.matcher.get_error()))
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        if self.consumed == len(output_token_ids):
+            return
+        self.matcher.reset()
+        self.consumed = 0
+        if output_token_ids and not self.matcher.consume_tokens(output_token_ids):
+            raise GrammarViolation(_short(self.matcher.get_error()))
+        self.consumed = len(output_token_ids)
+
+    def advance(self, token: int) -> bool:
+        """Consume the sampled token; True when the grammar is complete."""
+        if not self.matcher.consume_token(token):
+            raise GrammarViolation(_short(self.matcher.get_error()))
+        self.consumed += 1
+        return self.complete

@@ -1,0 +1,39 @@
+"""What a request asks its output to conform to: the data the engine's grammar masks are built from.
+
+`StructuredOutput(kind, spec)` is plain, hashable data (it keys the compile cache): a JSON
+schema as JSON text, a regular expression, a JSON list of choices, or an EBNF (GBNF/Lark-style)
+grammar. The worker builds it from `response_format` / `guided_*` (or from a tool choice) and
+compiles it before the request is queued (`modelyard.engine.grammar`); `compiled` carries that
+compiled grammar into the engine so that nothing is compiled on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class StructuredKind(enum.StrEnum):
+    JSON_OBJECT = "json_object"  # any JSON object; spec is ""
+    JSON_SCHEMA = "json_schema"  # spec: the schema as JSON text
+    REGEX = "regex"  # spec: the regular expression the whole output must match
+    CHOICE = "choice"  # spec: a JSON list of the strings the output may be
+    GRAMMAR = "grammar"  # spec: an EBNF grammar (Lark syntax, or GBNF with `root ::=`)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    kind: StructuredKind
+    spec: str = ""
+    # The compiled grammar (engine.grammar.CompiledGrammar) once the worker compiled it; not part
+    # of the identity, so two requests with the same (kind, spec) compare and hash equal.
+    compiled: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Accept the kind's value ("json_schema") as well as the enum member.
+        object.__setattr__(self, "kind", StructuredKind(self.kind))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.kind.value, self.spec)

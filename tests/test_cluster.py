@@ -1,0 +1,267 @@
+"""Cluster mode with real processes: two `modelyard controller`s (one leads, one stands by) and
+two `modelyard gateway`s on one PostgreSQL database and one Redis database, local worker
+replicas of a tiny random model.
+
+In order (the tests share the cluster): a deploy made through gateway 1 serves through gateway
+2 within 2 s of being ready; a key's RPM limit holds across both gateways (±1); usage rows equal
+the requests answered; the leader SIGKILLed under traffic: the standby leads within 15 s, no
+request fails, the replica is adopted (same process), a deploy after the takeover serves; a
+gateway SIGKILLed under traffic: a client retrying on the other loses nothing acknowledged;
+a batch survives a controller failover with every custom_id exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.cluster_harness import RoleProcess, kill_workers, wait_leader
+from tests.databases import fresh_postgres, fresh_redis
+from tests.platform_harness import (
+    batch_line,
+    create_key,
+    create_tenant,
+    deploy,
+    jsonl,
+    tiny_models_env,
+    wait_request_ids,
+)
+
+
+class Cluster:
+    def __init__(self, tmp: Path, models_dir: Path, database_url: str, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self.models_dir = models_dir
+        self.env = {
+            **tiny_models_env(models_dir),
+            "MODELYARD_DATABASE_URL": database_url,
+            "MODELYARD_REDIS_URL": redis_url,
+            "MODELYARD_DEFAULT_MODELS": "false",
+            "MODELYARD_CONTROLLER_LEASE_S": "3",
+            "MODELYARD_ROUTING_REFRESH_S": "1",
+            "MODELYARD_BATCH_LEASE_S": "5",
+        }
+        # The controllers share a data dir (admin key, the Files API's files); gateways own one.
+        self.control_dir = tmp / "control"
+        self.controllers = [RoleProcess("controller", self.control_dir, self.env) for _ in "ab"]
+        self.gateways = [RoleProcess("gateway", tmp / f"gw{i}", self.env) for i in (1, 2)]
+
+    def leader(self) -> RoleProcess:
+        return wait_leader(self.redis_url, self.controllers)
+
+    def standby(self) -> RoleProcess:
+        leader = self.leader()
+        return next(c for c in self.controllers if c is not leader)
+
+    @property
+    def admin_key(self) -> str:
+        return (self.control_dir / "admin_key").read_text().strip()
+
+    def api(self, gateway: int = 0, key: str | None = None) -> httpx.Client:
+        headers = {"authorization": f"Bearer {key or self.admin_key}"}
+        return httpx.Client(base_url=self.gateways[gateway].url, headers=headers, timeout=60.0)
+
+    def output(self) -> str:
+        return "\n".join(
+            f"===== {p.role} {p.url}\n{p.output()[-6000:]}"
+            for p in self.controllers + self.gateways
+        )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[Cluster]:
+    with fresh_postgres() as database_url, fresh_redis() as redis_url:
+        c = Cluster(tmp_path_factory.mktemp("cluster"), models_dir, database_url, redis_url)
+        try:
+            c.controllers[0].start()
+            c.leader()  # the first one leads (and bootstraps the admin key) before the standby
+            others = [c.controllers[1], *c.gateways]
+            for p in others:
+                p.launch()
+            for p in others:
+                p.wait_up()
+            yield c
+        finally:
+            for p in c.gateways + c.controllers:
+                p.kill(signal.SIGTERM)
+            kill_workers(str(models_dir))
+
+
+def chat(api: httpx.Client, model: str = "tiny") -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return api.post("/v1/chat/completions", json=body)
+
+
+def test_deploy_through_one_gateway_serves_through_the_other(cluster: Cluster) -> None:
+    with cluster.api(0) as g1, cluster.api(1) as g2:
+        endpoint_id = deploy(g1, "tiny", str(cluster.models_dir / "tiny"), public=True)
+        ready_at = time.monotonic()
+        while (r := chat(g2)).status_code != 200:
+            assert time.monotonic() - ready_at < 2.0, (
+                f"{r.status_code} {r.text}\n{cluster.output()}"
+            )
+            time.sleep(0.05)
+        # Both gateways show the endpoint as the leader has it.
+        assert g2.get(f"/v1/endpoints/{endpoint_id}").json()["status"] == "ready"
+
+
+def test_rpm_limit_holds_across_gateways_and_usage_matches(cluster: Cluster) -> None:
+    with cluster.api(0) as admin:
+        tenant = create_tenant(admin, "acme")
+        key = create_key(admin, tenant, rpm_limit=6)["key"]
+    answered: list[str] = []
+    codes: list[int] = []
+    with cluster.api(0, key) as g1, cluster.api(1, key) as g2:
+        for i in range(14):
+            r = chat(g1 if i % 2 else g2)
+            codes.append(r.status_code)
+            if r.status_code == 200:
+                answered.append(r.headers["x-request-id"])
+    assert set(codes) <= {200, 429}, codes
+    assert 6 <= len(answered) <= 7, codes
+    with cluster.api(0) as admin:
+        rows = wait_request_ids(admin, answered)
+        mine = [r for r in rows if r["tenant_id"] == tenant]
+    assert sorted(r["request_id"] for r in mine) == sorted(answered)
+
+
+class Traffic:
+    """Non-streaming chats in a loop over both gateways (a client that retries on the other
+    gateway only when one cannot be reached), counting answers and failures."""
+
+    def __init__(self, cluster: Cluster, gateways: tuple[int, ...] = (0, 1)) -> None:
+        self.cluster = cluster
+        self.gateways = gateways
+        self.ok: list[str] = []
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def wait_ok(self, n: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        target = len(self.ok) + n
+        while len(self.ok) < target:
+            assert time.monotonic() < deadline, f"traffic stalled: {self.failed[-3:]}"
+            time.sleep(0.05)
+
+    def _run(self) -> None:
+        clients = [self.cluster.api(g) for g in self.gateways]
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            for attempt in range(len(clients)):
+                client = clients[(i + attempt) % len(clients)]
+                try:
+                    r = chat(client)
+                except httpx.TransportError as exc:
+                    if attempt + 1 == len(clients):
+                        self.failed.append(repr(exc))
+                    continue  # that gateway is gone: the client tries the other
+                if r.status_code == 200:
+                    self.ok.append(r.headers["x-request-id"])
+                else:
+                    self.failed.append(f"{r.status_code} {r.text[:200]}")
+                break
+        for c in clients:
+            c.close()
+
+
+def _replica_pids(api: httpx.Client, name: str) -> set[int]:
+    body = next(e for e in api.get("/v1/endpoints").json()["data"] if e["model_name"] == name)
+    return {r["pid"] for r in body["replicas"]["items"] if r["state"] == "ready"}
+
+
+def test_leader_killed_under_traffic(cluster: Cluster) -> None:
+    old = cluster.leader()
+    standby = cluster.standby()
+    with cluster.api(0) as g1:
+        pids = _replica_pids(g1, "tiny")
+    with Traffic(cluster) as traffic:
+        traffic.wait_ok(5)
+        old.kill()
+        killed_at = time.monotonic()
+        assert cluster.leader() is standby
+        took = time.monotonic() - killed_at
+        traffic.wait_ok(10)
+    print(f"standby led {took:.1f}s after the SIGKILL; {len(traffic.ok)} requests answered")
+    assert took < 15.0, took
+    assert traffic.failed == [], traffic.failed[:5]
+    with cluster.api(1) as g2, cluster.api(0) as g1:
+        assert _replica_pids(g2, "tiny") == pids  # adopted, not restarted
+        deploy(g2, "tiny2", str(cluster.models_dir / "tiny"))
+        deadline = time.monotonic() + 2.0
+        while (r := chat(g1, "tiny2")).status_code != 200:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.05)
+    old.start()  # back as the standby
+
+
+def test_gateway_killed_under_traffic_loses_nothing_acknowledged(cluster: Cluster) -> None:
+    gateway = cluster.gateways[0]
+    with Traffic(cluster) as traffic:
+        traffic.wait_ok(5)
+        gateway.kill()
+        traffic.wait_ok(5)
+    assert traffic.failed == [], traffic.failed[:5]
+    gateway.start()  # a restarted gateway bills what its killed run journaled
+    with cluster.api(1) as g2:
+        wait_request_ids(g2, traffic.ok)
+
+
+def test_batch_survives_controller_failover(cluster: Cluster) -> None:
+    n = 30
+    lines = [batch_line(f"item-{i}", max_tokens=2) for i in range(n)]
+    with cluster.api(1) as g2:
+        r = g2.post(
+            "/v1/files", files={"file": ("in.jsonl", jsonl(lines))}, data={"purpose": "batch"}
+        )
+        assert r.status_code == 200, r.text
+        body = {
+            "input_file_id": r.json()["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        }
+        batch = g2.post("/v1/batches", json=body).json()
+        batch_id = batch["id"]
+        deadline = time.monotonic() + 120
+        while _batch(g2, batch_id)["request_counts"]["completed"] < 5:
+            assert time.monotonic() < deadline, _batch(g2, batch_id)
+            time.sleep(0.1)
+        old = cluster.leader()
+        old.kill()
+        while (b := _batch_or_none(g2, batch_id)) is None or b["status"] != "completed":
+            assert time.monotonic() < deadline, (b, cluster.output())
+            time.sleep(0.2)
+        out = g2.get(f"/v1/files/{b['output_file_id']}/content").text
+    custom_ids = [json.loads(x)["custom_id"] for x in out.splitlines() if x]
+    assert sorted(custom_ids) == sorted(f"item-{i}" for i in range(n))
+    assert b["request_counts"] == {"total": n, "completed": n, "failed": 0}
+    old.start()
+
+
+def _batch(api: httpx.Client, batch_id: str) -> dict[str, Any]:
+    r = api.get(f"/v1/batches/{batch_id}")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def _batch_or_none(api: httpx.Client, batch_id: str) -> dict[str, Any] | None:
+    """None while no controller leads (the gateway answers 503 then)."""
+    r = api.get(f"/v1/batches/{batch_id}")
+    return dict(r.json()) if r.status_code == 200 else None

@@ -1,0 +1,117 @@
+"""Weight-only int8 (`quantization: "int8"`): weight memory, logit error and greedy agreement
+against the float32 model on a fixed prompt set, on a tiny random Llama and on SmolLM2."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelyard.config import EngineSettings
+from modelyard.engine.models.loader import load_model
+from modelyard.engine.quantization import Int8Linear, int8_kernel_available, weight_bytes
+from tests.parity import make_engine, record_logits, run_staggered
+from tests.tiny_models import build_model
+
+CPU = torch.device("cpu")
+
+
+def fixed_prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 30, 12)]
+
+
+@pytest.fixture(scope="module")
+def tiny_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("int8") / "m", "llama", tie_word_embeddings=True)
+
+
+def compare(folder: Path, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """int8 vs float32 engines on the same prompts: max |logit error| (`err`), the largest
+    |logit| (`scale`), top-1 agreement at the positions both runs reached with the same context
+    (`top1`), and the share of greedy tokens equal up to each sequence's first divergence."""
+    runs = {}
+    for quant in (None, "int8"):
+        engine = make_engine(folder, quantization=quant, block_size=4)
+        with record_logits(engine) as records:
+            tokens = run_staggered(engine, prompts, max_tokens)
+        runs[quant] = (tokens, records)
+        if quant == "int8":
+            int8_bytes = weight_bytes(engine.runner.model)
+    ref = {tuple(t): logits for t, logits in runs[None][1]}
+    pairs = [(lg, ref[tuple(t)]) for t, lg in runs["int8"][1] if tuple(t) in ref]
+    same = total = 0
+    for i, toks in runs[None][0].items():
+        for a, b in zip(toks, runs["int8"][0][i], strict=True):
+            if a != b:
+                break  # after a divergence the contexts differ: count no further
+            same += 1
+        total += len(toks)
+    return {
+        "err": max((q - f).abs().max().item() for q, f in pairs),
+        "scale": max(lg.abs().max().item() for _, lg in runs[None][1]),
+        "top1": sum(int(q.argmax() == f.argmax()) for q, f in pairs) / len(pairs),
+        "greedy": same / total,
+        "int8_bytes": int8_bytes,
+    }
+
+
+def fp32_bytes(folder: Path) -> int:
+    """What the checkpoint's tensors take in float32 (4 bytes per element)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name != "lm_head.weight":  # tied to the embedding where present
+                    total += 4 * math.prod(st.get_slice(name).get_shape())
+    return total
+
+
+def test_int8_linear_matches_dequantized_matmul() -> None:
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 64, generator=g), torch.randn(5, 64, generator=g)
+    layer = Int8Linear.from_weight(w, None, torch.float32)
+    deq = layer.qweight.float() * layer.scale[:, None]
+    assert torch.allclose(layer(x), x @ deq.T, atol=1e-4)
+    assert (deq - w).abs().max() <= w.abs().amax(1).max() / 127 / 2 + 1e-6  # rounding only
+    assert layer.fast == int8_kernel_available("cpu")
+
+
+def test_weight_memory_at_most_30_percent_of_fp32(tiny_tied: Path) -> None:
+    fp32 = load_model(tiny_tied, torch.float32, CPU, 512, pack_cpu_linears=False).model
+    int8 = load_model(tiny_tied, torch.float32, CPU, 512, quantization="int8").model
+    assert weight_bytes(int8) <= 0.30 * weight_bytes(fp32)
+
+
+def test_tiny_int8_close_to_fp32(tiny_tied: Path) -> None:
+    got = compare(tiny_tied, fixed_prompts(380), max_tokens=8)
+    assert got["err"] <= 0.05 * got["scale"], got
+    assert got["top1"] >= 0.9 and got["greedy"] >= 0.9, got
+
+
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+]
+
+
+def test_smollm2_int8_close_to_fp32(smollm2_folder: Path) -> None:
+    from modelyard.engine.models.loader import read_model_config
+    from modelyard.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(smollm2_folder, read_model_config(smollm2_folder))
+    prompts = [tok.encode(p) for p in SMOL_PROMPTS]
+    got = compare(smollm2_folder, prompts, max_tokens=4)
+    assert got["int8_bytes"] <= 0.30 * fp32_bytes(smollm2_folder)
+    assert got["err"] <= 0.08 * got["scale"], got
+    assert got["top1"] >= 0.8, got
+
+
+def test_unknown_quantization_is_refused() -> None:
+    with pytest.raises(ValueError, match="quantization"):
+        EngineSettings(quantization="int4")  # type: ignore[arg-type]

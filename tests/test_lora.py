@@ -1,0 +1,339 @@
+"""Multi-LoRA: random PEFT adapters served in one mixed batch equal `peft`'s merged model.
+
+Reference: transformers' own greedy decoding of the base with the adapter merged by `peft`
+(`merge_and_unload`). Ours never merges: base rows and rows of three adapters run in the same
+engine steps with batched per-row LoRA.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from modelyard.engine.admission import RequestRejected
+from modelyard.engine.llm_engine import LLMEngine
+from modelyard.engine.lora.manager import LoRASlotsBusy
+from modelyard.engine.sampling_params import SamplingParams
+from tests.conftest import WorkerProcess
+from tests.parity import hf_greedy, make_engine
+from tests.tiny_models import build_model
+
+peft = pytest.importorskip("peft")
+
+ADAPTERS: dict[str, dict[str, Any]] = {
+    "a1": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"]},
+    "a2": {
+        "r": 8,
+        "lora_alpha": 16,
+        "use_rslora": True,
+        "target_modules": [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+    },
+    "a3": {"r": 2, "lora_alpha": 4, "target_modules": ["gate_proj", "down_proj", "k_proj"]},
+}
+
+
+def make_adapter(base: Path, out: Path, seed: int, **lora: Any) -> Path:
+    """A PEFT LoRA with random (non-zero) A and B, saved as a PEFT folder."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(init_lora_weights=False, **lora)
+    peft_model = peft.get_peft_model(model, config)
+    with torch.no_grad():  # make the update large enough to change greedy tokens
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(4.0)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def merged_greedy(base: Path, adapter: Path | None, prompt: list[int], n: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    return hf_greedy(model.eval(), prompt, n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("lora")
+    base = build_model(root / "base", "llama")
+    adapters = {
+        name: make_adapter(base, root / "adapters" / name, seed, **cfg)
+        for seed, (name, cfg) in enumerate(ADAPTERS.items())
+    }
+    return base, adapters
+
+
+def lora_engine(base: Path, adapters: dict[str, Path], max_loras: int) -> LLMEngine:
+    engine = make_engine(base, block_size=4, max_loras=max_loras, max_lora_rank=8)
+    assert engine.runner.lora is not None
+    for name, path in adapters.items():
+        engine.runner.lora.register(name, path)
+    return engine
+
+
+def run(engine: LLMEngine, jobs: dict[str, tuple[list[int], str | None]], n: int) -> dict:
+    """Add every job before the first step (one mixed batch), decode greedily to the end."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for rid, (prompt, lora) in jobs.items():
+        engine.add_request(rid, prompt, params, lora=lora)
+    out: dict[str, list[int]] = {rid: [] for rid in jobs}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            for d in o.deltas:
+                out[o.request_id].extend(d.token_ids)
+            cached[o.request_id] = o.cached_tokens
+    return {"tokens": out, "cached": cached}
+
+
+PROMPT = [5, 71, 33, 200, 17, 9, 120, 44, 61, 2, 88]
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "gathered-segmented"])
+def test_mixed_batch_equals_peft_merged(tiny: tuple[Path, dict[str, Path]], grouped: bool) -> None:
+    """Both kernels: segmented matmuls over rows sorted by slot (CPU), and the gathered bmm /
+    per-adapter matmul pairs (other devices, or shapes the grouped kernel refuses)."""
+    base, adapters = tiny
+    engine = lora_engine(base, adapters, max_loras=3)
+    assert engine.runner.lora is not None
+    engine.runner.lora.batch.allow_grouped = grouped
+    prompt2 = [7, 7, 150, 3, 99]
+    jobs = {"base": (PROMPT, None), **{n: (PROMPT, n) for n in adapters}, "a2-b": (prompt2, "a2")}
+    got = run(engine, jobs, 8)["tokens"]
+    for rid, (prompt, lora) in jobs.items():
+        ref = merged_greedy(base, adapters[lora] if lora else None, prompt, 8)
+        assert got[rid] == ref, rid
+    assert len({tuple(got[n]) for n in ("base", "a1", "a2", "a3")}) == 4  # adapters matter
+    layers = engine.runner.lora._layers
+    assert all(lin.grouped_ok for wrapped in layers for lin in wrapped.values())  # no fallback
+
+
+def test_lru_eviction_and_held_adapters(tiny: tuple[Path, dict[str, Path]]) -> None:
+    base, adapters = tiny
+    engine = lora_engine(base, adapters, max_loras=2)
+    lora = engine.runner.lora
+    assert lora is not None
+    for name in ("a1", "a2", "a1", "a3"):  # a3 evicts a2, the least recently used
+        got = run(engine, {f"r-{name}": (PROMPT, name)}, 3)["tokens"][f"r-{name}"]
+        assert got == merged_greedy(base, adapters[name], PROMPT, 3)
+    assert lora.loaded == ["a1", "a3"] and lora.evictions == 1
+    live = ["h1", "h3", "y"]
+    assert lora.try_acquire("h1", "a1", live) and lora.try_acquire("h3", "a3", live)
+    assert not lora.try_acquire("y", "a2", live)  # both held: the engine queues such requests
+    with pytest.raises(LoRASlotsBusy):
+        lora.acquire("y", "a2", live)
+
+
+def test_all_slots_held_queues_until_one_frees(tiny: tuple[Path, dict[str, Path]]) -> None:
+    """Both slots held by running requests: a request for a third adapter waits in the engine
+    (no error), later requests queue behind it, and it runs once a holder finishes."""
+    base, adapters = tiny
+    engine = lora_engine(base, adapters, max_loras=2)
+    lora = engine.runner.lora
+    assert lora is not None
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("hold1", PROMPT, short, lora="a1")
+    engine.add_request("hold3", PROMPT, long, lora="a3")
+    engine.add_request("x", PROMPT, long, lora="a2")  # both slots held: x waits
+    engine.add_request("y", PROMPT, short, lora="a1")  # a1 is loaded, but y queues behind x
+    assert len(engine.lora_waiting) == 2 and lora.loaded == ["a1", "a3"]
+    out: dict[str, list[int]] = {r: [] for r in ("hold1", "hold3", "x", "y")}
+    order: list[str] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None, o.error
+            for d in o.deltas:
+                out[o.request_id].extend(d.token_ids)
+            if o.finished:
+                order.append(o.request_id)
+    assert order.index("hold1") < order.index("x")  # x started only after a1's slot freed
+    # a2 took a1's slot; y (behind x) then waited for a3's and brought a1 back.
+    assert lora.loaded == ["a2", "a1"] and lora.evictions == 2
+    for rid, name in (("hold1", "a1"), ("hold3", "a3"), ("x", "a2"), ("y", "a1")):
+        n = 2 if rid in ("hold1", "y") else 6
+        assert out[rid] == merged_greedy(base, adapters[name], PROMPT, n), rid
+    # An aborted waiter leaves the queue and holds nothing.
+    engine.add_request("h1", PROMPT, long, lora="a2")
+    engine.add_request("h2", PROMPT, long, lora="a1")
+    engine.add_request("w", PROMPT, long, lora="a3")
+    assert len(engine.lora_waiting) == 1
+    assert engine.abort_request("w")
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.lora_waiting) == 0 and engine.num_waiting == 0
+
+
+def test_prefix_cache_not_shared_across_adapters(tiny: tuple[Path, dict[str, Path]]) -> None:
+    base, adapters = tiny
+    engine = lora_engine(base, adapters, max_loras=3)
+    prompt = list(range(10, 30))
+    assert run(engine, {"p1": (prompt, "a1")}, 1)["cached"]["p1"] == 0
+    assert run(engine, {"p2": (prompt, "a2")}, 1)["cached"]["p2"] == 0
+    assert run(engine, {"p3": (prompt, None)}, 1)["cached"]["p3"] == 0
+    assert run(engine, {"p4": (prompt, "a1")}, 1)["cached"]["p4"] > 0
+
+
+def test_bad_adapters_are_refused(tiny: tuple[Path, dict[str, Path]], tmp_path: Path) -> None:
+    base, adapters = tiny
+    other = build_model(tmp_path / "other", "llama", hidden_size=32, intermediate_size=64)
+    wrong = make_adapter(other, tmp_path / "wrong", 9, r=4, target_modules=["q_proj"])
+    engine = lora_engine(base, {**adapters, "wrong": wrong}, max_loras=2)
+    params = SamplingParams(max_tokens=1)
+    with pytest.raises(RequestRejected, match=r"q_proj has A \(4, 32\)") as err:
+        engine.add_request("w", PROMPT, params, lora="wrong")
+    assert err.value.param == "model"
+    with pytest.raises(RequestRejected, match="unknown adapter"):
+        engine.add_request("u", PROMPT, params, lora="nope")
+    with pytest.raises(RequestRejected, match="must match"):
+        engine.add_request("t", PROMPT, params, lora="../a1")
+    plain = make_engine(base, block_size=4)
+    with pytest.raises(RequestRejected, match="max_loras"):
+        plain.add_request("p", PROMPT, params, lora="a1")
+
+
+def test_smollm2_adapter_and_base_in_one_batch(smollm2_folder: Path, tmp_path: Path) -> None:
+    adapter = make_adapter(
+        smollm2_folder,
+        tmp_path / "s1",
+        3,
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+    )
+    engine = make_engine(smollm2_folder, max_loras=1, max_lora_rank=8)
+    assert engine.runner.lora is not None
+    engine.runner.lora.register("s1", adapter)
+    prompt = [1, 504, 2240, 28, 3117, 314, 260, 1345, 30]
+    got = run(engine, {"base": (prompt, None), "s1": (prompt, "s1")}, 5)["tokens"]
+    assert got["s1"] == merged_greedy(smollm2_folder, adapter, prompt, 5)
+    assert got["base"] == merged_greedy(smollm2_folder, None, prompt, 5)
+
+
+def test_worker_serves_adapters_by_model_name(tiny: tuple[Path, dict[str, Path]]) -> None:
+    """`<served model>:<adapter>` through the worker's OpenAI API; adapters from `lora_dir`."""
+    base, adapters = tiny
+    env = {
+        "MODELYARD_DTYPE": "float32",
+        "MODELYARD_MAX_LORAS": "2",
+        "MODELYARD_MAX_LORA_RANK": "8",
+        "MODELYARD_LORA_DIR": str(adapters["a1"].parent),
+        "MODELYARD_KV_CACHE_MEMORY": "32MiB",
+    }
+    worker = WorkerProcess(str(base), env, "--served-model-name", "tiny")
+    try:
+        worker.wait_ready()
+        client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="none")
+        engine = make_engine(base, block_size=4)
+        texts = {}
+        for name in (None, "a1", "a2", "a3"):  # three adapters through two slots
+            model = "tiny" if name is None else f"tiny:{name}"
+            out = client.completions.create(
+                model=model,
+                prompt=PROMPT,
+                max_tokens=6,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            ref = merged_greedy(base, adapters[name] if name else None, PROMPT, 6)
+            assert out.choices[0].text == engine.tokenizer.decode(ref), name
+            texts[name] = out.choices[0].text
+        assert len(set(texts.values())) == 4
+
+        def ask(name: str) -> str:  # three adapters at once on two slots: one waits, none fails
+            out = client.completions.create(
+                model=f"tiny:{name}",
+                prompt=PROMPT,
+                max_tokens=24,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            return out.choices[0].text
+
+        with ThreadPoolExecutor(3) as pool:
+            got = dict(zip(("a1", "a2", "a3"), pool.map(ask, ("a1", "a2", "a3")), strict=True))
+        for name, text in got.items():
+            ref = merged_greedy(base, adapters[name], PROMPT, 24)
+            assert text == engine.tokenizer.decode(ref), name
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="tiny:nope", prompt=PROMPT, max_tokens=1)
+        assert err.value.body["param"] == "model"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other:a1", prompt=PROMPT, max_tokens=1)
+    finally:
+        worker.stop()
+
+
+def test_platform_routes_model_adapter_to_the_base_endpoint(
+    tiny: tuple[Path, dict[str, Path]], tmp_path: Path
+) -> None:
+    """Through the gateway (SQLite platform): `<endpoint model>:<adapter>` reaches the base
+    endpoint's replica with the adapter; the deploy's engine body turns LoRA on. A tenant
+    admin's `lora_dir` must lie under the allowed roots (`cache_dir` is the platform admin's)."""
+    from tests.platform_harness import (
+        PlatformProcess,
+        create_key,
+        create_tenant,
+        deploy,
+        tiny_models_env,
+    )
+
+    base, adapters = tiny
+    platform = PlatformProcess(tmp_path / "data", tiny_models_env(base.parent)).start()
+    try:
+        admin = platform.api()
+        tenant_id = create_tenant(admin, "lora-tenant")
+        key = create_key(admin, tenant_id, scopes=["admin", "inference"])["key"]
+        api = platform.api(key)
+        outside = tmp_path / "outside"  # a real folder of adapters, but not under the roots
+        outside.mkdir()
+        (outside / "a1").symlink_to(adapters["a1"])
+        roots_alias = str(base.parent / "adapters" / ".." / ".." / outside.name)
+        for engine in (
+            {"max_loras": 2, "lora_dir": str(outside)},
+            {"max_loras": 2, "lora_dir": "/"},
+            {"max_loras": 2, "lora_dir": roots_alias},  # '..' leaves the root
+            {"max_loras": 2, "lora_dir": "adapters"},  # relative: the worker's cwd decides
+            {"cache_dir": str(base.parent / "cache")},  # the worker writes there
+        ):
+            option = next(k for k in engine if k.endswith("_dir"))
+            body = {"model_name": "bad", "model_artifact": str(base), "engine": engine}
+            r = api.post("/v1/models/deploy", json=body)
+            assert r.status_code == 400, (engine, r.text)
+            err = r.json()["error"]
+            assert (err["param"], err["code"]) == (f"engine.{option}", "path_not_allowed"), err
+        engine_opts = {"max_loras": 2, "max_lora_rank": 8, "lora_dir": str(adapters["a1"].parent)}
+        deploy(api, "tiny", str(base), engine=engine_opts)
+        client = platform.openai(key)
+        engine = make_engine(base, block_size=4)
+        for name in ("a1", "a3"):
+            out = client.completions.create(
+                model=f"tiny:{name}",
+                prompt=PROMPT,
+                max_tokens=5,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            ref = merged_greedy(base, adapters[name], PROMPT, 5)
+            assert out.choices[0].text == engine.tokenizer.decode(ref), name
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny:nope", prompt=PROMPT, max_tokens=1)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other:a1", prompt=PROMPT, max_tokens=1)
+    finally:
+        platform.stop()

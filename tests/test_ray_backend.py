@@ -1,0 +1,214 @@
+"""Workers on Ray (`backend = ray`): a `modelyard serve` whose replicas are Ray actors on a
+cluster of two simulated nodes (`ray.cluster_utils.Cluster`: a head without CPUs, so replicas
+go to the nodes). A deploy serves chat from replicas on both nodes; removing the node that holds
+one replica fails it: requests in flight on it are retried on the other and succeed, and the
+endpoint manager starts its replacement on the surviving node.
+
+The cluster starts once for the module (slow on two cores). Without `ray` the module is skipped
+with the reason; with `CI` set it fails instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from modelyard.config import PlatformSettings
+from modelyard.control.backends.base import ReplicaSpec
+from modelyard.control.backends.ray import (
+    LOST_EXIT_CODE,
+    NAMESPACE,
+    RayBackend,
+    actor_name,
+    ray_request,
+)
+from tests.databases import services_required
+from tests.platform_harness import PlatformProcess, deploy, wait_status
+from tests.tiny_models import build_model
+
+try:
+    import ray
+    from ray.cluster_utils import Cluster
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    if services_required():
+        raise
+    pytest.skip(
+        f"ray cannot be imported ({exc}); pip install 'modelyard[ray]'", allow_module_level=True
+    )
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_ray_resources_follow_placement() -> None:
+    # A CPU replica asks for a core and its memory budget, a GPU one for its GPUs; a
+    # tensor-parallel replica for one bundle per rank (a STRICT_PACK placement group).
+    cpu = ReplicaSpec("r1", "e", None, "m", device_kind="cpu", device_bytes=2**30)
+    assert ray_request(cpu).actor == {"num_cpus": 1, "num_gpus": 0, "memory": 2**30}
+    assert ray_request(cpu).bundles == []
+    gpu = ReplicaSpec("r2", "e", None, "m", device_kind="cuda", device_count=4, device_bytes=9)
+    request = ray_request(gpu)
+    assert request.actor == {"num_cpus": 1, "num_gpus": 1.0}
+    assert request.bundles == [{"CPU": 1.0, "GPU": 1.0}] * 4
+    unplaced = ReplicaSpec("r3", "e", None, "m", command="encoders")
+    assert ray_request(unplaced).actor == {"num_cpus": 1, "num_gpus": 0}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def platform(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+) -> Iterator[PlatformProcess]:
+    env = {
+        "MODELYARD_BACKEND": "ray",
+        "MODELYARD_RAY_ADDRESS": cluster.address,
+        "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
+        "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
+    }
+    p = PlatformProcess(tmp_path_factory.mktemp("ray-platform"), env).start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("m") / "tiny", "llama")
+
+
+def replicas(api: httpx.Client, endpoint_id: str) -> list[dict[str, Any]]:
+    return list(api.get(f"/v1/endpoints/{endpoint_id}").json()["replicas"]["items"])
+
+
+def retries(platform: PlatformProcess) -> float:
+    """The gateway's count of requests sent again to another replica."""
+    text = platform.api().get("/metrics").text
+    lines = [
+        line for line in text.splitlines() if line.startswith("modelyard_gateway_upstream_retries")
+    ]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if "_created" not in line)
+
+
+def node_of(replica_id: str) -> str:
+    """The Ray node a replica's actor runs on (asked of the actor itself)."""
+    actor = ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
+    where = ray.get(actor.where.remote(), timeout=30)
+    assert where is not None, f"replica {replica_id}'s worker is not running"
+    return str(where.node_id)
+
+
+def test_a_tensor_parallel_replica_holds_one_node_and_a_successor_adopts_it(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # Two ranks of a CPU replica: a STRICT_PACK group whose bundles are on one node. The
+    # process it runs here is an encoder host (no model to load); what is checked is Ray's side.
+    settings = PlatformSettings(data_dir=tmp_path, backend="ray", replica_start_timeout_s=60)
+    spec = ReplicaSpec("tp1", "e", None, "m", command="encoders", device_count=2,
+                       device_bytes=64 * 2**20)  # fmt: skip
+
+    async def run() -> None:
+        first = RayBackend(settings, tmp_path / "logs1", detached=True)
+        handle = await first.start(spec)
+        assert first.alive(handle) and handle.url.startswith("http://")
+        group = ray.util.get_placement_group(actor_name("tp1"))
+        table = ray.util.placement_group_table(group)
+        assert table["strategy"] == "STRICT_PACK" and len(table["bundles"]) == 2
+        assert len(set(table["bundles_to_node_id"].values())) == 1
+        await first.stop_all()  # detached: the replica outlives its controller ...
+        successor = RayBackend(settings, tmp_path / "logs2", detached=True)
+        adopted = successor.adopt(spec, handle.url, handle.pid)  # ... and is adopted
+        assert successor.alive(adopted) and node_of("tp1") == table["bundles_to_node_id"][0]
+        await successor.stop(adopted)
+        with pytest.raises(ValueError):
+            ray.get_actor(actor_name("tp1"), namespace=NAMESPACE)
+        gone = successor.adopt(spec, handle.url, handle.pid)
+        assert not successor.alive(gone) and successor.exit_status(gone) == LOST_EXIT_CODE
+
+    asyncio.run(run())
+
+
+def test_replicas_on_two_nodes_serve_and_a_lost_node_is_replaced(
+    cluster: Cluster, platform: PlatformProcess, tiny_dir: Path
+) -> None:
+    api = platform.api()
+    ep = deploy(api, "pair", str(tiny_dir), public=True,
+                hardware={"min_replicas": 2, "max_replicas": 2})  # fmt: skip
+    before = replicas(api, ep)
+    nodes = {r["id"]: node_of(r["id"]) for r in before}
+    # Spread (Ray's SPREAD strategy): one replica per node, so losing a node loses one.
+    assert len(set(nodes.values())) == 2, nodes
+    chat = platform.openai().chat.completions.create(
+        model="pair", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert chat.choices[0].message.content is not None
+
+    victim_replica = before[0]["id"]
+    victim = next(n for n in cluster.worker_nodes if n.node_id == nodes[victim_replica])
+    client = openai.AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=platform.admin_key,
+                                max_retries=0, timeout=120)  # fmt: skip
+
+    async def run() -> list[str]:
+        async def one(i: int) -> str:
+            r = await client.chat.completions.create(
+                model="pair", messages=[{"role": "user", "content": f"request {i}"}],
+                max_tokens=120, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return r.choices[0].finish_reason or ""
+
+        tasks = [asyncio.create_task(one(i)) for i in range(8)]
+        # The node goes while requests run on its replica (the gateway counts them).
+        for _ in range(600):  # up to 30 s
+            loads = await asyncio.to_thread(replicas, api, ep)
+            if any(r["id"] == victim_replica and r["outstanding"] > 0 for r in loads):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("no request reached the replica on the node to remove")
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(cluster.remove_node, victim)
+        return await asyncio.gather(*tasks)
+
+    retries_before = retries(platform)
+    # Non-streaming requests in flight on the lost node were retried on the other one.
+    assert asyncio.run(run()) == ["length"] * 8
+    assert retries(platform) > retries_before
+    # The lost node's worker died with its actor: nothing answers at its address any more.
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(before[0]["address"] + "/health", timeout=5)
+
+    deadline = time.monotonic() + 120
+    while True:
+        now = replicas(api, ep)
+        ready = [r for r in now if r["state"] == "ready"]
+        if len(ready) == 2 and victim_replica not in {r["id"] for r in ready}:
+            break
+        assert time.monotonic() < deadline, f"the lost replica was not replaced: {now}"
+        time.sleep(0.5)
+    survivor = next(n for n in set(nodes.values()) if n != victim.node_id)
+    assert {node_of(r["id"]) for r in ready} == {survivor}
+    assert wait_status(api, ep, "ready")["status"] == "ready"
+    chat = platform.openai().chat.completions.create(
+        model="pair", messages=[{"role": "user", "content": "again"}], max_tokens=4
+    )
+    assert chat.choices[0].finish_reason in ("length", "stop")

@@ -1,0 +1,150 @@
+"""Redis round trips per request on the gateway's path, counted on the wire (every command or
+pipeline a connection sends to the real Redis) for a key with RPM and TPM limits under a tenant
+with a monthly quota and a ceiling on requests in flight: admission (limits, quota
+reservation, concurrency slot) and settlement (TPM and quota settled, the slot released)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.connection import Connection
+
+from modelyard.core.errors import RateLimited
+from modelyard.core.identity import Limits, Principal
+from modelyard.core.routing import EndpointRoute
+from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
+from modelyard.gateway.metering import UsageRecorder
+from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.quota import RedisConcurrencyLimiter, RedisQuotaCounter, month_of
+from modelyard.gateway.ratelimit import RedisRateLimiter
+from modelyard.protocol.errors import APIError
+from modelyard.store.db import Database
+from modelyard.store.repository import now
+from tests.databases import fresh_redis
+
+
+class CountingConnection(Connection):
+    """A connection that counts what it sends: one write per command or per pipeline, each
+    answered before the caller goes on, so one round trip each."""
+
+    sent = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.sent += 1
+        await super().send_packed_command(command, check_health)
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    with fresh_redis() as url:
+        yield url
+
+
+def principal() -> Principal:
+    return Principal(
+        key_id="key-1",
+        key_name="k",
+        tenant_id="tenant-1",
+        tenant_name="t",
+        scopes=frozenset({"inference"}),
+        limits=Limits(rpm=10_000, tpm=10_000_000),
+        monthly_token_quota=10**12,
+        platform_admin=False,
+        max_concurrent_requests=100,
+    )
+
+
+async def round_trips(redis_url: str, db_path: Path, requests: int) -> tuple[float, float]:
+    """Mean round trips per request at admission and at settlement."""
+    pool = ConnectionPool.from_url(redis_url, connection_class=CountingConnection)
+    redis = Redis(connection_pool=pool)
+    db = Database(f"sqlite:///{db_path}")
+    db.migrate()
+    quota = RedisQuotaCounter(redis)
+    accounting = Accounting(
+        RedisRateLimiter(redis),
+        quota,
+        RedisConcurrencyLimiter(redis),
+        UsageRecorder(db, quota),
+        GatewayMetrics(),
+    )
+    route = EndpointRoute("ep-1", "tenant-1", "m", False, None, 4096)
+    await redis.ping()  # the connection (and its handshake) made before counting
+    admit = settle = 0
+    try:
+        for i in range(-1, requests):  # the first loads the scripts into Redis: not counted
+            p = principal()
+            before = CountingConnection.sent
+            call = Call(p, route, "chat.completions", f"req-{i}", 40, NO_LIMITS)
+            await accounting.admit_at_once(call, "m")  # as `Admission.admit` does on Redis
+            admitted = CountingConnection.sent
+            call.prompt_tokens, call.completion_tokens = 12, 9  # not what was reserved
+            await accounting.close(call, served=True)
+            if i >= 0:
+                admit += admitted - before
+                settle += CountingConnection.sent - admitted
+    finally:
+        await redis.aclose()
+        db.engine.dispose()
+    return admit / requests, settle / requests
+
+
+def test_one_round_trip_to_admit(redis_url: str, tmp_path: Path) -> None:
+    admit, settle = asyncio.run(round_trips(redis_url, tmp_path / "usage.db", 20))
+    print(f"round trips per request: admission {admit}, settlement {settle}")
+    assert admit == 1  # limits, quota and the concurrency slot checked and taken together
+    # TPM settled, the quota moved to the real count, the slot released: one each.
+    assert settle == 3
+
+
+async def refusals(redis_url: str, db_path: Path) -> None:
+    redis = Redis.from_url(redis_url)
+    db = Database(f"sqlite:///{db_path}")
+    db.migrate()
+    quota = RedisQuotaCounter(redis)
+    slots = RedisConcurrencyLimiter(redis)
+    limiter = RedisRateLimiter(redis)
+    accounting = Accounting(limiter, quota, slots, UsageRecorder(db, quota), GatewayMetrics())
+    route = EndpointRoute("ep-1", "tenant-1", "m", False, None, 4096)
+    p = principal()
+    try:
+        # A quota already used up: refused, and neither the key's buckets nor a slot taken.
+        month = month_of(now())
+        await quota.seed(p.tenant_id, month, 10**12)
+        call = Call(p, route, "chat.completions", "req-q", 40, NO_LIMITS)
+        with pytest.raises(APIError) as refused:
+            await accounting.admit_at_once(call, "m")
+        assert refused.value.code == "insufficient_quota"
+        assert refused.value.headers["x-ratelimit-remaining-requests"] == "10000"
+        assert await quota.used(p.tenant_id, month) == 10**12
+        assert await slots.held(f"{p.tenant_id}:requests") == 0
+        assert not await redis.exists(limiter.key(p.key_id, "requests"))
+        # The ceiling of requests in flight reached: refused, the quota not moved.
+        await redis.delete(quota.key(p.tenant_id, month))
+        one = dataclasses.replace(p, max_concurrent_requests=1)
+        first = Call(one, route, "chat.completions", "req-1", 40, NO_LIMITS)
+        await accounting.admit_at_once(first, "m")
+        assert (first.slot, first.quota_reserved) == (True, 40)
+        second = Call(one, route, "chat.completions", "req-2", 40, NO_LIMITS)
+        with pytest.raises(RateLimited) as full:
+            await accounting.admit_at_once(second, "m")
+        assert full.value.code == "concurrency_limit_exceeded"
+        assert await quota.used(p.tenant_id, month) == 40
+        # Settled (served), the slot is free again and the quota holds the real count.
+        first.prompt_tokens, first.completion_tokens = 5, 5
+        await accounting.close(first, served=True)
+        assert await slots.held(f"{p.tenant_id}:requests") == 0
+        assert await quota.used(p.tenant_id, month) == 10
+    finally:
+        await redis.aclose()
+        db.engine.dispose()
+
+
+def test_a_refusal_at_admission_takes_nothing(redis_url: str, tmp_path: Path) -> None:
+    asyncio.run(refusals(redis_url, tmp_path / "usage.db"))
