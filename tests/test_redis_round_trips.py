@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,18 @@ from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
 from modelyard.gateway.metering import UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
-from modelyard.gateway.quota import RedisConcurrencyLimiter, RedisQuotaCounter, month_of
+from modelyard.gateway.quota import (
+    LimitsUnavailable,
+    RedisConcurrencyLimiter,
+    RedisQuotaCounter,
+    month_of,
+    open_limits_store,
+)
 from modelyard.gateway.ratelimit import RedisRateLimiter
 from modelyard.protocol.errors import APIError
 from modelyard.store.db import Database
 from modelyard.store.repository import now
+from tests.chaos_harness import RedisServer
 from tests.databases import fresh_redis
 
 
@@ -148,3 +156,30 @@ async def refusals(redis_url: str, db_path: Path) -> None:
 
 def test_a_refusal_at_admission_takes_nothing(redis_url: str, tmp_path: Path) -> None:
     asyncio.run(refusals(redis_url, tmp_path / "usage.db"))
+
+
+async def test_pooled_connections_survive_a_redis_restart() -> None:
+    """After a Redis restart every pooled connection is dead: the next request on each must
+    still be admitted (one retry on a new connection), and with Redis down admission still
+    fails closed at once."""
+    server = RedisServer()  # its own redis-server: this test kills it
+    server.start()
+    store = open_limits_store(server.url, 1.0)
+    limiter = RedisRateLimiter(store)
+    limits = Limits(rpm=1000, tpm=None)
+    try:
+        # Requests at once leave as many connections in the pool.
+        await asyncio.gather(*(limiter.acquire(f"k{i}", limits, 1) for i in range(4)))
+        assert len(store.connection_pool._available_connections) == 4
+        server.kill()
+        server.start()
+        decisions = await asyncio.gather(*(limiter.acquire(f"k{i}", limits, 1) for i in range(4)))
+        assert all(d.allowed for d in decisions)
+        server.kill()
+        started = time.monotonic()
+        with pytest.raises(LimitsUnavailable):
+            await limiter.acquire("k0", limits, 1)
+        assert time.monotonic() - started < 1.0
+    finally:
+        await store.aclose()
+        server.close()

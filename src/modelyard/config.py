@@ -191,7 +191,9 @@ class PlatformSettings(_Settings):
         None, description="Shared rate limits and quotas across gateways, e.g. redis://host:6379."
     )
     redis_timeout_s: float = Field(
-        1.5, gt=0, description="Connect and read timeout of each Redis call (no retries)."
+        1.5,
+        gt=0,
+        description="Connect and read timeout of each Redis call (a dead connection: one retry).",
     )
     default_models: bool = Field(True, description="Register and deploy the bundled models.")
     max_body_bytes: int = Field(parse_size("8MiB"), description="Largest JSON request body.")

@@ -46,6 +46,7 @@ from modelyard.gateway.ratelimit import (
     RedisQuotaCounter,
     RedisRateLimiter,
     month_of,
+    open_limits_store,
 )
 from modelyard.gateway.usage_journal import UsageJournal
 from modelyard.protocol.management import DeployRequest, SamplingDefaults
@@ -94,18 +95,7 @@ class Platform:
         self.quota: QuotaCounter
         self._redis = None
         if settings.redis_url:
-            import redis.asyncio as aioredis
-            from redis.asyncio.retry import Retry
-            from redis.backoff import NoBackoff
-
-            # Short timeouts and no retries: with Redis down, admission must answer its 503
-            # within a second or two, not after the client library's default backoff.
-            self._redis = aioredis.from_url(
-                settings.redis_url,
-                socket_connect_timeout=settings.redis_timeout_s,
-                socket_timeout=settings.redis_timeout_s,
-                retry=Retry(NoBackoff(), 0),
-            )
+            self._redis = open_limits_store(settings.redis_url, settings.redis_timeout_s)
             self.limiter = RedisRateLimiter(self._redis)
             self.quota = RedisQuotaCounter(self._redis)
         else:

@@ -49,6 +49,26 @@ def shared_store(
     return call
 
 
+def open_limits_store(url: str, timeout_s: float) -> Redis:
+    """The Redis client of the limits store. Short timeouts: with Redis down, admission must
+    answer its 503 within a second or two, not after a library's backoff. One immediate retry,
+    on a new connection and for connection errors only: after a Redis restart every pooled
+    connection is dead and fails its first command, which must not cost a request its answer;
+    with Redis still down the retry's connect is refused at once. A timeout is not retried (the
+    script may have run)."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    return aioredis.from_url(
+        url,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+
+
 def month_of(ts: datetime) -> str:
     """The quota month of a moment, like "2026-11", in UTC; a naive datetime is taken as UTC."""
     if ts.tzinfo is not None:

@@ -16,6 +16,7 @@ from modelyard.gateway.quota import (
     QuotaCounter,
     RedisQuotaCounter,
     month_of,
+    open_limits_store,
 )
 from modelyard.gateway.rate_decision import (
     EPS,
@@ -117,4 +118,5 @@ __all__ = [
     "RedisRateLimiter",
     "format_reset",
     "month_of",
+    "open_limits_store",
 ]
