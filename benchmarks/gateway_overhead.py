@@ -7,16 +7,24 @@ same chat request (max_tokens=1) both ways:
 
   * latency: sequential requests on a keep-alive connection, direct and gateway interleaved so
     drift hits both alike; p50/p99 and the added p50;
-  * throughput: a fixed number of concurrent clients for a fixed time; requests/s each way.
+  * throughput: a fixed number of concurrent clients for a fixed time; requests/s each way,
+    and the gateway process's own CPU time per request while it ran (user + system, from
+    /proc): what one gateway core can carry, the number `docs/scaling.md` projects from.
+
+`--stores postgres-redis` runs the platform on the machine's PostgreSQL and Redis (a fresh
+database and Redis database number), as cluster gateways run, instead of SQLite and memory.
 
     python benchmarks/gateway_overhead.py [--requests 400] [--concurrency 16] [--seconds 10]
+                                          [--stores sqlite-memory|postgres-redis]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -28,6 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.databases import platform_mode_env
 from tests.platform_harness import (
     PlatformProcess,
     create_key,
@@ -49,6 +58,12 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def latency(direct: str, gateway: str, key: str, n: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"direct": [], "gateway": []}
     with (
@@ -67,7 +82,10 @@ def latency(direct: str, gateway: str, key: str, n: int) -> dict[str, list[float
     return out
 
 
-async def throughput(url: str, headers: dict[str, str], concurrency: int, seconds: float) -> float:
+async def throughput(
+    url: str, headers: dict[str, str], concurrency: int, seconds: float
+) -> tuple[float, int]:
+    """Requests/s, and how many were answered."""
     done = 0
     stop = time.perf_counter() + seconds
 
@@ -81,7 +99,7 @@ async def throughput(url: str, headers: dict[str, str], concurrency: int, second
 
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+    return done / (time.perf_counter() - t0), done
 
 
 def main() -> None:
@@ -89,33 +107,54 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument(
+        "--stores", choices=("sqlite-memory", "postgres-redis"), default="sqlite-memory"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="gw-bench-"))
     model = build_model(work / "tiny", "llama")
     engine = json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"})
-    platform = PlatformProcess(work / "data", {"MODELYARD_WORKER_ENGINE": engine}).start()
-    try:
-        admin = platform.api()
-        endpoint = deploy(admin, "tiny", str(model), public=True)
-        worker = admin.get(f"/v1/endpoints/{endpoint}").json()["replicas"]["items"][0]["address"]
-        tenant = create_tenant(admin, "bench", quota=10**12)
-        key = create_key(admin, tenant, rpm_limit=10**7, tpm_limit=10**9)["key"]
+    with contextlib.ExitStack() as stack:
+        stores = stack.enter_context(platform_mode_env(args.stores))
+        env = {"MODELYARD_WORKER_ENGINE": engine, **stores}
+        platform = PlatformProcess(work / "data", env).start()
+        stack.callback(platform.stop)
+        report = measure(platform, model, args)
+    report["stores"] = args.stores
+    print(json.dumps(report, indent=2))
+    print(
+        f"\nlatency p50/p99: direct {report['direct_p50_ms']}/{report['direct_p99_ms']} ms, "
+        f"gateway {report['gateway_p50_ms']}/{report['gateway_p99_ms']} ms "
+        f"(added p50 {report['added_p50_ms']} ms)\n"
+        f"throughput at {args.concurrency} clients: direct {report['direct_rps']} req/s, "
+        f"gateway {report['gateway_rps']} req/s, the gateway process's CPU "
+        f"{report['gateway_cpu_ms_per_request']} ms per request; "
+        f"metered {report['metered_requests']} requests ({args.stores})"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
 
-        lat = latency(worker, platform.url, key, args.requests)
-        rps_direct = asyncio.run(throughput(worker, {}, args.concurrency, args.seconds))
-        rps_gateway = asyncio.run(
-            throughput(
-                platform.url, {"authorization": f"Bearer {key}"}, args.concurrency, args.seconds
-            )
-        )
-        time.sleep(0.5)
-        usage = admin.get("/v1/usage", params={"tenant_id": tenant}).json()["totals"]
-    finally:
-        platform.stop()
 
-    report: dict[str, Any] = {
+def measure(platform: PlatformProcess, model: Path, args: argparse.Namespace) -> dict[str, Any]:
+    admin = platform.api()
+    endpoint = deploy(admin, "tiny", str(model), public=True)
+    worker = admin.get(f"/v1/endpoints/{endpoint}").json()["replicas"]["items"][0]["address"]
+    tenant = create_tenant(admin, "bench", quota=10**12)
+    key = create_key(admin, tenant, rpm_limit=10**7, tpm_limit=10**9)["key"]
+
+    lat = latency(worker, platform.url, key, args.requests)
+    rps_direct, _ = asyncio.run(throughput(worker, {}, args.concurrency, args.seconds))
+    cpu_before = cpu_seconds(platform.proc.pid)
+    rps_gateway, answered = asyncio.run(
+        throughput(platform.url, {"authorization": f"Bearer {key}"}, args.concurrency, args.seconds)
+    )
+    cpu_ms = (cpu_seconds(platform.proc.pid) - cpu_before) * 1000 / answered
+    time.sleep(0.5)
+    usage = admin.get("/v1/usage", params={"tenant_id": tenant}).json()["totals"]
+
+    return {
         "requests_each_way": args.requests,
         "direct_p50_ms": round(pct(lat["direct"], 50), 2),
         "direct_p99_ms": round(pct(lat["direct"], 99), 2),
@@ -127,18 +166,9 @@ def main() -> None:
         "concurrency": args.concurrency,
         "direct_rps": round(rps_direct, 1),
         "gateway_rps": round(rps_gateway, 1),
+        "gateway_cpu_ms_per_request": round(cpu_ms, 3),
         "metered_requests": usage["requests"],
     }
-    print(json.dumps(report, indent=2))
-    print(
-        f"\nlatency p50/p99: direct {report['direct_p50_ms']}/{report['direct_p99_ms']} ms, "
-        f"gateway {report['gateway_p50_ms']}/{report['gateway_p99_ms']} ms "
-        f"(added p50 {report['added_p50_ms']} ms)\n"
-        f"throughput at {args.concurrency} clients: direct {report['direct_rps']} req/s, "
-        f"gateway {report['gateway_rps']} req/s; metered {report['metered_requests']} requests"
-    )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

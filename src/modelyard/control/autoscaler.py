@@ -58,7 +58,7 @@ class ScalingPolicy:
         return self.target / 100.0 if self.metric == "gpu_utilization" else self.target
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Observation:
     """What the endpoint looked like at `at`: the metric summed over its replicas, and whether
     any request arrived since the previous observation."""
@@ -68,7 +68,7 @@ class Observation:
     active: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
     at: float
     current: int

@@ -50,12 +50,13 @@ class LoadTracker:
             route.requests_total - (self._requests or 0) if self._requests is not None else 0
         )
         self._requests, self._at = route.requests_total, now
-        active = new_requests > 0 or route.outstanding > 0 or route.waiting > 0
+        outstanding, waiting = route.outstanding, route.waiting  # each read once: sums
+        active = new_requests > 0 or outstanding > 0 or waiting > 0
 
         if self.metric == "concurrency":
-            value = float(route.outstanding + route.waiting)
+            value = float(outstanding + waiting)
         elif self.metric == "queue_depth":
-            value = float(route.waiting + sum(int(x.get("waiting", 0)) for x in loads.values()))
+            value = float(waiting + sum(int(x.get("waiting", 0)) for x in loads.values()))
         elif self.metric == "requests_per_second":
             value = new_requests / elapsed if elapsed > 0 else 0.0
         else:  # gpu_utilization

@@ -130,7 +130,11 @@ class EndpointRoute:
 
     @property
     def outstanding(self) -> int:
-        return sum(r.outstanding for r in self.replicas)
+        # A plain loop: the controller reads this for every endpoint each tick.
+        n = 0
+        for r in self.replicas:
+            n += r.outstanding
+        return n
 
     @property
     def ready_replicas(self) -> list[ReplicaRoute]:
