@@ -28,7 +28,9 @@ worker: $(STAMP)
 test: $(STAMP) chromium
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest
+	# Two processes, each taking whole test files (module fixtures start once): most tests wait
+	# on workers and platforms they start, so two share the 2 cores of CI well.
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # The console's browser tests drive Debian's Chromium (never a downloaded browser): install it
 # through the system package manager when it is missing, as root; otherwise say why not.

@@ -6,6 +6,7 @@ the data directory private on disk (also for an install made before, fixed at st
 from __future__ import annotations
 
 import contextlib
+import http.client
 import select
 import socket
 import stat
@@ -131,6 +132,26 @@ def test_health_tells_strangers_only_the_status(
     assert bad.status_code == 200 and bad.json() == {"status": "ok"}
     details = admin.get("/health").json()
     assert details["status"] == "ok" and "endpoints" in details
+
+
+def test_an_idle_keep_alive_connection_outlives_a_client_pools_expiry(
+    platform: PlatformProcess,
+) -> None:
+    """A connection idle past httpx's (and the openai SDK's) 5 s pool expiry is still open, so
+    a pool never reuses one the server is closing in that instant (a read error, no answer)."""
+    conn = http.client.HTTPConnection("127.0.0.1", platform.port, timeout=5)
+    try:
+        for _ in range(2):
+            conn.request("GET", "/health")
+            answer = conn.getresponse()
+            assert answer.status == 200 and answer.read()
+            time.sleep(6.5)  # past uvicorn's default keep-alive (5 s)
+            # Still open: a connection the server closed reads as ready (end of file) at once.
+            assert conn.sock is not None
+            ready, _, _ = select.select([conn.sock], [], [], 0)
+            assert not ready, "the server closed the idle connection"
+    finally:
+        conn.close()
 
 
 def test_metrics_need_the_platform_admin_or_the_scrape_token(

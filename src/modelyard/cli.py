@@ -98,7 +98,7 @@ def serve(
 
     from modelyard.api.app import create_platform_app
     from modelyard.config import PlatformSettings
-    from modelyard.core.logs import uvicorn_log_options
+    from modelyard.core.uvicorn_options import uvicorn_options
     from modelyard.platform import Platform
 
     telemetry = _setup_logging(log_level)
@@ -160,7 +160,7 @@ def serve(
         port=settings.port,
         log_level=telemetry.log_level,
         timeout_graceful_shutdown=10,
-        **uvicorn_log_options(telemetry),
+        **uvicorn_options(telemetry),
     )
 
 
@@ -191,7 +191,7 @@ def _run_role(kind: str, host: str | None, port: int | None, data_dir: Path | No
     import uvicorn
 
     from modelyard.config import PlatformSettings
-    from modelyard.core.logs import uvicorn_log_options
+    from modelyard.core.uvicorn_options import uvicorn_options
     from modelyard.roles import ClusterConfigError, ControllerRole, GatewayRole
 
     telemetry = _setup_logging(log_level, suffix=f"-{kind}")
@@ -216,7 +216,7 @@ def _run_role(kind: str, host: str | None, port: int | None, data_dir: Path | No
         role.on_leading = leading
     uvicorn.run(role.asgi(), host=settings.host, port=settings.port,
                 log_level=telemetry.log_level, timeout_graceful_shutdown=10,
-                **uvicorn_log_options(telemetry))  # fmt: skip
+                **uvicorn_options(telemetry))  # fmt: skip
 
 
 @app.command()

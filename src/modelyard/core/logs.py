@@ -142,9 +142,3 @@ def setup_logging(settings: TelemetrySettings, replica: bool = False) -> None:
         for old_filter in [f for f in access.filters if isinstance(f, _ReplicaAccessFilter)]:
             access.removeFilter(old_filter)
         access.addFilter(_ReplicaAccessFilter())
-
-
-def uvicorn_log_options(settings: TelemetrySettings) -> dict[str, Any]:
-    """uvicorn's own logging: its default (colored text) in text mode; in JSON mode none of
-    its handlers, so its lines reach the root's JSON handler."""
-    return {"log_config": None} if settings.log_format == "json" else {}

@@ -150,7 +150,7 @@ def serve_encoders(
     import uvicorn
 
     from modelyard.config import TelemetrySettings
-    from modelyard.core.logs import uvicorn_log_options
+    from modelyard.core.uvicorn_options import uvicorn_options
     from modelyard.worker.server import die_with_parent
 
     die_with_parent()
@@ -162,5 +162,5 @@ def serve_encoders(
     log.info("serving %d encoder models on http://%s:%d", len(models), host, port)
     uvicorn.run(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-        **uvicorn_log_options(TelemetrySettings()),
+        **uvicorn_options(TelemetrySettings()),
     )  # fmt: skip

@@ -17,7 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from modelyard.config import EngineSettings, TelemetrySettings
-from modelyard.core.logs import uvicorn_log_options
+from modelyard.core.uvicorn_options import uvicorn_options
 from modelyard.engine.async_engine import AsyncEngine
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.worker.app import create_app
@@ -95,7 +95,7 @@ def serve_worker(
         log.info("serving model %r on http://%s:%d/v1", name, host, port)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-            **uvicorn_log_options(TelemetrySettings()),
+            **uvicorn_options(TelemetrySettings()),
         )  # fmt: skip
         exit_on_failure.server = uvicorn.Server(config)
         exit_on_failure.server.run()
