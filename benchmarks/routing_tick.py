@@ -53,7 +53,8 @@ def build(args: argparse.Namespace) -> tuple[RoutingTable, list[EndpointState]]:
     for i in range(args.endpoints):
         tenant = f"t{i % args.tenants}"
         public = i % args.public_every == 0
-        row = Endpoint(id=f"ep-{i:06d}", tenant_id=tenant, model_name=f"model-{i}", public=public)
+        name = f"model-{i % args.model_names}"
+        row = Endpoint(id=f"ep-{i:06d}", tenant_id=tenant, model_name=name, public=public)
         route = EndpointRoute(
             endpoint_id=row.id,
             tenant_id=tenant,
@@ -89,7 +90,7 @@ def lookups(table: RoutingTable, args: argparse.Namespace) -> list[float]:
         else:  # one of the tenant's own
             i = tenant_n + args.tenants * rng.randrange(args.endpoints // args.tenants)
         t0 = time.perf_counter_ns()
-        route = table.resolve(f"t{tenant_n}", f"model-{i}")
+        route = table.resolve(f"t{tenant_n}", f"model-{i % args.model_names}")
         replica = table.pick(route) if route is not None else None
         out.append((time.perf_counter_ns() - t0) / 1000)
         assert replica is not None, (tenant_n, i)
@@ -125,11 +126,19 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=1_000)
     ap.add_argument("--public-every", type=int, default=100)
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument(
+        "--model-names",
+        type=int,
+        default=None,
+        help="distinct model names (default: one per endpoint); fewer: many tenants each "
+        "deploy the same names, as they would the same popular models",
+    )
     ap.add_argument("--lookups", type=int, default=20_000)
     ap.add_argument("--ticks", type=int, default=30)
     ap.add_argument("--tick-interval", type=float, default=2.0, help="s, the controller's")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    args.model_names = args.model_names or args.endpoints
 
     random.seed(0)
     table, states = build(args)
@@ -140,6 +149,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "endpoints": args.endpoints,
         "tenants": args.tenants,
+        "model_names": args.model_names,
         "lookup_p50_us": round(pct(lat, 50), 1),
         "lookup_p99_us": round(pct(lat, 99), 1),
         "lookup_max_us": round(max(lat), 1),
