@@ -8,10 +8,23 @@ given). Arrivals are Poisson at `--request-rate` (a fixed seed: the same schedul
 all at once (`inf`); `--concurrency` caps requests in flight, so `--concurrency N` with the
 default infinite rate is a closed loop of N clients.
 
-Datasets (both seeded, the same text for every server):
+Datasets (all seeded, the same text for every server):
   random         prompts of `--input-len` random common words (≈ one token each);
   shared-prefix  `--num-prefixes` system prompts of `--prefix-len` words, each request one of
-                 them plus a `--input-len`-word question of its own (prefix-cache workloads).
+                 them plus a `--input-len`-word question of its own (prefix-cache workloads);
+  azure-conv, azure-code
+                 a production trace replayed: `--num-prompts` consecutive requests of the Azure
+                 LLM inference traces 2023 (Azure Public Dataset, CC-BY 4.0; Patel et al.,
+                 "Splitwise", ISCA 2024; found at ../shared/data/azure-llm-inference-2023), from
+                 a seeded offset, with their own arrival gaps (rescaled so the mean rate is
+                 `--request-rate`; the bursts keep their shape), context tokens as prompt words
+                 and generated tokens as max_tokens, each times `--trace-token-scale` and capped
+                 at `--input-len` / `--output-len` (a small CPU model cannot take 1,000-token
+                 contexts at the trace's rate).
+
+A production trace against a real worker:
+    python benchmarks/serving.py --dataset azure-conv --num-prompts 120 --request-rate 0.5 \
+        --trace-token-scale 0.25 --input-len 512 --output-len 64 --base-url http://127.0.0.1:8001/v1
 
 One server:
     python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --model smollm2 \\
@@ -71,6 +84,8 @@ _WORDS = _WORD_TEXT.split()
 class Prompt:
     text: str
     words: int
+    output_len: int | None = None  # this request's max_tokens (a trace's); None: --output-len
+    at_s: float | None = None  # when to send it, from the start (a trace's); None: Poisson
 
 
 @dataclass
@@ -93,7 +108,28 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
+def trace_prompts(args: argparse.Namespace, n: int) -> list[Prompt]:
+    """`n` consecutive requests of an Azure trace from a seeded offset (see the docstring)."""
+    from fleetsim import trace
+
+    stamps, context, generated = trace.requests(args.dataset.removeprefix("azure-"))
+    rng = random.Random(args.seed)
+    start = rng.randrange(len(stamps) - n)
+    window = slice(start, start + n)
+    arrivals = stamps[window] - stamps[start]
+    trace_rate = (n - 1) / arrivals[-1] if arrivals[-1] > 0 else float("inf")
+    stretch = float(trace_rate / args.request_rate) if math.isfinite(args.request_rate) else 0.0
+    out = []
+    for at, c, g in zip(arrivals, context[window], generated[window], strict=True):
+        words = max(1, min(args.input_len, round(int(c) * args.trace_token_scale)))
+        tokens = max(1, min(args.output_len, round(int(g) * args.trace_token_scale)))
+        out.append(Prompt(_words(rng, words), words, tokens, float(at) * stretch))
+    return out
+
+
 def make_prompts(args: argparse.Namespace, n: int) -> list[Prompt]:
+    if args.dataset.startswith("azure-"):
+        return trace_prompts(args, n)
     rng = random.Random(args.seed)
     if args.dataset == "random":
         lens = [
@@ -117,7 +153,7 @@ def make_prompts(args: argparse.Namespace, n: int) -> list[Prompt]:
 def _body(args: argparse.Namespace, model: str, prompt: Prompt) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
-        "max_tokens": args.output_len,
+        "max_tokens": prompt.output_len or args.output_len,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -206,8 +242,10 @@ async def run_load(
         tasks = []
         start = time.perf_counter()
         for p in prompts:
+            if p.at_s is not None:  # a trace's own arrival time
+                await asyncio.sleep(max(0.0, start + p.at_s - time.perf_counter()))
             tasks.append(asyncio.create_task(go(p)))
-            if math.isfinite(args.request_rate):
+            if p.at_s is None and math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         outcomes = await asyncio.gather(*tasks)
         return list(outcomes), time.perf_counter() - start
@@ -400,7 +438,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""))
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    p.add_argument("--dataset", choices=("random", "shared-prefix"), default="random")
+    p.add_argument(
+        "--dataset",
+        choices=("random", "shared-prefix", "azure-conv", "azure-code"),
+        default="random",
+    )
+    p.add_argument(
+        "--trace-token-scale",
+        type=float,
+        default=1.0,
+        help="azure-*: the trace's token counts times this, then capped",
+    )
     p.add_argument(
         "--num-prompts", type=int, default=None, help="default 64 (llama.cpp mode: max(8, 4 x c))"
     )

@@ -75,7 +75,9 @@ def from_rows(kind: str, stamps: np.ndarray, prompt: np.ndarray, generated: np.n
     )
 
 
-def load(kind: str, directory: Path | None = None) -> Trace:
+def requests(kind: str, directory: Path | None = None) -> tuple[np.ndarray, ...]:
+    """Every request of one trace in arrival order: (seconds since the trace's first request,
+    context tokens, generated tokens)."""
     path = (directory or default_dir()) / f"AzureLLMInferenceTrace_{kind}.csv"
     if not path.exists():
         raise FileNotFoundError(
@@ -84,12 +86,15 @@ def load(kind: str, directory: Path | None = None) -> Trace:
         )
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
-    return from_rows(
-        kind,
-        np.array([_stamp(r["TIMESTAMP"]) for r in rows]),
-        np.array([int(r["ContextTokens"]) for r in rows]),
-        np.array([int(r["GeneratedTokens"]) for r in rows]),
-    )
+    stamps = np.array([_stamp(r["TIMESTAMP"]) for r in rows])
+    order = np.argsort(stamps, kind="stable")
+    prompt = np.array([int(r["ContextTokens"]) for r in rows])
+    generated = np.array([int(r["GeneratedTokens"]) for r in rows])
+    return (stamps - stamps.min())[order], prompt[order], generated[order]
+
+
+def load(kind: str, directory: Path | None = None) -> Trace:
+    return from_rows(kind, *requests(kind, directory))
 
 
 def load_all(directory: Path | None = None) -> dict[str, Trace]:
