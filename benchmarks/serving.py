@@ -229,7 +229,9 @@ async def run_load(
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(args.seed + 1)
-    connector = aiohttp.TCPConnector(limit=0)
+    # A new connection per request: llama-server closes kept-alive connections that the pool
+    # then reuses ("Server disconnected", 2 of 8 requests at c=1), which would count against it.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=args.request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
