@@ -42,16 +42,11 @@ class TrafficHistory:
         # endpoint → hour of week → {week number: requests}
         self._counts: dict[str, dict[int, dict[int, int]]] = defaultdict(lambda: defaultdict(dict))
         self._first_week: dict[str, int] = {}
-        self._hour = -1
-        self._week_hour = (0, 0)
 
     def record(self, endpoint_id: str, at: float, requests: int = 1) -> None:
         if requests <= 0:
             return
-        hour = int(at // 3600)
-        if hour != self._hour:  # a tick records every endpoint within the same hour
-            self._hour, self._week_hour = hour, _hour_of_week(hour)
-        week, how = self._week_hour
+        week, how = hour_of_week(at)
         self._first_week.setdefault(endpoint_id, week)
         per_week = self._counts[endpoint_id][how]
         if week in per_week:  # the common case (every tick): nothing to forget
