@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -25,17 +24,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gateway_overhead import cpu_seconds
 from sqlalchemy import text
 
 from modelyard.gateway.metering import UsageEvent
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from tests.databases import fresh_postgres
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def row(i: int) -> dict[str, Any]:
@@ -101,13 +96,13 @@ def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
             .scalars()
             .all()
         )
-    cpu0 = {int(pid): cpu_s(int(pid)) for pid in pids}
+    cpu0 = {int(pid): cpu_seconds(int(pid)) for pid in pids}
     go.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    backend_cpu = sum(cpu_s(pid) - c for pid, c in cpu0.items())
+    backend_cpu = sum(cpu_seconds(pid) - c for pid, c in cpu0.items())
     timed = sum(len(b) for mine in batches for b in mine[1:])
     rows = sum(len(b) for mine in batches for b in mine)
     with db.session() as s:

@@ -25,6 +25,20 @@ if TYPE_CHECKING:
 _IDLE_GRACE_MS = 120_000
 
 
+# Take what was asked from each limited bucket and save it (level, server time, an expiry once
+# it would be full again): the end of an admission in both scripts below.
+_TAKE_LUA = f"""for i = 1, 2 do
+  if caps[i] > 0 then
+    levels[i] = levels[i] - needs[i]
+    redis.call('HSET', KEYS[i], 'level', string.format('%.17g', levels[i]),
+               'ts', string.format('%.6f', now))
+    redis.call('PEXPIRE', KEYS[i],
+               string.format('%d', math.ceil((caps[i] - levels[i]) * 60000 / caps[i])
+                                   + {_IDLE_GRACE_MS}))
+  end
+end
+"""
+
 # KEYS: the request bucket and the token bucket (hashes of level and ts).
 # ARGV: rpm, tpm (0 = unlimited, no state), tokens asked for.
 # Returns {refused (0 none, 1 requests, 2 tokens), retry_after_s, request level, token level};
@@ -59,17 +73,7 @@ else
   end
 end
 if refused == 0 then
-  for i = 1, 2 do
-    if caps[i] > 0 then
-      levels[i] = levels[i] - needs[i]
-      redis.call('HSET', KEYS[i], 'level', string.format('%.17g', levels[i]),
-                 'ts', string.format('%.6f', now))
-      redis.call('PEXPIRE', KEYS[i],
-                 string.format('%d', math.ceil((caps[i] - levels[i]) * 60000 / caps[i])
-                                     + {_IDLE_GRACE_MS}))
-    end
-  end
-end
+{_TAKE_LUA}end
 return {{refused, string.format('%.17g', retry), string.format('%.17g', levels[1]),
         string.format('%.17g', levels[2])}}
 """
@@ -123,17 +127,7 @@ if slots >= 0 then
     return {{4, '1', levels_text[1], levels_text[2], before}}
   end
 end
-for i = 1, 2 do
-  if caps[i] > 0 then
-    levels[i] = levels[i] - needs[i]
-    redis.call('HSET', KEYS[i], 'level', string.format('%.17g', levels[i]),
-               'ts', string.format('%.6f', now))
-    redis.call('PEXPIRE', KEYS[i],
-               string.format('%d', math.ceil((caps[i] - levels[i]) * 60000 / caps[i])
-                                   + {_IDLE_GRACE_MS}))
-  end
-end
-if quota >= 0 then
+{_TAKE_LUA}if quota >= 0 then
   redis.call('INCRBY', KEYS[3], ARGV[3])
   redis.call('EXPIRE', KEYS[3], ARGV[8])
 end
