@@ -31,6 +31,8 @@ from modelyard.control.scaling import LoadTracker
 from modelyard.control.state import Replica
 from modelyard.core.status import ReplicaState
 
+AWAKE = -(1 << 62)  # `Fleet.asleep_since` of an endpoint observed every tick
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -112,8 +114,10 @@ class Fleet:
         self.last_arrival = np.full(n, -math.inf)
         self.requests_total = np.zeros(n, dtype=np.int64)
         self.last_busy = np.full(n, -(1 << 40), dtype=np.int64)  # last tick with traffic
-        self.asleep_since = np.full(n, -1, dtype=np.int64)  # first tick not observed
+        # First tick not observed; AWAKE when observed (ticks are negative in the warm-up).
+        self.asleep_since = np.full(n, AWAKE, dtype=np.int64)
         self.wake_at = np.full(n, 1 << 62, dtype=np.int64)
+        self.last_high = np.full(n, -(1 << 40), dtype=np.int64)  # last tick above target
         self.serial = 0
         self.now = 0.0
         self.cold_offsets: dict[int, np.ndarray] = {}
@@ -125,8 +129,9 @@ class Fleet:
         self.scalers: list[Autoscaler] = []
         self.trackers: list[LoadTracker] = []
         self.routes = [SimRoute() for _ in range(n)]
+        self.target = np.array([policy.target * float(service.slots[e]) for e in range(n)])
         for e in range(n):
-            target = policy.target * float(service.slots[e])
+            target = float(self.target[e])
             self.scalers.append(Autoscaler(ScalingPolicy(
                 metric="concurrency",
                 target=target,
@@ -258,64 +263,99 @@ class Fleet:
         """The endpoint manager's tick, at the end of `tick`, for every endpoint with replicas.
 
         Quiet endpoints are put to sleep instead of being observed every tick: one replica,
-        nothing in flight, queued or arriving, and nothing but zeros in the autoscaler's window
-        (so each skipped decision would have kept the one replica). A sleeper wakes on a
-        request or when it would go to zero, and first replays the skipped ticks that its
-        windows can still see (zero observations and their decisions), so its autoscaler ends
-        up in exactly the state it would have had. This makes the cost follow the endpoints
-        with traffic, not all endpoints.
+        ready, and no observation in the autoscaler's windows above one replica's target. Each
+        decision skipped while it sleeps would have kept the one replica: every average is at
+        most the target, so the load asks for one replica and cannot start a panic, and the
+        scale-down delay's recommendations it would add are 1s, which never hold a replica (a
+        decision's own recommendation is at least 1); nothing else in `Autoscaler.decide`
+        changes state the next decisions read. A sleeper wakes on a request, something in
+        flight or queued, or when it would go to zero, and first replays the skipped
+        observations (zeros) that its windows can still see, so its autoscaler decides on
+        exactly the samples it would have had. A quiet endpoint with traffic in this tick is
+        observed but its decision is skipped the same way (an active observation rules out
+        scaling to zero). This makes the cost follow the endpoints whose replica count can
+        change, not all endpoints.
         """
         if not self.policy.autoscale:
             return
         self.requests_total += arrivals
         busy = (arrivals > 0) | (self.inflight > 0) | (self.queue > 0)
         self.last_busy[busy] = tick
-        ready, current = self.ready, self.current
-        awake = (current > 0) & ((self.asleep_since < 0) | busy | (self.wake_at <= tick))
+        # An observation above one replica's target (what `_decide` would observe when busy).
+        high = busy & (self.inflight + self.queue > self.target)
+        self.last_high[high] = tick
+        current = self.current
+        awake = (current > 0) & ((self.asleep_since == AWAKE) | busy | (self.wake_at <= tick))
+        idx = np.flatnonzero(awake)
+        if not len(idx):
+            return
+        # Plain Python values of the awake endpoints, read once (numpy scalars are slow).
+        ready_l = self.ready[idx].tolist()
+        cur_l = current[idx].tolist()
+        arr_l = arrivals[idx].tolist()
+        since_l = self.asleep_since[idx].tolist()
+        total_l = self.requests_total[idx].tolist()
+        busy_l = busy[idx].tolist()
+        infl_l = self.inflight[idx].tolist()
+        queue_l = self.queue[idx].tolist()
+        window = max(self._stable_s, self.policy.scale_down_delay_s)
+        quiet_l = ((tick - self.last_high[idx]) * TICK_S > window + TICK_S).tolist()
         decisions = 0
-        for e in np.flatnonzero(awake).tolist():
+        for j, e in enumerate(idx.tolist()):
             scaler = self.scalers[e]
-            if ready[e] == 0:
-                if arrivals[e] > 0:
+            if ready_l[j] == 0:
+                if arr_l[j] > 0:
                     scaler.mark_active((tick + 1) * TICK_S)
                 continue  # nothing to judge until it serves
-            since = int(self.asleep_since[e])
-            if since >= 0:
-                before = int(self.requests_total[e] - arrivals[e])
+            since = since_l[j]
+            if since != AWAKE:
+                before = total_l[j] - arr_l[j]
                 for t in range(max(since, tick - self._replay), tick):
-                    self._decide(e, t, before)
+                    self._idle(e, t, before)
                     decisions += 1
-                self.asleep_since[e] = -1
+                self.asleep_since[e] = AWAKE
             decisions += 1
-            if not self._decide(e, tick, int(self.requests_total[e])) and self._quiet(e, tick):
+            inflight, queued = (infl_l[j], queue_l[j]) if busy_l[j] else (0.0, 0.0)
+            keep = cur_l[j] == 1 and ready_l[j] == 1 and quiet_l[j]
+            if keep and busy_l[j]:
+                # The observation is active (no scale to zero) and no sample in the windows is
+                # above the target: the decision keeps the one replica (see above).
+                self._observe(e, tick, total_l[j], inflight, queued)
+            elif self._decide(e, tick, total_l[j], inflight, queued, cur_l[j]):
+                continue
+            if keep:
                 self.asleep_since[e] = tick + 1
                 self.wake_at[e] = self._deadline(e)
         self.counters.decisions += decisions
 
-    def _decide(self, e: int, tick: int, requests_total: int) -> bool:
+    def _decide(
+        self, e: int, tick: int, requests_total: int, inflight: float, queued: float, cur: int
+    ) -> bool:
         """Observe and decide for endpoint `e` at the end of `tick`; True if it scaled."""
-        now = (tick + 1) * TICK_S
-        route = self.routes[e]
-        route.requests_total = requests_total
-        route.outstanding = float(self.inflight[e]) if self.last_busy[e] == tick else 0.0
-        route.waiting = float(self.queue[e]) if self.last_busy[e] == tick else 0.0
-        scaler = self.scalers[e]
-        scaler.observe(self.trackers[e].observe(now, route, {}))  # type: ignore[arg-type]
-        cur = int(self.current[e])
-        desired = scaler.decide(now, cur).desired
+        now = self._observe(e, tick, requests_total, inflight, queued)
+        desired = self.scalers[e].decide(now, cur).desired
         if desired > cur:
             self.scale_up(e, desired - cur, now)
         elif desired < cur:
             self.scale_down(e, cur - desired, tick)
         return desired != cur
 
-    def _quiet(self, e: int, tick: int) -> bool:
-        window = max(self._stable_s, self.policy.scale_down_delay_s)
-        return (
-            self.current[e] == 1
-            and self.ready[e] == 1
-            and (tick - self.last_busy[e]) * TICK_S > window + TICK_S
-        )
+    def _observe(
+        self, e: int, tick: int, requests_total: int, inflight: float, queued: float
+    ) -> float:
+        """The gateway's counters of `e` at the end of `tick`, into its autoscaler's windows."""
+        now = (tick + 1) * TICK_S
+        route = self.routes[e]
+        route.requests_total = requests_total
+        route.outstanding = inflight
+        route.waiting = queued
+        self.scalers[e].observe(self.trackers[e].observe(now, route, {}))  # type: ignore[arg-type]
+        return now
+
+    def _idle(self, e: int, tick: int, requests_total: int) -> None:
+        """A skipped tick of a sleeper, replayed: its (zero) observation. Its decision kept the
+        one replica and changed nothing the next decisions read (see `control`)."""
+        self._observe(e, tick, requests_total, 0.0, 0.0)
 
     def _deadline(self, e: int) -> int:
         """The tick at whose end the endpoint has been idle long enough to go to zero."""
