@@ -32,6 +32,7 @@ from modelyard.control.state import Replica
 from modelyard.core.status import ReplicaState
 
 AWAKE = -(1 << 62)  # `Fleet.asleep_since` of an endpoint observed every tick
+HISTORY = 64  # ticks of observations kept for sleepers to replay (> `Fleet._replay`)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,11 @@ class Fleet:
         self.asleep_since = np.full(n, AWAKE, dtype=np.int64)
         self.wake_at = np.full(n, 1 << 62, dtype=np.int64)
         self.last_high = np.full(n, -(1 << 40), dtype=np.int64)  # last tick above target
+        self.slept_busy = np.full(n, -(1 << 40), dtype=np.int64)  # last tick with traffic asleep
+        # What `_observe` would have read at each of the last HISTORY ticks (row tick % HISTORY):
+        # the requests so far and the requests in flight or queued (0 on a tick without traffic).
+        self.hist_total = np.zeros((HISTORY, n), dtype=np.int64)
+        self.hist_value = np.zeros((HISTORY, n))
         self.serial = 0
         self.now = 0.0
         self.cold_offsets: dict[int, np.ndarray] = {}
@@ -145,6 +151,8 @@ class Fleet:
             if policy.idle_per_reload > 0:  # as `scaling.Scaler` sets it: a measured reload
                 self.scalers[-1].idle_per_reload = policy.idle_per_reload
                 self.scalers[-1].reload_s = service.cold_start_s(e, True, policy.cold_scale)
+        self.idle_limit = np.array([a.idle_limit() for a in self.scalers])
+        assert self._replay < HISTORY
 
     # -- replicas -------------------------------------------------------------------------
 
@@ -268,12 +276,11 @@ class Fleet:
         most the target, so the load asks for one replica and cannot start a panic, and the
         scale-down delay's recommendations it would add are 1s, which never hold a replica (a
         decision's own recommendation is at least 1); nothing else in `Autoscaler.decide`
-        changes state the next decisions read. A sleeper wakes on a request, something in
-        flight or queued, or when it would go to zero, and first replays the skipped
-        observations (zeros) that its windows can still see, so its autoscaler decides on
-        exactly the samples it would have had. A quiet endpoint with traffic in this tick is
-        observed but its decision is skipped the same way (an active observation rules out
-        scaling to zero). This makes the cost follow the endpoints whose replica count can
+        changes state the next decisions read. A sleeper wakes when an observation exceeds the
+        target or when it would go to zero (its last request, kept here, sets when), and first
+        replays from `hist_*` the observations its windows can still see (and marks its last
+        request before them active), so its autoscaler decides on exactly the samples it
+        would have had. This makes the cost follow the endpoints whose replica count can
         change, not all endpoints.
         """
         if not self.policy.autoscale:
@@ -281,11 +288,24 @@ class Fleet:
         self.requests_total += arrivals
         busy = (arrivals > 0) | (self.inflight > 0) | (self.queue > 0)
         self.last_busy[busy] = tick
-        # An observation above one replica's target (what `_decide` would observe when busy).
-        high = busy & (self.inflight + self.queue > self.target)
+        # What `_observe` reads (the gateway counts what is in flight or queued on a tick with
+        # traffic), and whether it is above one replica's target.
+        value = np.where(busy, self.inflight + self.queue, 0.0)
+        row = tick % HISTORY
+        self.hist_total[row] = self.requests_total
+        self.hist_value[row] = value
+        high = value > self.target
         self.last_high[high] = tick
         current = self.current
-        awake = (current > 0) & ((self.asleep_since == AWAKE) | busy | (self.wake_at <= tick))
+        asleep = self.asleep_since != AWAKE
+        # A sleeper with traffic: active, so its scale to zero moves (`_deadline`).
+        moved = np.flatnonzero(asleep & busy)
+        if len(moved):
+            self.slept_busy[moved] = tick
+            if self.policy.scale_to_zero:
+                at = (tick + 1) * TICK_S + self.idle_limit[moved]
+                self.wake_at[moved] = np.ceil(at / TICK_S - 1e-9).astype(np.int64) - 1
+        awake = (current > 0) & (~asleep | high | (self.wake_at <= tick))
         idx = np.flatnonzero(awake)
         if not len(idx):
             return
@@ -296,8 +316,7 @@ class Fleet:
         since_l = self.asleep_since[idx].tolist()
         total_l = self.requests_total[idx].tolist()
         busy_l = busy[idx].tolist()
-        infl_l = self.inflight[idx].tolist()
-        queue_l = self.queue[idx].tolist()
+        value_l = value[idx].tolist()
         window = max(self._stable_s, self.policy.scale_down_delay_s)
         quiet_l = ((tick - self.last_high[idx]) * TICK_S > window + TICK_S).tolist()
         decisions = 0
@@ -309,30 +328,44 @@ class Fleet:
                 continue  # nothing to judge until it serves
             since = since_l[j]
             if since != AWAKE:
-                before = total_l[j] - arr_l[j]
-                for t in range(max(since, tick - self._replay), tick):
-                    self._idle(e, t, before)
-                    decisions += 1
-                self.asleep_since[e] = AWAKE
+                decisions += self._replay_sleep(e, since, tick)
             decisions += 1
-            inflight, queued = (infl_l[j], queue_l[j]) if busy_l[j] else (0.0, 0.0)
             keep = cur_l[j] == 1 and ready_l[j] == 1 and quiet_l[j]
             if keep and busy_l[j]:
                 # The observation is active (no scale to zero) and no sample in the windows is
                 # above the target: the decision keeps the one replica (see above).
-                self._observe(e, tick, total_l[j], inflight, queued)
-            elif self._decide(e, tick, total_l[j], inflight, queued, cur_l[j]):
+                self._observe(e, tick, total_l[j], value_l[j])
+            elif self._decide(e, tick, total_l[j], value_l[j], cur_l[j]):
                 continue
             if keep:
                 self.asleep_since[e] = tick + 1
+                self.slept_busy[e] = -(1 << 40)
                 self.wake_at[e] = self._deadline(e)
         self.counters.decisions += decisions
 
-    def _decide(
-        self, e: int, tick: int, requests_total: int, inflight: float, queued: float, cur: int
-    ) -> bool:
+    def _replay_sleep(self, e: int, since: int, tick: int) -> int:
+        """Wake sleeper `e`: the observations of its skipped ticks that its windows can still
+        see, after its last request before them. Returns how many it replayed."""
+        start = max(since, tick - self._replay)
+        busy = int(self.slept_busy[e])
+        if since <= busy < start:
+            self.scalers[e].mark_active((busy + 1) * TICK_S)
+        if start > since:  # its tracker counts the requests since the tick before `start`
+            route = self.routes[e]
+            route.requests_total = int(self.hist_total[(start - 1) % HISTORY, e])
+            route.outstanding = route.waiting = 0.0
+            self.trackers[e].observe(start * TICK_S, route, {})  # type: ignore[arg-type]
+        rows = [t % HISTORY for t in range(start, tick)]
+        totals = self.hist_total[rows, e].tolist()
+        values = self.hist_value[rows, e].tolist()
+        for t, total, value in zip(range(start, tick), totals, values, strict=True):
+            self._observe(e, t, total, value)
+        self.asleep_since[e] = AWAKE
+        return tick - start
+
+    def _decide(self, e: int, tick: int, requests_total: int, busy: float, cur: int) -> bool:
         """Observe and decide for endpoint `e` at the end of `tick`; True if it scaled."""
-        now = self._observe(e, tick, requests_total, inflight, queued)
+        now = self._observe(e, tick, requests_total, busy)
         desired = self.scalers[e].decide(now, cur).desired
         if desired > cur:
             self.scale_up(e, desired - cur, now)
@@ -340,22 +373,16 @@ class Fleet:
             self.scale_down(e, cur - desired, tick)
         return desired != cur
 
-    def _observe(
-        self, e: int, tick: int, requests_total: int, inflight: float, queued: float
-    ) -> float:
-        """The gateway's counters of `e` at the end of `tick`, into its autoscaler's windows."""
+    def _observe(self, e: int, tick: int, requests_total: int, busy: float) -> float:
+        """The gateway's counters of `e` at the end of `tick`, into its autoscaler's windows:
+        `busy` is its requests in flight plus queued (the sum is all the metric reads)."""
         now = (tick + 1) * TICK_S
         route = self.routes[e]
         route.requests_total = requests_total
-        route.outstanding = inflight
-        route.waiting = queued
+        route.outstanding = busy
+        route.waiting = 0.0
         self.scalers[e].observe(self.trackers[e].observe(now, route, {}))  # type: ignore[arg-type]
         return now
-
-    def _idle(self, e: int, tick: int, requests_total: int) -> None:
-        """A skipped tick of a sleeper, replayed: its (zero) observation. Its decision kept the
-        one replica and changed nothing the next decisions read (see `control`)."""
-        self._observe(e, tick, requests_total, 0.0, 0.0)
 
     def _deadline(self, e: int) -> int:
         """The tick at whose end the endpoint has been idle long enough to go to zero."""
