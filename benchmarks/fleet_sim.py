@@ -47,8 +47,19 @@ def _init(queue: Any) -> None:
     _queue = queue
 
 
-def _job(spec: RunSpec, seed: int, variants: list[Variant]) -> dict[str, Any]:
-    return run_seed(spec, seed, variants, progress=lambda n: _queue.put(n) if _queue else None)
+def _job(spec: RunSpec, seed: int, variants: list[Variant], ids: list[int]) -> dict[str, Any]:
+    return run_seed(
+        spec, seed, variants, progress=lambda n: _queue.put(n) if _queue else None, rng_ids=ids
+    )
+
+
+def _merge(parts: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """One seed's result from the results of parts of its variants (`--split`)."""
+    out = dict(parts[0])
+    out["cpu_s"] = round(sum(p["cpu_s"] for p in parts), 1)
+    every = {k: v for p in parts for k, v in p["variants"].items()}
+    out["variants"] = {name: every[name] for name in names}
+    return out
 
 
 def _bar(done: int, total: int, started: float) -> None:
@@ -77,6 +88,12 @@ def main() -> None:
     ap.add_argument("--device", default="h100", choices=["h100", "a100", "l4"])
     ap.add_argument("--trace-dir", type=Path)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument(
+        "--split",
+        type=int,
+        default=1,
+        help="run each seed's variants as this many jobs (same figures; balances the workers)",
+    )
     ap.add_argument("--warmup-s", type=float, default=3600.0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -108,9 +125,12 @@ def main() -> None:
         for v in args.variants
     ]
     started = time.perf_counter()
-    total = len(args.seeds) * round((args.days * 86400 + args.warmup_s) / TICK_S)
+    parts = max(1, min(args.split, len(variants)))
+    total = len(args.seeds) * parts * round((args.days * 86400 + args.warmup_s) / TICK_S)
     done = 0
-    if args.workers <= 1 or len(args.seeds) == 1:
+    ids = list(range(len(variants)))
+    groups = [ids[i::parts] for i in range(parts)]
+    if args.workers <= 1 or len(args.seeds) * parts == 1:
         runs = []
         for seed in args.seeds:
 
@@ -119,18 +139,35 @@ def main() -> None:
                 done += n
                 _bar(done, total, started)
 
-            runs.append(run_seed(spec, seed, variants, progress=tick))
+            runs.append(
+                _merge([
+                    run_seed(spec, seed, [variants[i] for i in g], progress=tick, rng_ids=g)
+                    for g in groups
+                ], args.variants)
+            )  # fmt: skip
     else:
         queue = Manager().Queue()
         with ProcessPoolExecutor(args.workers, initializer=_init, initargs=(queue,)) as pool:
-            pending = {pool.submit(_job, spec, s, variants) for s in args.seeds}
-            futures = list(pending)
+            futures = {
+                (s, k): pool.submit(_job, spec, s, [variants[i] for i in g], g)
+                for s in args.seeds
+                for k, g in enumerate(groups)
+            }
+            pending = set(futures.values())
             while pending:
-                _, pending = wait(pending, timeout=2.0, return_when=FIRST_COMPLETED)
+                finished, pending = wait(pending, timeout=2.0, return_when=FIRST_COMPLETED)
+                for (s, k), fut in futures.items():
+                    if args.json and fut in finished and fut.exception() is None:
+                        # Each job as it ends, so a run stopped early keeps what it finished.
+                        part = args.json.with_suffix(f".seed{s}.part{k}.json")
+                        part.write_text(json.dumps(fut.result(), indent=1, default=float))
                 while not queue.empty():
                     done += queue.get()
                 _bar(done, total, started)
-            runs = [f.result() for f in futures]
+            runs = [
+                _merge([futures[s, k].result() for k in range(parts)], args.variants)
+                for s in args.seeds
+            ]
     sys.stderr.write("\n")
     meta = {
         "endpoints": args.endpoints,
