@@ -1,5 +1,6 @@
-"""Weight-only int8 (`quantization: "int8"`): weight memory, logit error and greedy agreement
-against the float32 model on a fixed prompt set, on a tiny random Llama and on SmolLM2."""
+"""Int8 quantization (`quantization: "int8"` weight-only, `"w8a8"` int8 activations too):
+weight memory, logit error and greedy agreement against the float32 model on a fixed prompt
+set, on a tiny random Llama and on SmolLM2."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import torch
 
 from modelyard.config import EngineSettings
 from modelyard.engine.models.loader import load_model
-from modelyard.engine.quantization import Int8Linear, int8_kernel_available, weight_bytes
+from modelyard.engine.quantization import (
+    Int8Linear,
+    fbgemm_available,
+    int8_kernel,
+    int8_kernel_available,
+    quantize_rows,
+    weight_bytes,
+)
 from tests.parity import make_engine, record_logits, run_staggered
 from tests.tiny_models import build_model
 
@@ -28,23 +36,26 @@ def tiny_tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("int8") / "m", "llama", tie_word_embeddings=True)
 
 
-def compare(folder: Path, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-    """int8 vs float32 engines on the same prompts: max |logit error| (`err`), the largest
-    |logit| (`scale`), top-1 agreement at the positions both runs reached with the same context
-    (`top1`), and the share of greedy tokens equal up to each sequence's first divergence."""
+def compare(
+    folder: Path, prompts: list[list[int]], max_tokens: int, mode: str = "int8"
+) -> dict[str, float]:
+    """`mode` (int8 or w8a8) vs float32 engines on the same prompts: max |logit error|
+    (`err`), the largest |logit| (`scale`), top-1 agreement at the positions both runs reached
+    with the same context (`top1`), and the share of greedy tokens equal up to each sequence's
+    first divergence."""
     runs = {}
-    for quant in (None, "int8"):
+    for quant in (None, mode):
         engine = make_engine(folder, quantization=quant, block_size=4)
         with record_logits(engine) as records:
             tokens = run_staggered(engine, prompts, max_tokens)
         runs[quant] = (tokens, records)
-        if quant == "int8":
+        if quant == mode:
             int8_bytes = weight_bytes(engine.runner.model)
     ref = {tuple(t): logits for t, logits in runs[None][1]}
-    pairs = [(lg, ref[tuple(t)]) for t, lg in runs["int8"][1] if tuple(t) in ref]
+    pairs = [(lg, ref[tuple(t)]) for t, lg in runs[mode][1] if tuple(t) in ref]
     same = total = 0
     for i, toks in runs[None][0].items():
-        for a, b in zip(toks, runs["int8"][0][i], strict=True):
+        for a, b in zip(toks, runs[mode][0][i], strict=True):
             if a != b:
                 break  # after a divergence the contexts differ: count no further
             same += 1
@@ -71,14 +82,49 @@ def fp32_bytes(folder: Path) -> int:
     return total
 
 
-def test_int8_linear_matches_dequantized_matmul() -> None:
+def available_kernels() -> list[str]:
+    kernels = ["dequant"]
+    if int8_kernel_available("cpu"):
+        kernels.append("int8pack")
+    if fbgemm_available():
+        kernels.append("fbgemm")
+    return kernels
+
+
+needs_fbgemm = pytest.mark.skipif(
+    not fbgemm_available(), reason="FBGEMM's int8 linear is not in this torch build (not x86)"
+)
+
+
+@pytest.mark.parametrize("kernel", ["dequant", "int8pack", "fbgemm"])
+def test_int8_linear_matches_dequantized_matmul(kernel: str) -> None:
+    if kernel not in available_kernels():
+        pytest.skip(f"the {kernel} int8 kernel is not available on this CPU")
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(48, 64, generator=g), torch.randn(5, 64, generator=g)
-    layer = Int8Linear.from_weight(w, None, torch.float32)
-    deq = layer.qweight.float() * layer.scale[:, None]
-    assert torch.allclose(layer(x), x @ deq.T, atol=1e-4)
+    x[2] *= 100  # one row's outliers must not coarsen the others' activations
+    bias = torch.randn(48, generator=g)
+    q, scale = quantize_rows(w)
+    deq = q.float() * scale[:, None]
     assert (deq - w).abs().max() <= w.abs().amax(1).max() / 127 / 2 + 1e-6  # rounding only
-    assert layer.fast == int8_kernel_available("cpu")
+    layer = Int8Linear(q, scale, bias, torch.float32, kernel)
+    assert layer.kernel == kernel
+    got, want = layer(x), x @ deq.T + bias
+    for row in range(5):
+        # Weight-only kernels are exact up to float rounding; fbgemm also rounds each token's
+        # activations to 7 bits (half a step of its own absmax / 127 per element).
+        bound = 1e-3 if kernel != "fbgemm" else 64 * x[row].abs().max() / 127 * deq.abs().max()
+        assert (got[row] - want[row]).abs().max() <= bound, (kernel, row)
+
+
+def test_each_mode_names_its_kernel_or_what_it_needs() -> None:
+    assert int8_kernel("int8", "cpu", torch.float32) in ("int8pack", "dequant")
+    assert int8_kernel("int8", "cuda", torch.bfloat16) == "dequant"
+    for device, dtype in (("cuda", torch.float32), ("cpu", torch.bfloat16)):
+        with pytest.raises(ValueError, match="x86 CPUs with float32"):
+            int8_kernel("w8a8", device, dtype)
+    if fbgemm_available():
+        assert int8_kernel("w8a8", "cpu", torch.float32) == "fbgemm"
 
 
 def test_weight_memory_at_most_30_percent_of_fp32(tiny_tied: Path) -> None:
@@ -109,6 +155,21 @@ def test_smollm2_int8_close_to_fp32(smollm2_folder: Path) -> None:
     got = compare(smollm2_folder, prompts, max_tokens=4)
     assert got["int8_bytes"] <= 0.30 * fp32_bytes(smollm2_folder)
     assert got["err"] <= 0.08 * got["scale"], got
+    assert got["top1"] >= 0.8, got
+
+
+@needs_fbgemm
+def test_smollm2_w8a8_close_to_fp32(smollm2_folder: Path) -> None:
+    """Int8 activations cost accuracy: bounds from BENCHMARKS.md's measurement, with margin;
+    FBGEMM's packed weights take ~1.8 bytes each (counted as 2), the tied head its own copy."""
+    from modelyard.engine.models.loader import read_model_config
+    from modelyard.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(smollm2_folder, read_model_config(smollm2_folder))
+    prompts = [tok.encode(p) for p in SMOL_PROMPTS]
+    got = compare(smollm2_folder, prompts, max_tokens=4, mode="w8a8")
+    assert got["int8_bytes"] <= 0.60 * fp32_bytes(smollm2_folder)
+    assert got["err"] <= 0.15 * got["scale"], got
     assert got["top1"] >= 0.8, got
 
 

@@ -1,22 +1,67 @@
-"""Weight-only int8 quantization (`quantization: "int8"`): per-output-channel int8 weights.
+"""Int8 quantization of the linear layers and the embedding: per-output-channel int8 weights.
 
-Every linear layer keeps an int8 `[out, in]` matrix and one scale per output row; activations
-stay in the model dtype. On CPU the matmul is `aten._weight_int8pack_mm` (int8 weights are
-converted inside the kernel's tiles, never materialised whole); elsewhere, or where that op is
-missing, the weight is dequantized on the fly. The token embedding is quantized the same way
-(per row), and with tied embeddings the LM head reuses it, so the whole model is ~1 byte per
-parameter (about 26 % of float32).
+Every linear layer keeps an int8 `[out, in]` matrix and one scale per output row. Two modes:
+
+- `int8` (weight-only): activations stay in the model dtype. The matmul is
+  `aten._weight_int8pack_mm` (`int8pack`) on CPU, else the weight is dequantized on the fly
+  (`dequant`). About 1 byte per parameter (25 % of float32 for SmolLM2). PyTorch vectorises
+  `int8pack` for AVX-512 CPUs, not for AVX2, where it measured 2.3x slower than float32
+  (SmolLM2 decode, AMD EPYC AVX2): there `w8a8` is the fast one.
+- `w8a8`: FBGEMM's dynamic int8 linear (`quantized::linear_dynamic`, x86 CPUs, float32
+  activations): the activations are quantized to int8 too, per token (each row is scaled to the
+  same range first, so one token's outliers do not coarsen another's) after SmoothQuant
+  factors, set by one calibration prefill at load, have moved the activations' outlier channels
+  into the weights; products accumulate in int32. 2x faster than float32 at batch 1 and 32 on
+  AVX2, less accurate than `int8` (BENCHMARKS.md), and FBGEMM's packed weights take ~1.8 bytes
+  each: it buys speed, not memory.
+
+The token embedding is quantized per row too; with tied embeddings the `int8` LM head reuses
+its rows, the `w8a8` one is its own packed copy.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "w8a8")
+
+
+def int8_kernel(mode: str, device_type: str, dtype: torch.dtype) -> str:
+    """The matmul kernel of quantization `mode` here: `int8pack`/`dequant` for `int8`,
+    `fbgemm` for `w8a8` (`ValueError` naming what it needs where FBGEMM cannot run it)."""
+    if mode == "w8a8":
+        if device_type != "cpu" or dtype != torch.float32 or not fbgemm_available():
+            raise ValueError(
+                "quantization 'w8a8' runs on x86 CPUs with float32 activations (FBGEMM); "
+                f"this engine is on {device_type} with {dtype}: use 'int8'"
+            )
+        return "fbgemm"
+    return "int8pack" if int8_kernel_available(device_type) else "dequant"
+
+
+@functools.cache
+def fbgemm_available() -> bool:
+    """Whether FBGEMM's dynamic int8 linear runs here (x86 CPU builds of torch)."""
+    try:
+        layer = _fbgemm_pack(torch.zeros(8, 32, dtype=torch.int8), torch.ones(8))
+        torch.ops.quantized.linear_dynamic(torch.zeros(1, 32), layer, True)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.ScriptObject:
+    """FBGEMM's packed form of int8 rows `q` with per-row `scale` (no bias: added outside)."""
+    zeros = torch.zeros(q.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # quantized tensors are deprecated, not yet removed
+        warnings.simplefilter("ignore", UserWarning)
+        qt = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
+    return torch.ops.quantized.linear_prepack(qt, None)
 
 
 @functools.cache
@@ -42,7 +87,10 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """`y = x @ (q * scale)^T + bias` with int8 `q` and the scale in the activation dtype."""
+    """`y = x @ (q * scale)^T + bias` with int8 `q` and the scale in the activation dtype.
+
+    Under the `fbgemm` kernel the int8 rows live only in FBGEMM's packed copy (`packed`), whose
+    size `packed_bytes` is what `weight_bytes` counts for them."""
 
     def __init__(
         self,
@@ -50,25 +98,61 @@ class Int8Linear(nn.Module):
         scale: torch.Tensor,
         bias: torch.Tensor | None,
         dtype: torch.dtype,
+        kernel: str = "dequant",
+        smooth: torch.Tensor | None = None,
     ) -> None:
+        """`smooth` (fbgemm only): per-input-channel factors already multiplied into the weight
+        before quantizing; activations are divided by them (SmoothQuant)."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
+        self.kernel = kernel
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.packed: torch.ScriptObject | None = None
+        self.packed_bytes = 0
+        if self.kernel == "fbgemm":
+            inverse = None if smooth is None else (1.0 / smooth).to(dtype)
+            self.register_buffer("inv_smooth", inverse)
+            self.packed = _fbgemm_pack(qweight, scale)
+            # Measured: FBGEMM's packed weights hold ~1.8 bytes of RSS per int8 weight (its
+            # packed matrix and what it keeps to unpack); counted as 2.
+            self.packed_bytes = 2 * qweight.numel() + 8 * qweight.shape[0]
+            return
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.fast = int8_kernel_available(qweight.device.type)
 
     @classmethod
     def from_weight(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        kernel: str = "dequant",
+        activation_max: torch.Tensor | None = None,
     ) -> Int8Linear:
+        """`activation_max`: each input channel's largest |activation| seen in calibration;
+        with the `fbgemm` kernel it sets SmoothQuant factors that move the activations'
+        outlier channels into the weight, where per-row weight scales absorb them."""
+        smooth = None
+        if kernel == "fbgemm" and activation_max is not None:
+            weight_max = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
+            smooth = (activation_max.float().clamp(min=1e-5).sqrt() / weight_max.sqrt()).clamp(
+                min=1e-2, max=1e2
+            )
+            weight = weight.detach().float() * smooth
         q, scale = quantize_rows(weight)
-        return cls(q, scale, bias, dtype)
+        return cls(q, scale, bias, dtype, kernel, smooth)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.fast and x2.dtype == self.scale.dtype:
+        if self.packed is not None and x2.dtype == torch.float32:
+            if self.inv_smooth is not None:
+                x2 = x2 * self.inv_smooth
+            # Per-token activation scales through a per-tensor kernel: every row is brought to
+            # the same range first (absmax 1), so the kernel's one scale fits each row.
+            row_max = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+            y = torch.ops.quantized.linear_dynamic(x2 / row_max, self.packed, True) * row_max
+        elif self.kernel == "int8pack" and x2.dtype == self.scale.dtype:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale)
         else:  # dequantize on the fly (CUDA, or a dtype the kernel does not take)
             y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scale.to(x2.dtype)
@@ -91,41 +175,100 @@ class Int8Embedding(nn.Module):
 
     def as_linear(self) -> Int8Linear:
         """The tied LM head over the same int8 rows (no second copy)."""
-        return Int8Linear(self.qweight, self.scale, None, self.dtype)
+        kernel = int8_kernel("int8", self.qweight.device.type, self.dtype)
+        return Int8Linear(self.qweight, self.scale.float(), None, self.dtype, kernel)
 
 
-def _quantize_children(module: nn.Module, dtype: torch.dtype) -> int:
+def _quantize_children(
+    module: nn.Module, dtype: torch.dtype, kernel: str, ranges: dict[nn.Module, torch.Tensor]
+) -> int:
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, Int8Linear.from_weight(child.weight, child.bias, dtype))
+            layer = Int8Linear.from_weight(
+                child.weight, child.bias, dtype, kernel, activation_max=ranges.get(child)
+            )
+            setattr(module, name, layer)
             count += 1
         else:
-            count += _quantize_children(child, dtype)
+            count += _quantize_children(child, dtype, kernel, ranges)
     return count
 
 
-def quantize_model_int8(model: nn.Module, dtype: torch.dtype) -> int:
+CALIBRATION_TOKENS = 256
+
+
+@torch.inference_mode()
+def activation_ranges(model: nn.Module) -> dict[nn.Module, torch.Tensor]:
+    """Each linear layer's (and the LM head's, keyed by the model) largest |input| per channel
+    over one prefill of `CALIBRATION_TOKENS` seeded random token ids.
+
+    Random ids, not text: the outlier channels SmoothQuant moves are a property of the weights
+    (the same channels whatever the text), and any model can be calibrated without a dataset.
+    """
+    from modelyard.engine.attention import AttentionMetadata, PrefillChunk
+
+    cfg = model.config  # type: ignore[attr-defined]
+    n = min(CALIBRATION_TOKENS, cfg.max_position_embeddings)
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    ranges: dict[nn.Module, torch.Tensor] = {}
+
+    def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        seen = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0).float()
+        ranges[module] = torch.maximum(ranges[module], seen) if module in ranges else seen
+
+    hooks = [
+        m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, nn.Linear)
+    ]
+    kv_heads = cfg.num_key_value_heads // model.tp_size  # type: ignore[attr-defined]
+    caches = [torch.zeros(2, n, kv_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        block_size=n,
+        num_decodes=0,
+        decode_block_tables=None,
+        decode_mask=None,
+        prefills=[PrefillChunk(0, n, 0, None)],
+    )
+    try:
+        hidden = model(ids, torch.arange(n), meta, caches)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    ranges[model] = hidden.abs().amax(dim=0).float()
+    return ranges
+
+
+def quantize_model_int8(model: nn.Module, dtype: torch.dtype, mode: str = "int8") -> int:
     """Swap a loaded (fused, unpacked) `LlamaForCausalLM`'s linears, embedding and LM head for
-    their int8 forms in place; returns how many matmuls were quantized."""
+    their int8 forms in place (`mode`: `int8` or `w8a8`, see the module docstring); returns
+    how many matmuls were quantized. `w8a8` first runs its calibration prefill."""
     inner = model.model  # type: ignore[attr-defined]
-    count = _quantize_children(inner, dtype)
-    q, scale = quantize_rows(inner.embed_tokens.weight)
+    weight = inner.embed_tokens.weight
+    kernel = int8_kernel(mode, weight.device.type, dtype)
+    fbgemm = kernel == "fbgemm"
+    ranges = activation_ranges(model) if fbgemm else {}
+    count = _quantize_children(inner, dtype, kernel, ranges)
+    q, scale = quantize_rows(weight)
     embedding = Int8Embedding(q, scale, dtype)
     inner.embed_tokens = embedding
-    if model.lm_head is None:  # type: ignore[attr-defined]
+    head = model.lm_head  # type: ignore[attr-defined]
+    if head is None and not fbgemm:
         model.lm_head = embedding.as_linear()  # type: ignore[attr-defined]
-    else:
-        head = model.lm_head  # type: ignore[attr-defined]
-        model.lm_head = Int8Linear.from_weight(head.weight, head.bias, dtype)  # type: ignore[attr-defined]
+    else:  # its own weight, or the tied one smoothed for the head's own activations
+        head_weight, bias = (weight, None) if head is None else (head.weight, head.bias)
+        model.lm_head = Int8Linear.from_weight(  # type: ignore[attr-defined]
+            head_weight, bias, dtype, kernel, activation_max=ranges.get(model)
+        )
     return count + 1
 
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and persistent buffer (not the RoPE tables), each storage
-    counted once (a tied head shares the embedding's); oneDNN-packed copies are not counted."""
+    counted once (a tied head shares the embedding's), plus FBGEMM's packed int8 copies (the
+    only copy of those weights); oneDNN's packed float copies are not counted."""
     seen: set[int] = set()
-    total = 0
+    total = sum(getattr(m, "packed_bytes", 0) for m in model.modules())
     for t in model.state_dict(keep_vars=True).values():
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen:

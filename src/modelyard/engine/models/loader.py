@@ -147,8 +147,8 @@ def load_model(
     model.load_state_dict(state, assign=True, strict=True)
     model.fuse_projections()
     model = model.to(device).eval()
-    if quantization == "int8":
-        quantize_model_int8(model, dtype)
+    if quantization in QUANTIZATIONS:
+        quantize_model_int8(model, dtype, quantization)
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}; supported: {QUANTIZATIONS}")
     elif pack_cpu_linears and packing_available(device, dtype):
