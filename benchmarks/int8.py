@@ -1,4 +1,5 @@
-"""Weight-only int8: weight memory, accuracy against float32, and the matmul kernel's speed.
+"""Int8 (weight-only) and w8a8 (int8 activations too): weight memory, accuracy against float32,
+decode speed, and the matmul kernel's speed.
 
 1. Weight memory of the int8 model (parameters and persistent buffers, a tied head counted
    once) against the checkpoint in float32.
@@ -6,7 +7,8 @@
    batched in one engine per dtype): max |logit error| against float32 over the positions both
    runs reached with the same context, that error relative to the largest |logit|, top-1
    agreement at those positions, and greedy tokens equal up to each sequence's first divergence.
-3. Kernel: `aten._weight_int8pack_mm` against `F.linear` in float32 and bfloat16 for the model's
+3. Decode speed: the engine's median step with 1, 8 and 32 sequences decoding, per mode.
+4. Kernel: `aten._weight_int8pack_mm` against `F.linear` in float32 and bfloat16 for the model's
    matmul shapes, at 1 and 32 rows (median of `--repeat` calls).
 
     python benchmarks/int8.py                 # SmolLM2
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modelyard.config import EngineSettings
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.models.loader import read_model_config, to_hf_folder
-from modelyard.engine.quantization import quantize_rows, weight_bytes
+from modelyard.engine.quantization import fbgemm_available, quantize_rows, weight_bytes
 from modelyard.engine.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -72,6 +74,26 @@ def run(folder: Path, quant: str | None, dtype: str, max_tokens: int) -> tuple:
             for d in o.deltas:
                 out[o.request_id].extend(d.token_ids)
     return out, records, weight_bytes(engine.runner.model)
+
+
+DECODE_BATCHES = (1, 8, 32)
+
+
+def decode_step_ms(folder: Path, quant: str | None, batch: int, tokens: int = 24) -> float:
+    """Median engine step (ms) while `batch` greedy sequences decode together."""
+    engine = LLMEngine.from_settings(
+        folder, EngineSettings(dtype="float32", quantization=quant, kv_cache_memory="256MiB")
+    )
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)]), params)
+    engine.step()  # the prefills
+    samples = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1000
 
 
 def accuracy(ref: tuple, got: tuple) -> dict[str, float]:
@@ -124,21 +146,9 @@ def kernel_times(cfg, repeat: int) -> list[tuple[str, int, float, float, float]]
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=50)
-    args = ap.parse_args()
-    folder = to_hf_folder(args.model, EngineSettings().cache_dir)
-    cfg = read_model_config(folder)
-    print(
-        f"model {args.model}; machine {platform.machine()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
-    )
-    fp32 = run(folder, None, "float32", args.max_tokens)
+def accuracy_table(folder: Path, cfg, max_tokens: int) -> None:  # type: ignore[no-untyped-def]
+    """Weight memory and accuracy against float32 of every mode (the first table)."""
+    fp32 = run(folder, None, "float32", max_tokens)
     from safetensors import safe_open
 
     fp32_bytes = 0
@@ -153,19 +163,48 @@ def main() -> None:
         f"{'top-1':>6} {'greedy':>7}"
     )
     print(f"{'float32':<14} {fp32_bytes / 1e6:>10.1f} {100:>7.1f}")
-    for label, quant, dtype in (
+    runs = [
         ("bfloat16", None, "bfloat16"),
         ("int8 (fp32 act)", "int8", "float32"),
         ("int8 (bf16 act)", "int8", "bfloat16"),
-    ):
-        got = run(folder, quant, dtype, args.max_tokens)
+    ]
+    if fbgemm_available():
+        runs.append(("w8a8", "w8a8", "float32"))
+    for label, quant, dtype in runs:
+        got = run(folder, quant, dtype, max_tokens)
         a = accuracy(fp32, got)
         size = got[2] if quant else fp32_bytes // 2
         print(
-            f"{label:<14} {size / 1e6:>10.1f} {100 * size / fp32_bytes:>7.1f} {a['max_err']:>8.3f} "
-            f"{a['rel_err']:>8.3f} {a['top1']:>6.3f} {a['greedy']:>7.3f}"
+            f"{label:<14} {size / 1e6:>10.1f} {100 * size / fp32_bytes:>7.1f} "
+            f"{a['max_err']:>8.3f} {a['rel_err']:>8.3f} {a['top1']:>6.3f} {a['greedy']:>7.3f}"
         )
-    print(f"({len(PROMPTS)} prompts x {args.max_tokens} greedy tokens)")
+    print(f"({len(PROMPTS)} prompts x {max_tokens} greedy tokens)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=50)
+    ap.add_argument("--decode-only", action="store_true", help="only the decode speed table")
+    args = ap.parse_args()
+    folder = to_hf_folder(args.model, EngineSettings().cache_dir)
+    cfg = read_model_config(folder)
+    print(
+        f"model {args.model}; machine {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    if not args.decode_only:
+        accuracy_table(folder, cfg, args.max_tokens)
+    print(f"\ndecode step, median ms (tokens/s) at batch {DECODE_BATCHES}, float32 activations")
+    for quant in [None, "int8"] + (["w8a8"] if fbgemm_available() else []):
+        cells = []
+        for batch in DECODE_BATCHES:
+            ms = decode_step_ms(folder, quant, batch)
+            cells.append(f"{ms:7.1f} ({batch / ms * 1000:6.1f})")
+        print(f"{quant or 'float32':<10} " + "  ".join(cells))
     print(
         f"\n{'matmul':<8} {'rows':>4} {'fp32 us':>9} {'bf16 us':>9} {'int8 us':>9} {'bf16/int8':>9}"
     )

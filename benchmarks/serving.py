@@ -86,6 +86,7 @@ class Prompt:
     words: int
     output_len: int | None = None  # this request's max_tokens (a trace's); None: --output-len
     at_s: float | None = None  # when to send it, from the start (a trace's); None: Poisson
+    system: str | None = None  # shared-prefix chat: the prefix, sent as the system message
 
 
 @dataclass
@@ -96,6 +97,8 @@ class Outcome:
     output_tokens: int = 0
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
+    prompt_tokens: int = 0  # from the server's usage, where it reports it
+    cached_tokens: int = 0  # of those, served from its prefix cache
 
     @property
     def tpot_s(self) -> float:
@@ -141,12 +144,20 @@ def make_prompts(args: argparse.Namespace, n: int) -> list[Prompt]:
     out = []
     for i in range(n):
         question = _words(rng, args.input_len)
-        out.append(
-            Prompt(
-                f"{prefixes[i % len(prefixes)]}\n\nQuestion {i}: {question}",
-                args.prefix_len + args.input_len + 2,
-            )
+        # Which prefix: round robin, or (--prefix-order random) drawn per request.
+        k = (
+            i % len(prefixes)
+            if args.prefix_order == "round-robin"
+            else rng.randrange(len(prefixes))
         )
+        if args.endpoint == "chat":  # a tenant's app: its system prompt, then the user's turn
+            prompt = Prompt(f"Question {i}: {question}", args.prefix_len + args.input_len + 2)
+            prompt.system = prefixes[k]
+        else:
+            prompt = Prompt(
+                f"{prefixes[k]}\n\nQuestion {i}: {question}", args.prefix_len + args.input_len + 2
+            )
+        out.append(prompt)
     return out
 
 
@@ -162,6 +173,8 @@ def _body(args: argparse.Namespace, model: str, prompt: Prompt) -> dict[str, Any
         body["ignore_eos"] = True  # modelyard, vLLM and llama-server all take it
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt.text}]
+        if prompt.system is not None:
+            body["messages"].insert(0, {"role": "system", "content": prompt.system})
     else:
         body["prompt"] = prompt.text
     return body
@@ -173,7 +186,7 @@ async def one_request(
     start = time.perf_counter()
     first = last = 0.0
     chunks = 0
-    usage_tokens = 0
+    usage: dict[str, Any] = {}
     itl: list[float] = []
     try:
         async with session.post(url, json=body, headers=headers) as resp:
@@ -192,7 +205,7 @@ async def one_request(
                         continue
                     event = json.loads(data)
                     if event.get("usage"):
-                        usage_tokens = int(event["usage"].get("completion_tokens") or 0)
+                        usage = event["usage"]
                     choices = event.get("choices") or []
                     text = ""
                     if choices:
@@ -212,7 +225,16 @@ async def one_request(
     end = time.perf_counter()
     if chunks == 0:
         return Outcome(False, error="no tokens streamed")
-    return Outcome(True, first - start, end - start, usage_tokens or chunks, itl)
+    details = usage.get("prompt_tokens_details") or {}
+    return Outcome(
+        True,
+        first - start,
+        end - start,
+        int(usage.get("completion_tokens") or 0) or chunks,
+        itl,
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+    )
 
 
 async def run_load(
@@ -279,6 +301,9 @@ def summarize(args: argparse.Namespace, outcomes: list[Outcome], wall_s: float) 
         "output_tokens_per_s": round(out_tokens / wall_s, 1),
         "goodput_req_per_s": round(len(good) / wall_s, 3),
     }
+    prompt_tokens = sum(o.prompt_tokens for o in ok)
+    if prompt_tokens:  # the server reports usage: the share of prompt tokens its cache served
+        res["prefix_cache_hit_rate"] = round(sum(o.cached_tokens for o in ok) / prompt_tokens, 3)
     itl = [x for o in ok for x in o.itl_s]
     for name, vals in (
         ("ttft", [o.ttft_s for o in ok]),
@@ -373,6 +398,8 @@ def _launch(
         cmd = [sys.executable, "-m", "modelyard.cli", "worker", "--model", str(gguf), "--host",
                "127.0.0.1", "--port", str(port), "--served-model-name", "bench"]  # fmt: skip
         env = {**os.environ, "MODELYARD_MAX_NUM_SEQS": str(max(slots, 64))}
+        if args.quantization:
+            env["MODELYARD_QUANTIZATION"] = args.quantization
     log_path = log_dir / f"serving-{name}.log"
     print(f"starting {name}: {' '.join(cmd)} (log {log_path})", flush=True)
     log_file = open(log_path, "wb")  # noqa: SIM115 - lives as long as the server
@@ -460,6 +487,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths vary by ±ratio")
     p.add_argument("--prefix-len", type=int, default=256)
     p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument(
+        "--prefix-order",
+        choices=("round-robin", "random"),
+        default="round-robin",
+        help="shared-prefix: which prefix each request takes",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("int8", "w8a8"),
+        help="--against-llama-cpp: the modelyard worker's quantization (default: none)",
+    )
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS")
     p.add_argument(

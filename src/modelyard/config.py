@@ -114,7 +114,7 @@ class EngineSettings(_Settings):
         description="Quantization of the linear layers and embedding: int8 = weight-only "
         "per-output-channel int8 (~26 % of float32 weight memory); w8a8 = int8 weights and "
         "per-token int8 activations after SmoothQuant calibration (FBGEMM; x86 CPUs, float32; "
-        "2x faster than float32 on AVX2, less accurate, ~55 % of float32 memory).",
+        "1.7-3.5x float32's tokens/s on AVX2, less accurate, ~56 % of float32 memory).",
     )
     max_loras: int = Field(
         0, ge=0, description="LoRA adapter slots held at once (LRU); 0 = no LoRA serving."

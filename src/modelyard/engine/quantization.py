@@ -5,14 +5,14 @@ Every linear layer keeps an int8 `[out, in]` matrix and one scale per output row
 - `int8` (weight-only): activations stay in the model dtype. The matmul is
   `aten._weight_int8pack_mm` (`int8pack`) on CPU, else the weight is dequantized on the fly
   (`dequant`). About 1 byte per parameter (25 % of float32 for SmolLM2). PyTorch vectorises
-  `int8pack` for AVX-512 CPUs, not for AVX2, where it measured 2.3x slower than float32
-  (SmolLM2 decode, AMD EPYC AVX2): there `w8a8` is the fast one.
+  `int8pack` for AVX-512 CPUs, not for AVX2, where it measured 3x slower than float32
+  (SmolLM2 decode at batch 1, AMD EPYC AVX2): there `w8a8` is the fast one.
 - `w8a8`: FBGEMM's dynamic int8 linear (`quantized::linear_dynamic`, x86 CPUs, float32
   activations): the activations are quantized to int8 too, per token (each row is scaled to the
   same range first, so one token's outliers do not coarsen another's) after SmoothQuant
   factors, set by one calibration prefill at load, have moved the activations' outlier channels
-  into the weights; products accumulate in int32. 2x faster than float32 at batch 1 and 32 on
-  AVX2, less accurate than `int8` (BENCHMARKS.md), and FBGEMM's packed weights take ~1.8 bytes
+  into the weights; products accumulate in int32. 1.7-3.5x float32's tokens/s on AVX2, less
+  accurate than `int8` (BENCHMARKS.md), and FBGEMM's packed weights take ~1.8 bytes
   each: it buys speed, not memory.
 
 The token embedding is quantized per row too; with tied embeddings the `int8` LM head reuses
