@@ -11,8 +11,9 @@ of H100 nodes (8 devices each) serving traffic built from the Azure LLM inferenc
 `variants`, `runner`, `report`; each module's docstring states its model and numbers).
 Utilization is token-slot utilization: tokens processed / token capacity of the provisioned
 devices. Each seed runs every variant in lockstep on the same arrivals (A/B in the same run);
-seeds run in parallel (`--workers`, default 2). Prints a markdown table (mean ± 95 % CI over
-seeds) and optionally writes every figure as JSON.
+seeds run in parallel (`--workers`, default 2), and `--split N` runs each seed's variants as N
+jobs on the same arrivals (the same figures; it keeps both workers busy with 3 seeds). Prints a
+markdown table (mean ± 95 % CI over seeds) and optionally writes every figure as JSON.
 
 Traffic: Azure LLM inference traces 2023 (Azure Public Dataset, CC-BY 4.0), Patel et al.,
 "Splitwise: Efficient generative LLM inference using phase splitting", ISCA 2024. The data is

@@ -113,8 +113,8 @@ class Int8Linear(nn.Module):
             inverse = None if smooth is None else (1.0 / smooth).to(dtype)
             self.register_buffer("inv_smooth", inverse)
             self.packed = _fbgemm_pack(qweight, scale)
-            # Measured: FBGEMM's packed weights hold ~1.8 bytes of RSS per int8 weight (its
-            # packed matrix and what it keeps to unpack); counted as 2.
+            # Measured: FBGEMM's packed weights hold ~1.8 bytes of RSS per int8 weight (why was
+            # not investigated); counted as 2.
             self.packed_bytes = 2 * qweight.numel() + 8 * qweight.shape[0]
             return
         self.register_buffer("qweight", qweight)
@@ -145,7 +145,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.packed is not None and x2.dtype == torch.float32:
+        if self.packed is not None:  # w8a8: float32 activations (checked at load)
             if self.inv_smooth is not None:
                 x2 = x2 * self.inv_smooth
             # Per-token activation scales through a per-tensor kernel: every row is brought to
