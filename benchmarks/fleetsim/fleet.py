@@ -114,7 +114,6 @@ class Fleet:
         self.queue_tokens = np.zeros(n)
         self.last_arrival = np.full(n, -math.inf)
         self.requests_total = np.zeros(n, dtype=np.int64)
-        self.last_busy = np.full(n, -(1 << 40), dtype=np.int64)  # last tick with traffic
         # First tick not observed; AWAKE when observed (ticks are negative in the warm-up).
         self.asleep_since = np.full(n, AWAKE, dtype=np.int64)
         self.wake_at = np.full(n, 1 << 62, dtype=np.int64)
@@ -287,7 +286,6 @@ class Fleet:
             return
         self.requests_total += arrivals
         busy = (arrivals > 0) | (self.inflight > 0) | (self.queue > 0)
-        self.last_busy[busy] = tick
         # What `_observe` reads (the gateway counts what is in flight or queued on a tick with
         # traffic), and whether it is above one replica's target.
         value = np.where(busy, self.inflight + self.queue, 0.0)

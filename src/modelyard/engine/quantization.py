@@ -239,7 +239,7 @@ def activation_ranges(model: nn.Module) -> dict[nn.Module, torch.Tensor]:
     return ranges
 
 
-def quantize_model_int8(model: nn.Module, dtype: torch.dtype, mode: str = "int8") -> int:
+def quantize_model(model: nn.Module, dtype: torch.dtype, mode: str) -> int:
     """Swap a loaded (fused, unpacked) `LlamaForCausalLM`'s linears, embedding and LM head for
     their int8 forms in place (`mode`: `int8` or `w8a8`, see the module docstring); returns
     how many matmuls were quantized. `w8a8` first runs its calibration prefill."""

@@ -17,7 +17,7 @@ from modelyard.engine.models.gguf_convert import convert_gguf
 from modelyard.engine.models.llama import LlamaForCausalLM
 from modelyard.engine.models.packed_linear import packing_available
 from modelyard.engine.models.sharding import Slice, check_tensor_parallel, shard_slice
-from modelyard.engine.quantization import QUANTIZATIONS, quantize_model_int8
+from modelyard.engine.quantization import QUANTIZATIONS, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def load_model(
     quantization: str | None = None,
 ) -> LoadedModel:
     """Load the model, or with `tp_size > 1` rank `tp_rank`'s shard of it (see `sharding`);
-    `quantization="int8"`: weight-only int8 linears (see `engine.quantization`)."""
+    `quantization`: "int8" (weight-only) or "w8a8" linears (see `engine.quantization`)."""
     cfg = read_model_config(folder)
     check_tensor_parallel(cfg, tp_size)
     with torch.device("meta"):
@@ -148,7 +148,7 @@ def load_model(
     model.fuse_projections()
     model = model.to(device).eval()
     if quantization in QUANTIZATIONS:
-        quantize_model_int8(model, dtype, quantization)
+        quantize_model(model, dtype, quantization)
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}; supported: {QUANTIZATIONS}")
     elif pack_cpu_linears and packing_available(device, dtype):
