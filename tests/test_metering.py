@@ -201,11 +201,12 @@ async def test_a_journal_whose_rows_could_not_be_written_is_kept(tmp_path: Path)
     assert os.stat(journal.path).st_mode & 0o777 == 0o600
 
 
-async def test_the_journal_is_not_emptied_while_another_flush_is_writing(
+async def test_a_flush_waits_for_the_batch_another_flush_is_writing(
     database: Database, tmp_path: Path
 ) -> None:
-    """The usage export flushes too: a flush that finds nothing queued must not empty the
-    journal while another flush's batch is still being inserted."""
+    """The usage export flushes before it reads: a flush that finds nothing queued because the
+    background writer has taken the batch must wait until that batch is committed (or the
+    export misses rows already answered), and must not empty the journal before then."""
     import sqlite3
 
     journal = UsageJournal(tmp_path / "j")
@@ -219,13 +220,18 @@ async def test_the_journal_is_not_emptied_while_another_flush_is_writing(
             if not recorder._pending:  # taken by the first flush, now waiting on the lock
                 break
             await asyncio.sleep(0.01)
-        await recorder.flush()  # nothing queued: returns at once
+        assert not recorder._pending
+        reading = asyncio.create_task(recorder.flush())  # the export's
+        await asyncio.sleep(0.3)
+        assert not reading.done()  # it waits for the batch in flight
         assert len(journal.path.read_bytes().splitlines()) == 1  # still on disk
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
+    await reading
+    assert rows_in(database) == ["in-flight"]  # committed when the export's flush returns
     await writing
-    assert journal.path.stat().st_size == 0 and rows_in(database) == ["in-flight"]
+    assert journal.path.stat().st_size == 0
     await recorder.stop()
 
 

@@ -248,26 +248,6 @@ def test_no_orphan_workers_after_sigterm_or_sigkill(tmp_path: Path, tiny_dir: Pa
         assert wait_gone(workers), f"workers outlived serve after signal {sig}"
 
 
-def test_first_start_bootstraps_admin_key_and_smollm2(tmp_path: Path, cache_dir: Path) -> None:
-    p = PlatformProcess(tmp_path / "data", default_models=True).start(timeout=300)
-    try:
-        key_file = p.data_dir / "admin_key"
-        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
-        assert p.admin_key in p.output()  # printed once, on this first start
-        client = p.openai()
-        answer = client.chat.completions.create(
-            model="smollm2",
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=20,
-            temperature=0,
-        )
-        assert "Paris" in answer.choices[0].message.content
-        models = p.api().get("/v1/registry/models").json()["data"]
-        assert models[0]["name"] == "smollm2" and models[0]["versions"][0]["format"] == "gguf"
-    finally:
-        p.stop()
-
-
 def test_the_platform_on_postgresql_and_redis(tmp_path: Path, tiny_dir: Path) -> None:
     with platform_mode_env("postgres-redis") as env:
         p = start_platform(tmp_path / "data", **env)

@@ -75,7 +75,9 @@ class UsageRecorder:
         self.flush_interval_s = flush_interval_s
         self.journal = journal  # None: rows wait only in memory until written (tests)
         self._pending: list[dict[str, Any]] = []
-        self._writing = 0  # batches being inserted (flushes may overlap)
+        # One flush at a time: a reader's flush (the usage export) must wait for a batch the
+        # background writer has taken off the queue but not yet committed, or it reads without it.
+        self._flushing = asyncio.Lock()
         # Recent request ids, so a duplicate report does not count twice against the quota
         # either; the table's unique key is what guarantees one row.
         self._seen: OrderedDict[str, None] = OrderedDict()
@@ -157,20 +159,19 @@ class UsageRecorder:
             return repo.insert_usage(s, rows)
 
     async def flush(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending[:1000], self._pending[1000:]
-            self._writing += 1
-            try:
-                self.written += await asyncio.to_thread(self._insert, batch)
-            except Exception:
-                self._pending = batch + self._pending
-                raise
-            finally:
-                self._writing -= 1
-        # Nothing queued and no other flush (e.g. the usage export's) has a batch in flight:
-        # every journaled row is committed.
-        if self.journal is not None and not self._writing:
-            self.journal.committed()
+        """Write every queued row; when this returns, every row recorded before the call is
+        committed (also those another flush had in flight)."""
+        async with self._flushing:
+            while self._pending:
+                batch, self._pending = self._pending[:1000], self._pending[1000:]
+                try:
+                    self.written += await asyncio.to_thread(self._insert, batch)
+                except Exception:
+                    self._pending = batch + self._pending
+                    raise
+            # Nothing queued and no batch in flight: every journaled row is committed.
+            if self.journal is not None:
+                self.journal.committed()
 
     async def _run(self) -> None:
         backoff = self.flush_interval_s
