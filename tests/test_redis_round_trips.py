@@ -1,7 +1,8 @@
 """Redis round trips per request on the gateway's path, counted on the wire (every command or
 pipeline a connection sends to the real Redis) for a key with RPM and TPM limits under a tenant
 with a monthly quota and a ceiling on requests in flight: admission (limits, quota
-reservation, concurrency slot) and settlement (TPM and quota settled, the slot released)."""
+reservation, concurrency slot) and settlement (TPM and quota settled, the slot released), one
+each; and what settlement's one script leaves in Redis, served or refunded."""
 
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ def test_one_round_trip_to_admit(redis_url: str, tmp_path: Path) -> None:
     admit, settle = asyncio.run(round_trips(redis_url, tmp_path / "usage.db", 20))
     print(f"round trips per request: admission {admit}, settlement {settle}")
     assert admit == 1  # limits, quota and the concurrency slot checked and taken together
-    # TPM settled, the quota moved to the real count, the slot released: one each.
-    assert settle == 3
+    # TPM settled, the quota moved to the real count and the slot released together.
+    assert settle == 1
 
 
 async def refusals(redis_url: str, db_path: Path) -> None:
@@ -156,6 +157,64 @@ async def refusals(redis_url: str, db_path: Path) -> None:
 
 def test_a_refusal_at_admission_takes_nothing(redis_url: str, tmp_path: Path) -> None:
     asyncio.run(refusals(redis_url, tmp_path / "usage.db"))
+
+
+async def settled_state(redis_url: str, db_path: Path) -> None:
+    redis = Redis.from_url(redis_url)
+    db = Database(f"sqlite:///{db_path}")
+    db.migrate()
+    quota = RedisQuotaCounter(redis)
+    slots = RedisConcurrencyLimiter(redis)
+    limiter = RedisRateLimiter(redis)
+    accounting = Accounting(limiter, quota, slots, UsageRecorder(db, quota), GatewayMetrics())
+    route = EndpointRoute("ep-1", "tenant-1", "m", False, None, 4096)
+    # 60 TPM refills one token a second: the bucket's level shows what settlement gave back.
+    p = dataclasses.replace(principal(), limits=Limits(rpm=10_000, tpm=60))
+    scope, month = f"{p.tenant_id}:requests", month_of(now())
+
+    async def level() -> float:
+        return float(await redis.hget(limiter.key(p.key_id, "tokens"), "level") or 0)
+
+    try:
+        # Served: 40 reserved, 21 used: the bucket keeps 21 taken, the quota counts 21.
+        served = Call(p, route, "chat.completions", "req-served", 40, NO_LIMITS)
+        started = time.monotonic()
+        await accounting.admit_at_once(served, "m")
+        assert await slots.held(scope) == 1 and await quota.used(p.tenant_id, month) == 40
+        served.prompt_tokens, served.completion_tokens = 12, 9
+        await accounting.close(served, served=True)
+        assert 39 <= await level() <= 39 + (time.monotonic() - started) + 0.01
+        assert await quota.used(p.tenant_id, month) == 21
+        assert await slots.held(scope) == 0
+        # Refused by its replica (nothing served): its 20 tokens given back.
+        failed = Call(p, route, "chat.completions", "req-failed", 20, NO_LIMITS)
+        await accounting.admit_at_once(failed, "m")
+        held, started = await level(), time.monotonic()
+        assert await quota.used(p.tenant_id, month) == 41
+        failed.status_code = 503
+        await accounting.close(failed, served=False)
+        assert held + 20 <= await level() <= held + 20 + (time.monotonic() - started) + 0.01
+        assert await quota.used(p.tenant_id, month) == 21
+        assert await slots.held(scope) == 0
+        # Admitted in one month, finished in the next: two counters move in the one script.
+        late = Call(p, route, "chat.completions", "req-late", 30, NO_LIMITS)
+        await accounting.admit_at_once(late, "m")
+        await redis.rename(quota.key(p.tenant_id, month), quota.key(p.tenant_id, "2000-01"))
+        late.quota_month = "2000-01"
+        late.prompt_tokens, late.completion_tokens = 5, 5
+        await accounting.close(late, served=True)
+        assert await quota.used(p.tenant_id, "2000-01") == 21  # its 30 reserved given back
+        assert await quota.used(p.tenant_id, month) == 10
+        assert await slots.held(scope) == 0
+    finally:
+        await redis.aclose()
+        db.engine.dispose()
+
+
+def test_settlement_in_one_script_leaves_what_each_call_would(
+    redis_url: str, tmp_path: Path
+) -> None:
+    asyncio.run(settled_state(redis_url, tmp_path / "usage.db"))
 
 
 async def test_pooled_connections_survive_a_redis_restart() -> None:

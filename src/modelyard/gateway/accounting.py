@@ -39,6 +39,7 @@ from modelyard.gateway.quota import (
 )
 from modelyard.gateway.ratelimit import Decision, RateLimiter
 from modelyard.gateway.ratelimit_redis import RedisAdmission, RedisRateLimiter
+from modelyard.gateway.settlement import RedisSettlement, Settlement
 from modelyard.protocol.errors import APIError
 from modelyard.store.repository import now
 
@@ -104,14 +105,15 @@ class Accounting:
         self.slots = slots
         self.recorder = recorder
         self.metrics = metrics
-        # All three in one Redis: admission takes one round trip (`admit_at_once`).
-        self.at_once = (
-            RedisAdmission(limiter, quota, slots)
-            if isinstance(limiter, RedisRateLimiter)
+        # All three in one Redis: admission takes one round trip (`admit_at_once`), and so
+        # does settlement.
+        in_one_redis = (
+            isinstance(limiter, RedisRateLimiter)
             and isinstance(quota, RedisQuotaCounter)
             and isinstance(slots, RedisConcurrencyLimiter)
-            else None
         )
+        self.at_once = RedisAdmission(limiter, quota, slots) if in_one_redis else None
+        self.settle_at_once = RedisSettlement(limiter, quota, slots) if in_one_redis else None
 
     async def admit_at_once(self, call: Call, model: str) -> None:
         """`acquire` and `hold` as one Redis script: the same refusals, and on a refusal
@@ -217,28 +219,26 @@ class Accounting:
 
     async def _settle(self, call: Call, served: bool) -> UsageEvent | None:
         p = call.principal
+        # What the limits store must change, applied at the end whatever happens before: the
+        # slot is released even if metering fails.
+        settlement = Settlement(p.key_id, p.limits, p.tenant_id)
+        if call.slot:
+            settlement.slot = (_slot_scope(p), call.request_id)
         try:
             if served:
-                return await self._meter(call)
+                return await self._meter(call, settlement)
             if call.status_code >= 400:  # the replica's own error answer
                 r = call.route
                 self.metrics.answered(r.endpoint_id, r.model_name, p.tenant_id, call.status_code)
             if not call.batch:
-                await _tolerant(
-                    self.limiter.reconcile(p.key_id, p.limits, call.reserved, 0), "TPM refund"
-                )
+                settlement.tokens_back = call.reserved  # TPM refunded
             if call.quota_reserved:
-                await _tolerant(
-                    self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved),
-                    "quota refund",
-                )
+                settlement.quota_moves.append((call.quota_month, -call.quota_reserved))
             return None
         finally:
-            if call.slot:
-                # Unreleased in Redis, the slot expires with its lease.
-                await _tolerant(self.slots.release(_slot_scope(p), call.request_id), "slot release")
+            await self._apply(settlement)
 
-    async def _meter(self, call: Call) -> UsageEvent:
+    async def _meter(self, call: Call, settlement: Settlement) -> UsageEvent:
         latency = time.perf_counter() - call.started
         model = call.route.model_name
         p = call.principal
@@ -247,12 +247,8 @@ class Accounting:
             call.route.endpoint_id, model, p.tenant_id, latency, call.ttft,
             call.prompt_tokens, call.completion_tokens, call.status_code,
         )  # fmt: skip
-        actual = call.prompt_tokens + call.completion_tokens
-        if not call.batch:
-            await _tolerant(
-                self.limiter.reconcile(p.key_id, p.limits, call.reserved, actual),
-                "TPM settlement",
-            )
+        if not call.batch:  # TPM settled to the real count
+            settlement.tokens_back = call.reserved - (call.prompt_tokens + call.completion_tokens)
         event = UsageEvent(
             request_id=call.request_id,
             tenant_id=p.tenant_id,
@@ -271,14 +267,28 @@ class Accounting:
             batch=call.batch,
         )
         if not call.batch:
-            await self.recorder.record(event, call.quota_reserved, call.quota_month or None)
+            first, settlement.quota_moves = self.recorder.claim(
+                event, call.quota_reserved, call.quota_month or None
+            )
+            if first:
+                await self.recorder.write(event)
         elif call.quota_reserved:
             # The runner counts the item's real use once its result is committed.
-            await _tolerant(
-                self.quota.add(p.tenant_id, call.quota_month, -call.quota_reserved),
-                "quota settlement",
-            )
+            settlement.quota_moves.append((call.quota_month, -call.quota_reserved))
         return event
+
+    async def _apply(self, s: Settlement) -> None:
+        """One round trip when the three live in one Redis; else each through its own."""
+        if self.settle_at_once is not None:
+            await _tolerant(self.settle_at_once.apply(s), "settlement")
+            return
+        if s.moves_tpm:
+            await _tolerant(self.limiter.reconcile(s.key_id, s.limits, s.tokens_back, 0), "TPM")
+        for month, tokens in s.quota_moves:
+            await _tolerant(self.quota.add(s.tenant_id, month, tokens), "quota settlement")
+        if s.slot is not None:
+            # Unreleased in Redis, the slot expires with its lease.
+            await _tolerant(self.slots.release(*s.slot), "slot release")
 
 
 def take_usage(call: Call, usage: dict[str, Any]) -> None:

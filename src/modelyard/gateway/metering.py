@@ -1,14 +1,16 @@
 """Usage metering: one record per request id, written in the background, never twice.
 
-The gateway hands each finished request to `UsageRecorder.record`; the tenant's monthly token
-counter is settled at once (from the tokens reserved at admission to the real count, so quota
-checks see it), the row is appended to this process's usage journal on local disk (one write,
-before the gateway sends the answer: see `usage_journal.py`, so a SIGKILL right after answering
-loses nothing), and a writer task inserts the rows in batches with
-`ON CONFLICT (request_id) DO NOTHING`, so a retried, duplicated or replayed record cannot bill
-twice. A failed write is retried with backoff and the rows are kept (in memory and in the
-journal); `stop()` flushes what is left. `recover()` at start replays the journals of
-processes that died before their rows were committed.
+The gateway hands each finished request to `UsageRecorder.claim` and `write` (`record` does
+both). `claim` says whether the request id is new and how the tenant's monthly token counter
+moves (from the tokens reserved at admission to the real count; the gateway makes the move in
+its one settlement of the limits store, so quota checks see it at once). `write` appends the
+row to this process's usage journal on local disk (one write, before the gateway sends the
+answer: see `usage_journal.py`, so a SIGKILL right after answering loses nothing) and queues it
+for a writer task, which inserts rows in batches with `ON CONFLICT (request_id) DO NOTHING`,
+so a retried, duplicated or replayed record cannot bill twice. A failed write is retried with
+backoff and the rows are kept (in memory and in the journal); `stop()` flushes what is left.
+`recover()` at start replays the journals of processes that died before their rows were
+committed.
 
 Settling a served request must not depend on its client staying connected: the gateway runs
 it in a task of the recorder's (`settle`), which a disconnect cannot cancel and `stop()` awaits.
@@ -104,28 +106,37 @@ class UsageRecorder:
         task.add_done_callback(self._settling.discard)
         return task
 
-    async def count(
+    def claim(
         self, event: UsageEvent, reserved: int = 0, reserved_month: str | None = None
-    ) -> bool:
-        """Settle the tenant's quota counter for a request that held `reserved` tokens of it
-        since admission (in `reserved_month`, default the event's); False if the request was
-        counted already (then only the reservation is given back)."""
+    ) -> tuple[bool, list[tuple[str, int]]]:
+        """Whether this is the request's first report (a duplicate, e.g. a retry, bills
+        nothing), and the moves of the tenant's quota counter, `(month, tokens)`, that settle
+        it from the `reserved` tokens held since admission (in `reserved_month`, default the
+        event's) to its real count; a duplicate only gives its reservation back."""
         month = month_of(event.created_at)
         held_in = reserved_month or month
         if event.request_id in self._seen:
-            # The same request reported twice (e.g. retries): bill once.
-            if reserved:
-                await self._move(event.tenant_id, held_in, -reserved)
-            return False
+            return False, [(held_in, -reserved)] if reserved else []
         self._seen[event.request_id] = None
         if len(self._seen) > _SEEN_CAPACITY:
             self._seen.popitem(last=False)
+        moves = []
         if held_in != month:  # admitted in one month, finished in the next
-            await self._move(event.tenant_id, held_in, -reserved)
+            moves.append((held_in, -reserved))
             reserved = 0
         if event.total_tokens != reserved:
-            await self._move(event.tenant_id, month, event.total_tokens - reserved)
-        return True
+            moves.append((month, event.total_tokens - reserved))
+        return True, moves
+
+    async def record(
+        self, event: UsageEvent, reserved: int = 0, reserved_month: str | None = None
+    ) -> None:
+        """Settle the request's quota (`claim`) through the quota counter, then `write` it."""
+        first, moves = self.claim(event, reserved, reserved_month)
+        for month, tokens in moves:
+            await self._move(event.tenant_id, month, tokens)
+        if first:
+            await self.write(event)
 
     async def _move(self, tenant_id: str, month: str, tokens: int) -> None:
         """Move a quota counter; with its store unreachable the usage row is still written
@@ -135,14 +146,10 @@ class UsageRecorder:
         except LimitsUnavailable as exc:
             log.warning("quota counter of %s not moved by %d: %s", tenant_id, tokens, exc)
 
-    async def record(
-        self, event: UsageEvent, reserved: int = 0, reserved_month: str | None = None
-    ) -> None:
-        """Count the request (settling `reserved` quota tokens), journal its row and queue it
-        for the background writer. When this returns the row survives the process's death, so
-        the gateway calls it before the answer (or the stream's end) leaves."""
-        if not await self.count(event, reserved, reserved_month):
-            return
+    async def write(self, event: UsageEvent) -> None:
+        """Journal a claimed request's row and queue it for the background writer. When this
+        returns the row survives the process's death, so the gateway calls it before the answer
+        (or the stream's end) leaves."""
         row = dict(vars(event))  # its fields are scalars: a shallow copy, unlike asdict's deep one
         if self.journal is not None:
             self.journal.append(row)

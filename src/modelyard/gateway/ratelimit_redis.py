@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # Redis keys outlive the moment their bucket is full again by this much, so a key that comes
 # back shortly after still finds its state while idle keys do not pile up.
-_IDLE_GRACE_MS = 120_000
+IDLE_GRACE_MS = 120_000
 
 
 # Take what was asked from each limited bucket and save it (level, server time, an expiry once
@@ -34,7 +34,7 @@ _TAKE_LUA = f"""for i = 1, 2 do
                'ts', string.format('%.6f', now))
     redis.call('PEXPIRE', KEYS[i],
                string.format('%d', math.ceil((caps[i] - levels[i]) * 60000 / caps[i])
-                                   + {_IDLE_GRACE_MS}))
+                                   + {IDLE_GRACE_MS}))
   end
 end
 """
@@ -78,12 +78,11 @@ return {{refused, string.format('%.17g', retry), string.format('%.17g', levels[1
         string.format('%.17g', levels[2])}}
 """
 
-# KEYS: the token bucket. ARGV: tpm, reserved - actual (positive gives back, negative takes).
-_RECONCILE_LUA = f"""
-local t = redis.call('TIME')
+# Give `back` tokens (negative takes) to the token bucket KEYS[1] of capacity `cap`, refilled
+# to the server's time first as an acquire would, never above its capacity. Expects the locals
+# `cap` and `back`; the settlement script (settlement.py) runs it too.
+GIVE_BACK_LUA = f"""local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local cap = tonumber(ARGV[1])
-local delta = tonumber(ARGV[2])
 local saved = redis.call('HMGET', KEYS[1], 'level', 'ts')
 local level, ts = tonumber(saved[1]), tonumber(saved[2])
 if level == nil or ts == nil then
@@ -91,13 +90,17 @@ if level == nil or ts == nil then
 else
   level = math.min(cap, level + math.max(0, now - ts) * cap / 60)
 end
-level = math.min(cap, level + delta)
+level = math.min(cap, level + back)
 redis.call('HSET', KEYS[1], 'level', string.format('%.17g', level),
            'ts', string.format('%.6f', now))
 redis.call('PEXPIRE', KEYS[1],
-           string.format('%d', math.ceil((cap - level) * 60000 / cap) + {_IDLE_GRACE_MS}))
-return 1
+           string.format('%d', math.ceil((cap - level) * 60000 / cap) + {IDLE_GRACE_MS}))
 """
+
+# KEYS: the token bucket. ARGV: tpm, reserved - actual (positive gives back, negative takes).
+_RECONCILE_LUA = (
+    "local cap, back = tonumber(ARGV[1]), tonumber(ARGV[2])\n" + GIVE_BACK_LUA + "return 1\n"
+)
 
 # One round trip for the whole admission of a request: the key's buckets, then the tenant's
 # monthly quota, then its concurrency slot are checked, and only when all pass are all taken
