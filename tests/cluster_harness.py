@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -100,3 +102,57 @@ def kill_workers(marker: str) -> None:
         if pid != os.getpid():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
+
+
+def chat(api: httpx.Client, model: str = "tiny") -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return api.post("/v1/chat/completions", json=body)
+
+
+class Traffic:
+    """Non-streaming chats in a loop over the gateways `connect` opens clients to (a client
+    that retries on the next gateway only when one cannot be reached), counting answers and
+    failures."""
+
+    def __init__(self, connect: Callable[[], list[httpx.Client]]) -> None:
+        self.connect = connect
+        self.ok: list[str] = []
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def wait_ok(self, n: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        target = len(self.ok) + n
+        while len(self.ok) < target:
+            assert time.monotonic() < deadline, f"traffic stalled: {self.failed[-3:]}"
+            time.sleep(0.05)
+
+    def _run(self) -> None:
+        clients = self.connect()
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            for attempt in range(len(clients)):
+                client = clients[(i + attempt) % len(clients)]
+                try:
+                    r = chat(client)
+                except httpx.TransportError as exc:
+                    if attempt + 1 == len(clients):
+                        self.failed.append(repr(exc))
+                    continue  # that gateway is gone: the client tries the other
+                if r.status_code == 200:
+                    self.ok.append(r.headers["x-request-id"])
+                else:
+                    self.failed.append(f"{r.status_code} {r.text[:200]}")
+                break
+        for c in clients:
+            c.close()

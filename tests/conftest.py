@@ -39,22 +39,22 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # runs two xdist processes that take whole files in collection order, so these start first and
 # the processes finish together instead of one waiting out the other's last long file.
 _LONGEST_FILES = [
-    "test_api_fuzz.py",
-    "test_platform_lifecycle.py",
-    "test_worker_openai.py",
-    "test_batch.py",
-    "test_smollm2.py",
     "test_versions.py",
+    "test_tensor_parallel.py",
+    "test_batch.py",
+    "test_api_fuzz.py",
+    "test_structured_output.py",
+    "test_platform_lifecycle.py",
     "test_chaos.py",
     "test_platform_scaling.py",
-    "test_cli.py",
-    "test_platform_limits.py",
-    "test_platform_failfast.py",
-    "test_structured_output.py",
-    "test_tool_calling.py",
-    "test_cross_tenant.py",
-    "test_platform.py",
+    "test_model_parity.py",
+    "test_smollm2.py",
+    "test_ray_backend.py",
     "test_cluster.py",
+    "test_platform_failfast.py",
+    "test_platform.py",
+    "test_audit.py",
+    "test_console.py",
 ]
 
 

@@ -39,8 +39,8 @@ from tests.tiny_models import build_model
 MODEL = "tiny"
 statuses: Counter[str] = Counter()  # what the run got back, printed with -s
 # Examples per operation and identity (twice as many for the inference routes): the file takes
-# about two minutes on 2 busy cores, both platform modes included.
-EXAMPLES = {"platform-admin": 20, "tenant-admin": 12, "tenant": 10}
+# about a minute and a half on 2 busy cores, both platform modes included.
+EXAMPLES = {"platform-admin": 14, "tenant-admin": 9, "tenant": 7}
 REQUEST_TIMEOUT_S = 30.0
 CHECKS = [
     not_a_server_error,

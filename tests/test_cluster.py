@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cluster_harness import RoleProcess, kill_workers, wait_leader
+from tests.cluster_harness import RoleProcess, Traffic, chat, kill_workers, wait_leader
 from tests.databases import fresh_postgres, fresh_redis
 from tests.platform_harness import (
     batch_line,
@@ -95,11 +94,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Itera
             kill_workers(str(models_dir))
 
 
-def chat(api: httpx.Client, model: str = "tiny") -> httpx.Response:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    return api.post("/v1/chat/completions", json=body)
-
-
 def test_deploy_through_one_gateway_serves_through_the_other(cluster: Cluster) -> None:
     with cluster.api(0) as g1, cluster.api(1) as g2:
         endpoint_id = deploy(g1, "tiny", str(cluster.models_dir / "tiny"), public=True)
@@ -133,55 +127,6 @@ def test_rpm_limit_holds_across_gateways_and_usage_matches(cluster: Cluster) -> 
     assert sorted(r["request_id"] for r in mine) == sorted(answered)
 
 
-class Traffic:
-    """Non-streaming chats in a loop over both gateways (a client that retries on the other
-    gateway only when one cannot be reached), counting answers and failures."""
-
-    def __init__(self, cluster: Cluster, gateways: tuple[int, ...] = (0, 1)) -> None:
-        self.cluster = cluster
-        self.gateways = gateways
-        self.ok: list[str] = []
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Traffic:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(60)
-
-    def wait_ok(self, n: int, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        target = len(self.ok) + n
-        while len(self.ok) < target:
-            assert time.monotonic() < deadline, f"traffic stalled: {self.failed[-3:]}"
-            time.sleep(0.05)
-
-    def _run(self) -> None:
-        clients = [self.cluster.api(g) for g in self.gateways]
-        i = 0
-        while not self._stop.is_set():
-            i += 1
-            for attempt in range(len(clients)):
-                client = clients[(i + attempt) % len(clients)]
-                try:
-                    r = chat(client)
-                except httpx.TransportError as exc:
-                    if attempt + 1 == len(clients):
-                        self.failed.append(repr(exc))
-                    continue  # that gateway is gone: the client tries the other
-                if r.status_code == 200:
-                    self.ok.append(r.headers["x-request-id"])
-                else:
-                    self.failed.append(f"{r.status_code} {r.text[:200]}")
-                break
-        for c in clients:
-            c.close()
-
-
 def _replica_pids(api: httpx.Client, name: str) -> set[int]:
     body = next(e for e in api.get("/v1/endpoints").json()["data"] if e["model_name"] == name)
     return {r["pid"] for r in body["replicas"]["items"] if r["state"] == "ready"}
@@ -192,7 +137,7 @@ def test_leader_killed_under_traffic(cluster: Cluster) -> None:
     standby = cluster.standby()
     with cluster.api(0) as g1:
         pids = _replica_pids(g1, "tiny")
-    with Traffic(cluster) as traffic:
+    with Traffic(lambda: [cluster.api(0), cluster.api(1)]) as traffic:
         traffic.wait_ok(5)
         old.kill()
         killed_at = time.monotonic()
@@ -214,7 +159,7 @@ def test_leader_killed_under_traffic(cluster: Cluster) -> None:
 
 def test_gateway_killed_under_traffic_loses_nothing_acknowledged(cluster: Cluster) -> None:
     gateway = cluster.gateways[0]
-    with Traffic(cluster) as traffic:
+    with Traffic(lambda: [cluster.api(0), cluster.api(1)]) as traffic:
         traffic.wait_ok(5)
         gateway.kill()
         traffic.wait_ok(5)
