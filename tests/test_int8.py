@@ -134,6 +134,15 @@ def test_each_mode_names_its_kernel_or_what_it_needs() -> None:
         assert int8_kernel("w8a8", "cpu", torch.float32) == "fbgemm"
 
 
+def test_auto_dtype_serves_w8a8_in_float32() -> None:
+    # An AVX512-BF16 CPU would pick bfloat16, which FBGEMM's int8 matmuls do not take.
+    from modelyard.engine.loading import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cpu"), "w8a8") == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda"), "int8") == torch.bfloat16
+    assert resolve_dtype("bfloat16", torch.device("cpu"), None) == torch.bfloat16
+
+
 def test_weight_memory_at_most_30_percent_of_fp32(tiny_tied: Path) -> None:
     fp32 = load_model(tiny_tied, torch.float32, CPU, 512, pack_cpu_linears=False).model
     int8 = load_model(tiny_tied, torch.float32, CPU, 512, quantization="int8").model

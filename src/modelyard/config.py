@@ -74,7 +74,7 @@ class EngineSettings(_Settings):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="Weights and activations; auto = bfloat16 on CUDA and on CPUs with native "
-        "bfloat16 (AVX512-BF16, AMX), else float32.",
+        "bfloat16 (AVX512-BF16, AMX), else float32 (and float32 with quantization w8a8).",
     )
     device: str = Field("auto", description="torch device for the engine: auto, cpu, cuda, cuda:N.")
     kv_cache_memory: int = Field(

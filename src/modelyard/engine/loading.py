@@ -52,8 +52,10 @@ def cpu_has_native_bfloat16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantization: str | None) -> torch.dtype:
     if name == "auto":
+        if quantization == "w8a8":  # FBGEMM's int8 matmuls take and give float32
+            return torch.float32
         if device.type == "cuda" or cpu_has_native_bfloat16():
             return torch.bfloat16
         return torch.float32
@@ -72,7 +74,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
             num_threads = threads_per_rank(tp)
     if num_threads:
         torch.set_num_threads(num_threads)
-    dtype = _resolve_dtype(settings.dtype, device)
+    dtype = resolve_dtype(settings.dtype, device, settings.quantization)
     if device.type == "cpu":
         keep_freed_memory_for_reuse()
     folder = to_hf_folder(model, settings.cache_dir)
