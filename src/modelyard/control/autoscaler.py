@@ -12,8 +12,8 @@ same code runs in the platform and in the fleet simulator.
 
 from __future__ import annotations
 
+import enum
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ METRICS = ("gpu_utilization", "concurrency", "queue_depth", "requests_per_second
 MIN_IDLE_TO_ZERO_S = 60.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScalingPolicy:
     metric: str = "concurrency"
     target: float = 8.0  # per replica; gpu_utilization in percent (0-100)
@@ -86,22 +86,78 @@ class Decision:
         }
 
 
-@dataclass
+class Reason(enum.Enum):
+    """Why a decision wants its replica count (the first words of `Decision.reason`)."""
+
+    LOAD = "load"
+    PANIC = "panic"
+    IDLE = "idle"
+    FROM_ZERO = "from_zero"
+
+
+@dataclass(slots=True)
 class Autoscaler:
+    """The windows and state of one endpoint's decisions.
+
+    `decide` runs for every endpoint each controller tick (10,000 endpoints: ~100 ms of CPU is
+    the budget), so the per-tick path (`add`, `desired`) allocates no object that outlives the
+    call: samples are floats in a flat list (no object per sample for the cycle collector to
+    walk), the last decision is kept as fields and its `Decision` and reason text are built
+    only when read, and the scale-down delay keeps only the recommendations that can still be
+    the highest. The arithmetic is the one of a plain evaluation, in the same order, so the
+    decisions are the same to the last bit (tests/test_autoscaler_identity.py). The clock must
+    not go backwards (a monotonic clock, or the simulator's ticks).
+    """
+
     policy: ScalingPolicy
-    _samples: deque[Observation] = field(default_factory=deque)
-    _sum: float = 0.0  # of the values in `_samples`
+    # The samples, oldest first, from `_head` on: at, value, at, value, ... One flat list, not
+    # a deque of objects: the tick reads both ends of it, and one array of pointers is fewer
+    # cache lines than per-sample objects (the pass's cost is mostly memory, not bytecode).
+    _samples: list[float] = field(default_factory=list)
+    _head: int = 0  # where the oldest sample starts; the dropped ones before are cut off in batches
+    _sum: float = 0.0  # of the samples' values
     _dropped: int = 0
-    _recommendations: deque[tuple[float, int]] = field(default_factory=deque)
+    # The scale-down delay's recommendations that can still be its highest, as at, want, at,
+    # want, ...: wants strictly decreasing (an older one no higher than a newer one never
+    # wins again), so it holds a few entries at most.
+    _recs: list[float] = field(default_factory=list)
     _last_active: float | None = None
     _panic_until: float = -math.inf
-    last: Decision | None = None
+    # The last decision, as fields (`last` builds the `Decision`).
+    _at: float | None = None
+    _current: int = 0
+    _desired: int = 0
+    _panic: bool = False
+    _reason: Reason = Reason.LOAD
+    _reason_n: int | float = 0  # the replicas the load asks for (int), or the idle seconds
+    _held: int = 0  # > 0: held for the scale-down delay
     # Keep-warm weighed by reload cost: with `idle_per_reload` > 0 and the model's measured
     # reload time known, an idle endpoint goes to zero after idle_per_reload x reload_s (at
     # least 60 s, at most the policy's idle time): a replica that reloads in seconds is not
     # worth minutes of an idle device. Set by the control loop (`scaling.Scaler`).
     idle_per_reload: float = 0.0
     reload_s: float | None = None
+
+    @property
+    def last(self) -> Decision | None:
+        if self._at is None:
+            return None
+        return Decision(self._at, self._current, self._desired, self.reason(), self._panic)
+
+    def reason(self) -> str:
+        """The last decision's reason, in words."""
+        p, kind, n = self.policy, self._reason, self._reason_n
+        if kind is Reason.IDLE:
+            return f"idle for {n:.0f}s: scale to zero"
+        if kind is Reason.FROM_ZERO:
+            text = "a request arrived: scale from zero"
+        elif kind is Reason.PANIC:
+            text = f"panic: {p.metric} over {p.panic_window_s:g}s wants {n}"
+        else:
+            text = f"{p.metric} over {p.stable_window_s:g}s averages to {n} replica(s)"
+        if self._held:
+            text += f"; holding {self._held} for the scale-down delay"
+        return text
 
     def idle_limit(self) -> float:
         """Seconds without a request after which the endpoint scales to zero."""
@@ -111,20 +167,36 @@ class Autoscaler:
         return limit
 
     def observe(self, obs: Observation) -> None:
-        self._samples.append(obs)
-        self._sum += obs.value
-        if obs.active or self._last_active is None:
-            self._last_active = obs.at  # the first sight of an endpoint counts as activity
-        self._forget(obs.at - self.policy.stable_window_s)
+        self.add(obs.at, obs.value, obs.active)
+
+    def add(self, at: float, value: float, active: bool) -> None:
+        """One observation: the metric's `value` at `at`, and whether a request arrived."""
+        samples = self._samples
+        samples.append(at)
+        samples.append(value)
+        self._sum += value
+        if active or self._last_active is None:
+            self._last_active = at  # the first sight of an endpoint counts as activity
+        horizon = at - self.policy.stable_window_s
+        if samples[self._head] < horizon:  # else `_forget` has nothing to do (not empty)
+            self._forget(horizon)
 
     def _forget(self, horizon: float) -> None:
-        """Drop the samples older than `horizon`, keeping the running sum of the rest."""
-        samples = self._samples
-        while samples and samples[0].at < horizon:
-            self._sum -= samples.popleft().value
-            self._dropped += 1
-        if not samples or self._dropped >= 4096:  # re-add now and then: no rounding drift
-            self._sum = sum(s.value for s in samples)
+        """Drop the samples older than `horizon`, keeping the running sum of the rest. Leaves
+        `_dropped` under 4096, so a call that drops nothing from samples changes nothing."""
+        samples, head = self._samples, self._head
+        end = len(samples)
+        if head < end and samples[head] < horizon:
+            while head < end and samples[head] < horizon:
+                self._sum -= samples[head + 1]
+                self._dropped += 1
+                head += 2
+            if head >= 64 and 2 * head >= end:  # cut the dropped ones off, amortized O(1)
+                del samples[:head]
+                head, end = 0, end - head
+            self._head = head
+        if head == end or self._dropped >= 4096:  # re-add now and then: no rounding drift
+            self._sum = sum(samples[head + 1 :: 2])
             self._dropped = 0
 
     def mark_active(self, at: float) -> None:
@@ -135,56 +207,84 @@ class Autoscaler:
         """Mean of the samples of the last `window` seconds: the stable window from the running
         sum (decisions come every tick, so this is O(1)), shorter windows from the newest end."""
         if window >= self.policy.stable_window_s:
-            self._forget(now - window)
-            n = len(self._samples)
+            samples, horizon = self._samples, now - window
+            if self._head == len(samples) or samples[self._head] < horizon:
+                self._forget(horizon)
+            n = (len(samples) - self._head) // 2
             if window == self.policy.stable_window_s:
                 return self._sum / n if n else 0.0
-        total, n = 0.0, 0
-        for s in reversed(self._samples):
-            if s.at < now - window:
+        samples, head = self._samples, self._head
+        horizon = now - window
+        total, n, i = 0.0, 0, len(samples) - 2
+        while i >= head:  # newest first, as the sum has always been taken
+            if samples[i] < horizon:
                 break
-            total += s.value
+            total += samples[i + 1]
             n += 1
+            i -= 2
         return total / n if n else 0.0
 
     def decide(self, now: float, current: int) -> Decision:
+        self.desired(now, current)
+        decision = self.last
+        assert decision is not None  # just decided
+        return decision
+
+    def desired(self, now: float, current: int) -> int:
+        """`decide`'s replica count, without building the `Decision` (`last` has it)."""
         p = self.policy
         target = p.per_replica_target()
         stable = math.ceil(self._average(now, p.stable_window_s) / target - 1e-9)
         panic_want = math.ceil(self._average(now, p.panic_window_s) / target - 1e-9)
-        idle_for = now - self._last_active if self._last_active is not None else 0.0
+        last_active = self._last_active
+        idle_for = now - last_active if last_active is not None else 0.0
 
         if current > 0 and panic_want >= p.panic_threshold * current and panic_want > current:
             self._panic_until = now + p.stable_window_s
         panic = now < self._panic_until
-        floor = max(p.min_replicas, 1)
         if panic:
-            want = max(panic_want, current)
-            reason = f"panic: {p.metric} over {p.panic_window_s:g}s wants {panic_want}"
+            want, reason, reason_n = max(panic_want, current), Reason.PANIC, panic_want
         else:
-            want = stable
-            reason = f"{p.metric} over {p.stable_window_s:g}s averages to {want} replica(s)"
+            want, reason, reason_n = stable, Reason.LOAD, stable
 
-        idle_limit = self.idle_limit()
-        if p.scale_to_zero and idle_for >= idle_limit and not panic:
-            self._recommendations.clear()
-            return self._record(now, current, 0, f"idle for {idle_for:.0f}s: scale to zero", False)
-        if current == 0 and self._last_active is not None and idle_for < idle_limit:
-            want = max(want, 1)
-            reason = "a request arrived: scale from zero"
+        if p.scale_to_zero or current == 0:  # the only readers of the idle limit
+            idle_limit = self.idle_limit()
+            if p.scale_to_zero and idle_for >= idle_limit and not panic:
+                self._recs.clear()
+                return self._record(now, current, 0, False, Reason.IDLE, idle_for, 0)
+            if current == 0 and last_active is not None and idle_for < idle_limit:
+                want, reason = max(want, 1), Reason.FROM_ZERO
 
-        want = min(max(want, floor), p.max_replicas)
+        want = min(max(want, p.min_replicas, 1), p.max_replicas)
         # Scale down only to the highest recommendation of the last `scale_down_delay_s`.
-        self._recommendations.append((now, want))
-        while self._recommendations and self._recommendations[0][0] < now - p.scale_down_delay_s:
-            self._recommendations.popleft()
+        recs = self._recs
+        if recs and recs[-1] == want:
+            recs[-2] = now  # the same as dropping it and adding this one
+        else:
+            while recs and recs[-1] <= want:
+                del recs[-2:]
+            recs.append(now)
+            recs.append(want)
+        horizon = now - p.scale_down_delay_s
+        while recs and recs[0] < horizon:
+            del recs[:2]
+        held = 0
         if want < current and not panic:
-            held = max(r for _, r in self._recommendations)
-            if held > want:
-                reason += f"; holding {held} for the scale-down delay"
-                want = min(held, current)
-        return self._record(now, current, want, reason, panic)
+            highest = int(recs[1])
+            if highest > want:
+                held, want = highest, min(highest, current)
+        return self._record(now, current, want, panic, reason, reason_n, held)
 
-    def _record(self, now: float, current: int, desired: int, reason: str, panic: bool) -> Decision:
-        self.last = Decision(now, current, desired, reason, panic)
-        return self.last
+    def _record(
+        self,
+        now: float,
+        current: int,
+        desired: int,
+        panic: bool,
+        reason: Reason,
+        reason_n: int | float,
+        held: int,
+    ) -> int:
+        self._at, self._current, self._desired, self._panic = now, current, desired, panic
+        self._reason, self._reason_n, self._held = reason, reason_n, held
+        return desired

@@ -42,22 +42,42 @@ class TrafficHistory:
         # endpoint → hour of week → {week number: requests}
         self._counts: dict[str, dict[int, dict[int, int]]] = defaultdict(lambda: defaultdict(dict))
         self._first_week: dict[str, int] = {}
+        # The requests of the hour being recorded (`_hour`, hours since the epoch), per
+        # endpoint, added to `_counts` when another hour is recorded or the history is read:
+        # the controller records every endpoint each tick, and one flat dict is one lookup
+        # where `_counts` takes three (this is on its 10,000-endpoint pass).
+        self._hour: int | None = None
+        self._pending: dict[str, int] = {}
 
     def record(self, endpoint_id: str, at: float, requests: int = 1) -> None:
         if requests <= 0:
             return
-        week, how = hour_of_week(at)
-        self._first_week.setdefault(endpoint_id, week)
-        per_week = self._counts[endpoint_id][how]
-        if week in per_week:  # the common case (every tick): nothing to forget
-            per_week[week] += requests
+        hour = int(at // 3600)
+        if hour != self._hour:
+            self._flush()
+            self._hour = hour
+        pending = self._pending
+        pending[endpoint_id] = pending.get(endpoint_id, 0) + requests
+
+    def _flush(self) -> None:
+        """Add the pending hour's requests to the weekly counts."""
+        if self._hour is None or not self._pending:
             return
-        per_week[week] = requests
-        for old in [w for w in per_week if w <= week - self.weeks]:
-            del per_week[old]
+        week, how = _hour_of_week(self._hour)
+        for endpoint_id, requests in self._pending.items():
+            self._first_week.setdefault(endpoint_id, week)
+            per_week = self._counts[endpoint_id][how]
+            if week in per_week:
+                per_week[week] += requests
+                continue
+            per_week[week] = requests
+            for old in [w for w in per_week if w <= week - self.weeks]:
+                del per_week[old]
+        self._pending = {}
 
     def expected(self, endpoint_id: str, at: float) -> float:
         """Mean requests in that hour of the week over the past weeks seen (this week excluded)."""
+        self._flush()
         week, how = hour_of_week(at)
         first = self._first_week.get(endpoint_id)
         if first is None or first >= week:
@@ -67,6 +87,7 @@ class TrafficHistory:
         return sum(counts.get(w, 0) for w in past) / len(past)
 
     def save(self, path: Path) -> None:
+        self._flush()
         data = {
             ep: {"first": self._first_week.get(ep), "hours": {h: c for h, c in hours.items()}}
             for ep, hours in self._counts.items()
@@ -76,6 +97,7 @@ class TrafficHistory:
         tmp.replace(path)
 
     def load(self, path: Path) -> None:
+        self._flush()  # what was recorded before the load counts before it, as it always did
         if not path.exists():
             return
         for ep, entry in json.loads(path.read_text()).items():
