@@ -100,8 +100,9 @@ class EngineSettings(_Settings):
     )
     num_threads: int | None = Field(
         None,
-        description="torch intra-op threads per rank (default: torch's; with tensor "
-        "parallelism on CPU, the cores divided by tensor_parallel_size).",
+        description="torch intra-op threads per rank (default: a worker on CPU takes every "
+        "core but one, which its HTTP server keeps; with tensor parallelism on CPU, the cores "
+        "divided by tensor_parallel_size; an engine used in-process, torch's).",
     )
     tensor_parallel_size: int = Field(
         1,

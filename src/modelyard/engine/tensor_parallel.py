@@ -78,13 +78,17 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def threads_per_rank(tp_size: int) -> int:
     """CPU ranks split the cores this process may use between them."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // tp_size)
+    return max(1, usable_cores() // tp_size)
 
 
 # ----- the step on the wire --------------------------------------------------------------------
