@@ -1,10 +1,11 @@
 """Workers on Ray (`backend = ray`) on a cluster of two simulated nodes
 (`ray.cluster_utils.Cluster`: a head without CPUs, so replicas go to the nodes). Two
-`modelyard controller`s and a gateway on PostgreSQL and Redis: the leader SIGKILLed under
-traffic, its replicas (detached actors) serve on and the standby adopts them. A `modelyard
-serve` whose replicas are Ray actors: a deploy serves chat from replicas on both nodes;
-removing the node that holds one replica fails it: requests in flight on it are retried on the
-other and succeed, and the endpoint manager starts its replacement on the surviving node.
+`modelyard controller`s and two gateways on PostgreSQL and Redis: a deploy through one gateway
+serves through the other; the leader SIGKILLed under traffic, its replicas (detached actors)
+serve on and the standby adopts them. A `modelyard serve` whose replicas are Ray actors: a
+deploy serves chat from replicas on both nodes; removing the node that holds one replica fails
+it: requests in flight on it are retried on the other and succeed, and the endpoint manager
+starts its replacement on the surviving node.
 
 The cluster starts once for the module (slow on two cores). Without `ray` the module is skipped
 with the reason; with `CI` set it fails instead.
@@ -152,13 +153,14 @@ def test_a_tensor_parallel_replica_holds_one_node_and_a_successor_adopts_it(
     asyncio.run(run())
 
 
-def test_two_controllers_on_ray_a_killed_leaders_replicas_serve_on_and_are_adopted(
+def test_two_controllers_and_two_gateways_on_ray_survive_the_leaders_death(
     cluster: Cluster, models_dir: Path, tmp_path: Path
 ) -> None:
-    """Cluster mode on Ray: two `modelyard controller`s and a `modelyard gateway` on PostgreSQL
-    and Redis, replicas as detached Ray actors on the two nodes. The leader SIGKILLed under
-    traffic: the standby leads within 15 s, no request fails, the same actors (same worker
-    processes) serve on under the new leader, and a deploy after the takeover serves."""
+    """Cluster mode on Ray: two `modelyard controller`s and two `modelyard gateway`s on
+    PostgreSQL and Redis, replicas as detached Ray actors on the two nodes. A deploy through
+    gateway 1 serves through gateway 2; the leader SIGKILLed under traffic on both gateways:
+    the standby leads within 15 s, no request fails, the same actors (same worker processes)
+    serve on under the new leader, and a deploy after the takeover serves."""
     with fresh_postgres() as database_url, fresh_redis() as redis_url:
         env = {
             **tiny_models_env(models_dir),
@@ -172,26 +174,32 @@ def test_two_controllers_on_ray_a_killed_leaders_replicas_serve_on_and_are_adopt
         }
         control = tmp_path / "control"  # the controllers share one (the admin key)
         controllers = [RoleProcess("controller", control, env) for _ in "ab"]
-        gateway = RoleProcess("gateway", tmp_path / "gateway", env)
+        gateways = [RoleProcess("gateway", tmp_path / f"gateway{i}", env) for i in (1, 2)]
         try:
             controllers[0].start()
             leader = wait_leader(redis_url, controllers)
-            for role in (controllers[1], gateway):
+            for role in (controllers[1], *gateways):
                 role.launch()
-            for role in (controllers[1], gateway):
+            for role in (controllers[1], *gateways):
                 role.wait_up()
             standby = next(c for c in controllers if c is not leader)
             headers = {"authorization": f"Bearer {(control / 'admin_key').read_text().strip()}"}
 
-            def connect() -> httpx.Client:
-                return httpx.Client(base_url=gateway.url, headers=headers, timeout=60.0)
+            def connect() -> list[httpx.Client]:
+                return [
+                    httpx.Client(base_url=g.url, headers=headers, timeout=60.0) for g in gateways
+                ]
 
-            api = connect()
-            ep = deploy(api, "tiny", str(models_dir / "tiny"), public=True,
+            g1, g2 = connect()
+            ep = deploy(g1, "tiny", str(models_dir / "tiny"), public=True,
                         hardware={"min_replicas": 2, "max_replicas": 2})  # fmt: skip
-            before = {(r["id"], r["pid"]) for r in replicas(api, ep)}
+            ready_at = time.monotonic()
+            while (r := chat(g2)).status_code != 200:
+                assert time.monotonic() - ready_at < 2.0, f"{r.status_code} {r.text}"
+                time.sleep(0.05)
+            before = {(r["id"], r["pid"]) for r in replicas(g1, ep)}
             assert len({node_of(replica_id) for replica_id, _ in before}) == 2  # one per node
-            with Traffic(lambda: [connect()]) as traffic:
+            with Traffic(connect) as traffic:
                 traffic.wait_ok(5)
                 leader.kill()
                 killed_at = time.monotonic()
@@ -202,11 +210,11 @@ def test_two_controllers_on_ray_a_killed_leaders_replicas_serve_on_and_are_adopt
             assert took < 15.0, took
             assert traffic.failed == [], traffic.failed[:5]
             # Adopted, not restarted: the same actors, the same worker processes.
-            assert {(r["id"], r["pid"]) for r in replicas(api, ep)} == before
-            deploy(api, "tiny2", str(models_dir / "tiny"))
-            assert chat(api, "tiny2").status_code == 200
+            assert {(r["id"], r["pid"]) for r in replicas(g2, ep)} == before
+            deploy(g2, "tiny2", str(models_dir / "tiny"))
+            assert chat(g1, "tiny2").status_code == 200
         finally:
-            for role in (gateway, *controllers):
+            for role in (*gateways, *controllers):
                 role.kill(signal.SIGTERM)
             # Detached actors outlive their controllers by design: the module's next test needs
             # the nodes' CPUs back.
