@@ -122,6 +122,9 @@ def test_int8_linear_matches_dequantized_matmul(kernel: str) -> None:
         # activations to 7 bits (half a step of its own absmax / 127 per element).
         bound = 1e-3 if kernel != "fbgemm" else 64 * x[row].abs().max() / 127 * deq.abs().max()
         assert (got[row] - want[row]).abs().max() <= bound, (kernel, row)
+        # A lone token (fbgemm skips the per-row rescaling there) within the same bound.
+        alone = layer(x[row : row + 1])[0]
+        assert (alone - want[row]).abs().max() <= bound, (kernel, row, "alone")
 
 
 def test_each_mode_names_its_kernel_or_what_it_needs() -> None:

@@ -148,10 +148,15 @@ class Int8Linear(nn.Module):
         if self.packed is not None:  # w8a8: float32 activations (checked at load)
             if self.inv_smooth is not None:
                 x2 = x2 * self.inv_smooth
-            # Per-token activation scales through a per-tensor kernel: every row is brought to
-            # the same range first (absmax 1), so the kernel's one scale fits each row.
-            row_max = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
-            y = torch.ops.quantized.linear_dynamic(x2 / row_max, self.packed, True) * row_max
+            if x2.shape[0] == 1:  # one token (a lone decode): per-tensor is per-token
+                y = torch.ops.quantized.linear_dynamic(x2, self.packed, True)
+            else:
+                # Per-token activation scales through a per-tensor kernel: every row is
+                # brought to the same range first (absmax 1), so the kernel's one scale fits
+                # each row.
+                row_max = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+                y = torch.ops.quantized.linear_dynamic(x2 / row_max, self.packed, True)
+                y = y * row_max
         elif self.kernel == "int8pack" and x2.dtype == self.scale.dtype:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale)
         else:  # dequantize on the fly (CUDA, or a dtype the kernel does not take)
