@@ -112,14 +112,36 @@ def test_one_round_trip_to_admit(redis_url: str, tmp_path: Path) -> None:
     assert settle == 1
 
 
+@dataclasses.dataclass
+class GatewayLimits:
+    """A gateway's accounting over the real Redis, as the gateway builds it."""
+
+    redis: Redis
+    db: Database
+    quota: RedisQuotaCounter
+    slots: RedisConcurrencyLimiter
+    limiter: RedisRateLimiter
+    accounting: Accounting
+
+    @classmethod
+    def open(cls, redis_url: str, db_path: Path) -> GatewayLimits:
+        redis = Redis.from_url(redis_url)
+        db = Database(f"sqlite:///{db_path}")
+        db.migrate()
+        quota = RedisQuotaCounter(redis)
+        slots, limiter = RedisConcurrencyLimiter(redis), RedisRateLimiter(redis)
+        recorder = UsageRecorder(db, quota)
+        accounting = Accounting(limiter, quota, slots, recorder, GatewayMetrics())
+        return cls(redis, db, quota, slots, limiter, accounting)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        self.db.engine.dispose()
+
+
 async def refusals(redis_url: str, db_path: Path) -> None:
-    redis = Redis.from_url(redis_url)
-    db = Database(f"sqlite:///{db_path}")
-    db.migrate()
-    quota = RedisQuotaCounter(redis)
-    slots = RedisConcurrencyLimiter(redis)
-    limiter = RedisRateLimiter(redis)
-    accounting = Accounting(limiter, quota, slots, UsageRecorder(db, quota), GatewayMetrics())
+    g = GatewayLimits.open(redis_url, db_path)
+    redis, quota, slots, limiter, accounting = g.redis, g.quota, g.slots, g.limiter, g.accounting
     route = EndpointRoute("ep-1", "tenant-1", "m", False, None, 4096)
     p = principal()
     try:
@@ -151,8 +173,7 @@ async def refusals(redis_url: str, db_path: Path) -> None:
         assert await slots.held(f"{p.tenant_id}:requests") == 0
         assert await quota.used(p.tenant_id, month) == 10
     finally:
-        await redis.aclose()
-        db.engine.dispose()
+        await g.close()
 
 
 def test_a_refusal_at_admission_takes_nothing(redis_url: str, tmp_path: Path) -> None:
@@ -160,13 +181,8 @@ def test_a_refusal_at_admission_takes_nothing(redis_url: str, tmp_path: Path) ->
 
 
 async def settled_state(redis_url: str, db_path: Path) -> None:
-    redis = Redis.from_url(redis_url)
-    db = Database(f"sqlite:///{db_path}")
-    db.migrate()
-    quota = RedisQuotaCounter(redis)
-    slots = RedisConcurrencyLimiter(redis)
-    limiter = RedisRateLimiter(redis)
-    accounting = Accounting(limiter, quota, slots, UsageRecorder(db, quota), GatewayMetrics())
+    g = GatewayLimits.open(redis_url, db_path)
+    redis, quota, slots, limiter, accounting = g.redis, g.quota, g.slots, g.limiter, g.accounting
     route = EndpointRoute("ep-1", "tenant-1", "m", False, None, 4096)
     # 60 TPM refills one token a second: the bucket's level shows what settlement gave back.
     p = dataclasses.replace(principal(), limits=Limits(rpm=10_000, tpm=60))
@@ -207,8 +223,7 @@ async def settled_state(redis_url: str, db_path: Path) -> None:
         assert await quota.used(p.tenant_id, month) == 10
         assert await slots.held(scope) == 0
     finally:
-        await redis.aclose()
-        db.engine.dispose()
+        await g.close()
 
 
 def test_settlement_in_one_script_leaves_what_each_call_would(
