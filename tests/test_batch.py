@@ -304,7 +304,8 @@ def test_cancel_keeps_finished_items(setup: Setup) -> None:
 
 def test_expiry_keeps_partial_results(setup: Setup) -> None:
     c = setup.client
-    lines = [line(f"e-{i}", max_tokens=80, ignore_eos=True) for i in range(200)]
+    # Far more work than 4 s hold (96,000 tokens: a fast machine served 200 x 80 in time).
+    lines = [line(f"e-{i}", max_tokens=240, ignore_eos=True) for i in range(400)]
     upload = c.files.create(file=("e.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
     batch = c.batches.create(
         input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="4s"
@@ -312,7 +313,7 @@ def test_expiry_keeps_partial_results(setup: Setup) -> None:
     done = wait_batch(c, batch.id, {"expired"}, timeout=60)
     out = read_jsonl(c, done.output_file_id)
     err = read_jsonl(c, done.error_file_id)
-    assert out and err and len(out) + len(err) == 200
+    assert out and err and len(out) + len(err) == 400
     assert {e["error"]["code"] for e in err} == {"batch_expired"}
     assert done.expired_at
 
