@@ -219,26 +219,41 @@ class Accounting:
 
     async def _settle(self, call: Call, served: bool) -> UsageEvent | None:
         p = call.principal
-        # What the limits store must change, applied at the end whatever happens before: the
-        # slot is released even if metering fails.
+        # What the limits store must change, applied whatever happens before: the slot is
+        # released even if metering fails.
         settlement = Settlement(p.key_id, p.limits, p.tenant_id)
         if call.slot:
             settlement.slot = (_slot_scope(p), call.request_id)
+        event: UsageEvent | None = None
+        first = False
         try:
             if served:
-                return await self._meter(call, settlement)
-            if call.status_code >= 400:  # the replica's own error answer
-                r = call.route
-                self.metrics.answered(r.endpoint_id, r.model_name, p.tenant_id, call.status_code)
-            if not call.batch:
-                settlement.tokens_back = call.reserved  # TPM refunded
-            if call.quota_reserved:
-                settlement.quota_moves.append((call.quota_month, -call.quota_reserved))
-            return None
+                event, first = self._meter(call, settlement)
+            else:
+                if call.status_code >= 400:  # the replica's own error answer
+                    r = call.route
+                    self.metrics.answered(
+                        r.endpoint_id, r.model_name, p.tenant_id, call.status_code
+                    )
+                if not call.batch:
+                    settlement.tokens_back = call.reserved  # TPM refunded
+                if call.quota_reserved:
+                    settlement.quota_moves.append((call.quota_month, -call.quota_reserved))
         finally:
-            await self._apply(settlement)
+            try:
+                await self._apply(settlement)
+            finally:
+                if event is not None and first:
+                    # Journaled last, with nothing awaited between it and the answer leaving:
+                    # a crash before it bills an answer that never left, never the reverse,
+                    # and one right after it (the answer on its way) is as short as it gets.
+                    await self.recorder.write(event)
+        return event
 
-    async def _meter(self, call: Call, settlement: Settlement) -> UsageEvent:
+    def _meter(self, call: Call, settlement: Settlement) -> tuple[UsageEvent, bool]:
+        """The served request's usage event and whether the gateway writes its row (its first
+        report, not a batch item's); its metrics counted and its TPM and quota settlement
+        added to `settlement`."""
         latency = time.perf_counter() - call.started
         model = call.route.model_name
         p = call.principal
@@ -266,16 +281,16 @@ class Accounting:
             status=call.status,
             batch=call.batch,
         )
-        if not call.batch:
-            first, settlement.quota_moves = self.recorder.claim(
-                event, call.quota_reserved, call.quota_month or None
-            )
-            if first:
-                await self.recorder.write(event)
-        elif call.quota_reserved:
-            # The runner counts the item's real use once its result is committed.
-            settlement.quota_moves.append((call.quota_month, -call.quota_reserved))
-        return event
+        if call.batch:
+            # The runner writes the item's row and counts its real use once its result is
+            # committed: here only the reservation goes back.
+            if call.quota_reserved:
+                settlement.quota_moves.append((call.quota_month, -call.quota_reserved))
+            return event, False
+        first, settlement.quota_moves = self.recorder.claim(
+            event, call.quota_reserved, call.quota_month or None
+        )
+        return event, first
 
     async def _apply(self, s: Settlement) -> None:
         """One round trip when the three live in one Redis; else each through its own."""
