@@ -34,10 +34,6 @@ Activate = Callable[["EndpointState"], None]
 # The metrics whose observation reads the replicas' /health reports.
 _READS_REPLICA_LOADS = ("queue_depth", "gpu_utilization")
 _NO_LOADS: dict[str, dict[str, Any]] = {}  # the other metrics' (never written to)
-# Small counts as shared float objects: the autoscalers' windows hold ~30 samples of each of
-# 10,000 endpoints, and a shared object is one allocation fewer and one the tick finds in cache.
-_FLOATS = tuple(float(n) for n in range(1024))
-_N_FLOATS = len(_FLOATS)
 
 
 @dataclass(slots=True)
@@ -66,8 +62,7 @@ class LoadTracker:
 
         metric = self.metric
         if metric == "concurrency":
-            n = outstanding + waiting
-            value = _FLOATS[n] if type(n) is int and 0 <= n < _N_FLOATS else float(n)
+            value = float(outstanding + waiting)
         elif metric == "queue_depth":
             value = float(waiting + sum(int(x.get("waiting", 0)) for x in loads.values()))
         elif metric == "requests_per_second":

@@ -37,7 +37,7 @@ class LoadedEngine:
     model_name: str
 
 
-def _resolve_device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -66,7 +66,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
     """Load the model and size its KV cache. With `tensor_parallel_size` N > 1 this process
     becomes rank 0 and starts N-1 helper rank processes (stopped by the runner's `close()`)."""
     tp = settings.tensor_parallel_size
-    device = _resolve_device(settings.device)
+    device = resolve_device(settings.device)
     num_threads = settings.num_threads
     if tp > 1:
         device = rank_device(device, 0)

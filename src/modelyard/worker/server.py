@@ -14,13 +14,13 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
 import uvicorn
 
 from modelyard.config import EngineSettings, TelemetrySettings
 from modelyard.core.uvicorn_options import uvicorn_options
 from modelyard.engine.async_engine import AsyncEngine
 from modelyard.engine.llm_engine import LLMEngine
+from modelyard.engine.loading import resolve_device
 from modelyard.engine.tensor_parallel import usable_cores
 from modelyard.worker.app import create_app
 from modelyard.worker.load_report import reporting_load
@@ -51,9 +51,7 @@ def served_settings(settings: EngineSettings) -> EngineSettings:
     torch's OpenMP threads spin while they wait, and with one per core they starved the loop
     that streams tokens (SmolLM2 w8a8 on 2 vCPU, `benchmarks/serving.py`: 62.9 output tok/s
     at concurrency 1 with one thread against 33.9 with two). `num_threads` set wins."""
-    on_cpu = settings.device == "cpu" or (
-        settings.device == "auto" and not torch.cuda.is_available()
-    )
+    on_cpu = resolve_device(settings.device).type == "cpu"
     cores = usable_cores()
     if settings.num_threads is None and settings.tensor_parallel_size == 1 and on_cpu and cores > 1:
         return settings.model_copy(update={"num_threads": cores - 1})
