@@ -71,7 +71,7 @@ async def run(url: str, args: argparse.Namespace, db_path: Path) -> dict[str, An
         RedisRateLimiter(redis),
         quota,
         RedisConcurrencyLimiter(redis),
-        UsageRecorder(db, quota),
+        UsageRecorder(db),
         GatewayMetrics(),
     )
     route = EndpointRoute("ep-1", "tenant-0", "m", True, None, 4096)

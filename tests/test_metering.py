@@ -23,7 +23,6 @@ import pytest
 from sqlalchemy import select
 
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
-from modelyard.gateway.quota import MemoryQuotaCounter
 from modelyard.gateway.usage_journal import UsageJournal
 from modelyard.store import repository as repo
 from modelyard.store.db import Database, sqlite_url
@@ -43,6 +42,14 @@ def database(tmp_path: Path) -> Iterator[Database]:
 def event(request_id: str) -> UsageEvent:
     return UsageEvent(request_id, "t", "k", None, "m", None, "chat.completions",
                       3, 4, 0, 1.0, None, 200, "ok")  # fmt: skip
+
+
+async def report(recorder: UsageRecorder, e: UsageEvent) -> None:
+    """A finished request reported as the gateway does: claimed (a duplicate is dropped),
+    then written."""
+    first, _ = recorder.claim(e)
+    if first:
+        await recorder.write(e)
 
 
 def rows_in(db: Database) -> list[str]:
@@ -67,19 +74,18 @@ _CRASHING_GATEWAY = textwrap.dedent(
     import asyncio, sys, time
     from pathlib import Path
     from modelyard.gateway.metering import UsageEvent, UsageRecorder
-    from modelyard.gateway.quota import MemoryQuotaCounter
     from modelyard.gateway.usage_journal import UsageJournal
     from modelyard.store.db import Database
 
     async def main() -> None:
         db = Database(sys.argv[1])
         # A writer that would flush only after an hour: the rows are in memory and journal.
-        recorder = UsageRecorder(db, MemoryQuotaCounter(), flush_interval_s=3600,
+        recorder = UsageRecorder(db, flush_interval_s=3600,
                                  journal=UsageJournal(Path(sys.argv[2])))
         recorder.start()
         for i in range(3):
-            await recorder.record(UsageEvent(f"req-{i}", "t", "k", None, "m", None,
-                                             "chat.completions", 3, 4, 0, 1.0, None, 200, "ok"))
+            await recorder.write(UsageEvent(f"req-{i}", "t", "k", None, "m", None,
+                                            "chat.completions", 3, 4, 0, 1.0, None, 200, "ok"))
         print("answered", flush=True)  # what a gateway would now send to its clients
         time.sleep(3600)
 
@@ -106,7 +112,7 @@ def test_rows_recorded_just_before_a_sigkill_are_billed_at_the_next_start(
     assert len(journal_lines(folder)) == 3
     # The next start: its own new journal, and the dead process's replayed and removed.
     journal = UsageJournal(folder)
-    recorder = UsageRecorder(database, MemoryQuotaCounter(), journal=journal)
+    recorder = UsageRecorder(database, journal=journal)
     asyncio.run(recorder.recover())
     assert rows_in(database) == ["req-0", "req-1", "req-2"]
     assert [p for p in folder.iterdir()] == [journal.path]
@@ -167,11 +173,11 @@ async def test_the_journal_is_emptied_once_its_rows_are_committed(
 ) -> None:
     folder = tmp_path / "j"
     journal = UsageJournal(folder)
-    recorder = UsageRecorder(database, MemoryQuotaCounter(), journal=journal)
+    recorder = UsageRecorder(database, journal=journal)
     recorder.start()
     for i in range(3):
-        await recorder.record(event(f"e-{i}"))
-    # On disk as soon as `record` returns, before the writer ran.
+        await report(recorder, event(f"e-{i}"))
+    # On disk as soon as `write` returns, before the writer ran.
     assert len(journal.path.read_bytes().splitlines()) == 3
     for _ in range(200):
         if recorder.written == 3 and journal.path.stat().st_size == 0:
@@ -179,9 +185,9 @@ async def test_the_journal_is_emptied_once_its_rows_are_committed(
         await asyncio.sleep(0.02)
     assert recorder.written == 3 and journal.path.stat().st_size == 0
     # A duplicate report is neither billed nor journaled again.
-    await recorder.record(event("e-0"))
+    await report(recorder, event("e-0"))
     assert journal.path.stat().st_size == 0
-    await recorder.record(event("e-3"))
+    await report(recorder, event("e-3"))
     await recorder.stop()
     assert rows_in(database) == ["e-0", "e-1", "e-2", "e-3"]
     assert not journal.path.exists()  # a clean stop leaves no journal behind
@@ -192,8 +198,8 @@ async def test_a_journal_whose_rows_could_not_be_written_is_kept(tmp_path: Path)
     folder = tmp_path / "j"
     db = Database(sqlite_url(tmp_path / "no-schema.db"))  # no tables: every insert fails
     journal = UsageJournal(folder)
-    recorder = UsageRecorder(db, MemoryQuotaCounter(), flush_interval_s=3600, journal=journal)
-    await recorder.record(event("kept"))
+    recorder = UsageRecorder(db, flush_interval_s=3600, journal=journal)
+    await report(recorder, event("kept"))
     with pytest.raises(Exception):  # noqa: B017 - the driver's error, whatever it is
         await recorder.stop()
     db.dispose()
@@ -210,8 +216,8 @@ async def test_a_flush_waits_for_the_batch_another_flush_is_writing(
     import sqlite3
 
     journal = UsageJournal(tmp_path / "j")
-    recorder = UsageRecorder(database, MemoryQuotaCounter(), journal=journal)
-    await recorder.record(event("in-flight"))
+    recorder = UsageRecorder(database, journal=journal)
+    await report(recorder, event("in-flight"))
     blocker = sqlite3.connect(tmp_path / "usage.db", isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")  # the writer's insert waits for this lock
     try:

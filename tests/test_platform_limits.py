@@ -334,7 +334,7 @@ async def test_a_cancelled_settlement_still_records_the_request(database: Databa
     """The recorder runs a settlement in a task of its own: cancelling whoever awaits it (a
     client that disconnected) neither cancels the quota update nor loses the usage row."""
     quota = MemoryQuotaCounter()
-    recorder = UsageRecorder(database, quota)
+    recorder = UsageRecorder(database)
     recorder.start()
     gate = asyncio.Event()
     event = UsageEvent("req-1", "tn-1", "key-1", None, "tiny", None, "chat.completions",
@@ -342,7 +342,13 @@ async def test_a_cancelled_settlement_still_records_the_request(database: Databa
 
     async def settle() -> None:
         await gate.wait()  # a slow Redis round trip
-        await recorder.record(event, reserved=50)
+        # What the gateway's settlement does with memory limits: the quota moved from the 50
+        # reserved to the real count, then the row written.
+        first, moves = recorder.claim(event, reserved=50)
+        for month, tokens in moves:
+            await quota.add(event.tenant_id, month, tokens)
+        if first:
+            await recorder.write(event)
 
     async def client() -> None:
         await asyncio.shield(recorder.settle(settle()))
@@ -392,7 +398,7 @@ async def test_the_engine_priority_comes_from_the_tenant_tier(database: Database
     route.replicas.append(ReplicaRoute("rep-1", f"http://127.0.0.1:{port}", max_concurrency=8))
     routing.publish(route)
     quota = MemoryQuotaCounter()
-    recorder = UsageRecorder(database, quota)
+    recorder = UsageRecorder(database)
     auth = Authenticator(database)
     gateway = Gateway(
         PlatformSettings(), auth, MemoryRateLimiter(), quota, routing, recorder, GatewayMetrics()

@@ -533,7 +533,11 @@ async def test_an_unreachable_redis_is_limits_unavailable(database_url: str) -> 
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from modelyard.gateway.metering import UsageEvent, UsageRecorder
+    from modelyard.core.identity import Principal
+    from modelyard.core.routing import EndpointRoute
+    from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
+    from modelyard.gateway.metering import UsageRecorder
+    from modelyard.gateway.metrics import GatewayMetrics
     from modelyard.store.db import Database
 
     client = redis.asyncio.Redis(
@@ -556,10 +560,20 @@ async def test_an_unreachable_redis_is_limits_unavailable(database_url: str) -> 
             await call
     db = Database(database_url)
     db.migrate()
-    recorder = UsageRecorder(db, quota)
-    event = UsageEvent("req-1", "t", "k", None, "m", None, "chat.completions",
-                       3, 4, 0, 1.0, None, 200, "ok")  # fmt: skip
-    await recorder.record(event, reserved=20)
+    recorder = UsageRecorder(db)
+    # Settled as the gateway settles a served request: its TPM, quota and slot in one script
+    # that cannot run, and its row written all the same.
+    accounting = Accounting(limiter, quota, slots, recorder, GatewayMetrics())
+    principal = Principal(
+        key_id="k", key_name="k", tenant_id="t", tenant_name="t",
+        scopes=frozenset({"inference"}), limits=Limits(rpm=10, tpm=100),
+        monthly_token_quota=1000, platform_admin=False, max_concurrent_requests=1,
+    )  # fmt: skip
+    route = EndpointRoute("ep", "t", "m", False, None, 4096)
+    call = Call(principal, route, "chat.completions", "req-1", 20, NO_LIMITS)
+    call.prompt_tokens, call.completion_tokens = 3, 4
+    call.quota_reserved, call.quota_month, call.slot = 20, "2026-01", True
+    await accounting.close(call, served=True)
     await recorder.stop()
     assert recorder.written == 1
     await client.aclose()

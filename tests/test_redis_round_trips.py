@@ -80,7 +80,7 @@ async def round_trips(redis_url: str, db_path: Path, requests: int) -> tuple[flo
         RedisRateLimiter(redis),
         quota,
         RedisConcurrencyLimiter(redis),
-        UsageRecorder(db, quota),
+        UsageRecorder(db),
         GatewayMetrics(),
     )
     route = EndpointRoute("ep-1", "tenant-1", "m", False, None, 4096)
@@ -130,7 +130,7 @@ class GatewayLimits:
         db.migrate()
         quota = RedisQuotaCounter(redis)
         slots, limiter = RedisConcurrencyLimiter(redis), RedisRateLimiter(redis)
-        recorder = UsageRecorder(db, quota)
+        recorder = UsageRecorder(db)
         accounting = Accounting(limiter, quota, slots, recorder, GatewayMetrics())
         return cls(redis, db, quota, slots, limiter, accounting)
 

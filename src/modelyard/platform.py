@@ -106,7 +106,7 @@ class Platform:
         )
         self.metrics = GatewayMetrics()
         journal = UsageJournal(settings.data_dir / "usage-journal", settings.usage_journal_fsync)
-        self.recorder = UsageRecorder(self.db, self.quota, journal=journal)
+        self.recorder = UsageRecorder(self.db, journal=journal)
         self.backend = backend or open_backend(settings, settings.data_dir / "logs", self.registry)
         self.endpoints = manager_type(
             settings, self.db, self.registry, self.backend, self.routing, audit=self.audit

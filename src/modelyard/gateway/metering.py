@@ -1,9 +1,9 @@
 """Usage metering: one record per request id, written in the background, never twice.
 
-The gateway hands each finished request to `UsageRecorder.claim` and `write` (`record` does
-both). `claim` says whether the request id is new and how the tenant's monthly token counter
-moves (from the tokens reserved at admission to the real count; the gateway makes the move in
-its one settlement of the limits store, so quota checks see it at once). `write` appends the
+The gateway hands each finished request to `UsageRecorder.claim` and then `write`. `claim`
+says whether the request id is new and how the tenant's monthly token counter moves (from the
+tokens reserved at admission to the real count; the gateway makes the move in its one
+settlement of the limits store, so quota checks see it at once). `write` appends the
 row to this process's usage journal on local disk (one write, before the gateway sends the
 answer: see `usage_journal.py`, so a SIGKILL right after answering loses nothing) and queues it
 for a writer task, which inserts rows in batches with `ON CONFLICT (request_id) DO NOTHING`,
@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from modelyard.gateway.quota import LimitsUnavailable, QuotaCounter, month_of
+from modelyard.gateway.quota import month_of
 from modelyard.gateway.usage_journal import UsageJournal
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
@@ -68,12 +68,10 @@ class UsageRecorder:
     def __init__(
         self,
         db: Database,
-        quota: QuotaCounter,
         flush_interval_s: float = 0.05,
         journal: UsageJournal | None = None,
     ) -> None:
         self.db = db
-        self.quota = quota
         self.flush_interval_s = flush_interval_s
         self.journal = journal  # None: rows wait only in memory until written (tests)
         self._pending: list[dict[str, Any]] = []
@@ -127,24 +125,6 @@ class UsageRecorder:
         if event.total_tokens != reserved:
             moves.append((month, event.total_tokens - reserved))
         return True, moves
-
-    async def record(
-        self, event: UsageEvent, reserved: int = 0, reserved_month: str | None = None
-    ) -> None:
-        """Settle the request's quota (`claim`) through the quota counter, then `write` it."""
-        first, moves = self.claim(event, reserved, reserved_month)
-        for month, tokens in moves:
-            await self._move(event.tenant_id, month, tokens)
-        if first:
-            await self.write(event)
-
-    async def _move(self, tenant_id: str, month: str, tokens: int) -> None:
-        """Move a quota counter; with its store unreachable the usage row is still written
-        (the ledger is what bills) and the counter misses the move, logged."""
-        try:
-            await self.quota.add(tenant_id, month, tokens)
-        except LimitsUnavailable as exc:
-            log.warning("quota counter of %s not moved by %d: %s", tenant_id, tokens, exc)
 
     async def write(self, event: UsageEvent) -> None:
         """Journal a claimed request's row and queue it for the background writer. When this
