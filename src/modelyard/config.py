@@ -104,6 +104,12 @@ class EngineSettings(_Settings):
         "core but one, which its HTTP server keeps; with tensor parallelism on CPU, the cores "
         "divided by tensor_parallel_size; an engine used in-process, torch's).",
     )
+    cpu_kernels: bool = Field(
+        True,
+        description="On CPU, decode attention runs in modelyard's C kernel, compiled on first "
+        "use with the machine's C compiler (cc, gcc or $CC) into cache_dir/kernels; false, or "
+        "no compiler, keeps PyTorch's attention (slower).",
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,

@@ -1,17 +1,22 @@
 """Attention over the paged KV cache, in plain PyTorch (`scaled_dot_product_attention`).
 
 The flat batch of one step holds the single-token decodes first, then the prefill chunks.
-Decodes run as one padded batched call over their gathered blocks, with each KV head's group
-of query heads folded into the query axis (no K/V expansion for grouped-query attention); each
+Decodes run in one call: on CPU the C kernel of `cpu_kernels` reads each sequence's blocks in
+place; elsewhere one padded batched SDPA over their gathered blocks, with each KV head's group
+of query heads folded into the query axis (no K/V expansion for grouped-query attention). Each
 prefill chunk runs alone, straight from its fresh keys when it has no cached prefix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from modelyard.engine.cpu_kernels import DecodeAttention
 
 
 @dataclass
@@ -32,6 +37,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] block ids, padded with block 0
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True inside context
     prefills: list[PrefillChunk]
+    # With the C kernel: it, and each decode's context length (no mask then).
+    decode_kernel: DecodeAttention | None = None
+    decode_lengths: torch.Tensor | None = None  # [B] int64
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -62,7 +70,18 @@ def paged_attention(
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     gqa = heads != kv_heads
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_kernel is not None:
+        assert meta.decode_block_tables is not None and meta.decode_lengths is not None
+        o = meta.decode_kernel(
+            q[:nd].float(),
+            cache,
+            meta.decode_block_tables,
+            meta.decode_lengths,
+            meta.block_size,
+            scale,
+        )
+        out[:nd] = o.to(q.dtype)
+    elif nd:
         assert meta.decode_block_tables is not None
         kc = gather_blocks(cache[0], meta.decode_block_tables, meta.block_size).transpose(1, 2)
         vc = gather_blocks(cache[1], meta.decode_block_tables, meta.block_size).transpose(1, 2)

@@ -24,6 +24,7 @@ from modelyard.engine.models.llama import LlamaForCausalLM
 from modelyard.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from modelyard.engine.cpu_kernels import DecodeAttention
     from modelyard.engine.lora.manager import LoRAManager
     from modelyard.engine.tensor_parallel import TensorParallelLeader
 
@@ -79,6 +80,7 @@ class ModelRunner:
         num_slots = num_blocks * block_size
         shape = (2, num_slots, config.num_key_value_heads // tp_size, config.head_dim)
         self.kv_caches = allocate_kv_caches(shape, config.num_hidden_layers, dtype, device)
+        self.decode_kernel: DecodeAttention | None = None  # set by `loading` on CPU
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -118,15 +120,16 @@ class ModelRunner:
                 logits_indices.append(offset + n - 1)
                 sampling_seqs.append(seq)
 
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = lengths = None
         if decodes:
             lengths = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])
             decode_tables = self._block_tables(
                 [s.block_ids for s, _ in decodes], int(lengths.max())
             )
-            padded_len = decode_tables.shape[1] * self.block_size
-            mask = torch.arange(padded_len) < lengths.unsqueeze(1)
-            decode_mask = mask.view(len(decodes), 1, 1, padded_len).to(self.device)
+            if self.decode_kernel is None:
+                padded_len = decode_tables.shape[1] * self.block_size
+                mask = torch.arange(padded_len) < lengths.unsqueeze(1)
+                decode_mask = mask.view(len(decodes), 1, 1, padded_len).to(self.device)
 
         as_long = {"dtype": torch.long, "device": self.device}
         meta = AttentionMetadata(
@@ -136,6 +139,8 @@ class ModelRunner:
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=chunks,
+            decode_kernel=self.decode_kernel,
+            decode_lengths=lengths,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, **as_long),

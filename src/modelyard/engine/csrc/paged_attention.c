@@ -1,0 +1,199 @@
+/* Decode attention straight from the paged KV cache: no gather, no padding, no mask.
+ *
+ * One query token per sequence. Every query head is scored against every key of the
+ * sequence's context, block by block through its block table (grouped-query heads share their
+ * KV head's row), then the softmax-weighted values are summed. Keys and values are read once,
+ * where they lie. Work is split over sequences across `n_threads` threads.
+ *
+ * Built at run time by modelyard.engine.cpu_kernels (cc -O3 -march=native), called through
+ * ctypes, which releases the GIL for the call. float32 and bfloat16 caches.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+typedef struct {
+    const float *q;            /* [B, H, D] float32 */
+    const void *k_cache;       /* [slots, KVH, D] */
+    const void *v_cache;       /* [slots, KVH, D] */
+    const int64_t *block_tables; /* [B, max_blocks] */
+    const int64_t *context_lens; /* [B] */
+    float *out;                /* [B, H, D] float32 */
+    int64_t heads, kv_heads, dim, block_size, max_blocks;
+    float scale;
+    int bf16;
+    int64_t first, last;       /* this thread's sequences */
+} Args;
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* e^x for x <= 0 (a score minus the largest), in plain arithmetic the compiler vectorises;
+ * libm's expf is scalar and was 45 % of the kernel. x = n ln2 + r with |r| <= ln2 / 2, e^r by
+ * its degree-6 Taylor polynomial (relative error < 1e-7), 2^n through the exponent bits. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x; /* e^-87 ~ 1.6e-38, still a normal float */
+    const int32_t n = (int32_t)(x * 1.44269504f - 0.5f); /* rounds to nearest for x <= 0 */
+    const float r = x - (float)n * 0.693145752f - (float)n * 1.42860677e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Rows `first`..`first + n - 1` of one block (contiguous: `n * kv_heads * dim` values) as
+ * float32, converted into `buf` for bfloat16. */
+static inline const float *block_rows(const Args *a, const void *cache, int64_t first, int64_t n,
+                                      float *buf) {
+    const int64_t width = a->kv_heads * a->dim, offset = first * width;
+    if (!a->bf16) return (const float *)cache + offset;
+    const uint16_t *src = (const uint16_t *)cache + offset;
+    for (int64_t i = 0; i < n * width; i++) buf[i] = bf16_to_float(src[i]);
+    return buf;
+}
+
+/* Blocks lie anywhere in the cache, so the hardware prefetcher loses the stream at every
+ * block boundary: ask for the whole next block while this one is worked on. */
+static inline void prefetch_block(const Args *a, const void *cache, int64_t first) {
+    const int64_t row = a->kv_heads * a->dim * (a->bf16 ? 2 : 4), bytes = a->block_size * row;
+    const char *start = (const char *)cache + first * row;
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
+}
+
+/* Block by block: a block's rows are contiguous and stay in L1 while every head goes over
+ * them, and each head's output sums a block in registers before it touches memory.
+ * scores[head * len + t]. */
+static inline __attribute__((always_inline)) void attend_dim(const Args *a, int64_t b,
+                                                             float *scores, float *buf,
+                                                             const int64_t dim) {
+    const int64_t heads = a->heads, kv_heads = a->kv_heads, group = heads / kv_heads;
+    const int64_t width = kv_heads * dim, bs = a->block_size, len = a->context_lens[b];
+    const int64_t *table = a->block_tables + b * a->max_blocks;
+    const float *q = a->q + b * heads * dim;
+    float *out = a->out + b * heads * dim;
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        if (t0 + bs < len) prefetch_block(a, a->k_cache, table[t0 / bs + 1] * bs);
+        const float *k = block_rows(a, a->k_cache, table[t0 / bs] * bs, n, buf);
+        for (int64_t i = 0; i < n; i++) {
+            for (int64_t kh = 0; kh < kv_heads; kh++) {
+                const float *key = k + i * width + kh * dim;
+                for (int64_t h = kh * group; h < (kh + 1) * group; h++) {
+                    const float *qh = q + h * dim;
+                    float s = 0.0f;
+                    for (int64_t d = 0; d < dim; d++) s += qh[d] * key[d];
+                    scores[h * len + t0 + i] = s * a->scale;
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float *s = scores + h * len, m = s[0], total = 0.0f;
+        for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+        for (int64_t t = 0; t < len; t++) {
+            s[t] = exp_nonpositive(s[t] - m);
+            total += s[t];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+    }
+    memset(out, 0, sizeof(float) * heads * dim);
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t n = len - t0 < bs ? len - t0 : bs;
+        if (t0 + bs < len) prefetch_block(a, a->v_cache, table[t0 / bs + 1] * bs);
+        const float *v = block_rows(a, a->v_cache, table[t0 / bs] * bs, n, buf);
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t kh = h / group; /* once per head and block, not per row */
+            const float *p = scores + h * len + t0, *vh = v + kh * dim;
+            float acc[dim];
+            for (int64_t d = 0; d < dim; d++) acc[d] = 0.0f;
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t d = 0; d < dim; d++) acc[d] += p[i] * vh[i * width + d];
+            float *oh = out + h * dim;
+            for (int64_t d = 0; d < dim; d++) oh[d] += acc[d];
+        }
+    }
+}
+
+/* The common head sizes as constants, so the compiler unrolls and vectorises each dot product
+ * whole (2x faster than with the size known only at run time). */
+static void attend(const Args *a, int64_t b, float *scores, float *row) {
+    switch (a->dim) {
+    case 64: attend_dim(a, b, scores, row, 64); break;
+    case 128: attend_dim(a, b, scores, row, 128); break;
+    default: attend_dim(a, b, scores, row, a->dim);
+    }
+}
+
+static void *run_range(void *arg) {
+    Args *a = (Args *)arg;
+    int64_t longest = 1;
+    for (int64_t b = a->first; b < a->last; b++)
+        longest = a->context_lens[b] > longest ? a->context_lens[b] : longest;
+    float *scores =
+        malloc(sizeof(float) * (size_t)(a->heads * longest + a->block_size * a->kv_heads * a->dim));
+    if (scores == NULL) return (void *)1;
+#if defined(__SSE__)
+    /* Flush denormals to zero: the softmax of a peaked attention makes many tiny weights, and
+     * arithmetic on denormal floats is ~100x slower on x86 (measured: 3.0 vs 0.55 ms). */
+    unsigned int saved_csr = _mm_getcsr();
+    _mm_setcsr(saved_csr | 0x8040); /* FTZ | DAZ */
+#endif
+    for (int64_t b = a->first; b < a->last; b++) attend(a, b, scores, scores + a->heads * longest);
+    free(scores);
+#if defined(__SSE__)
+    _mm_setcsr(saved_csr);
+#endif
+    return NULL;
+}
+
+/* Returns 0, or -1 when memory for the scores could not be had. */
+int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, const int64_t *context_lens, float *out,
+                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                           int64_t block_size, int64_t max_blocks, float scale, int bf16,
+                           int n_threads) {
+    enum { MAX_THREADS = 64 };
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    if (n_threads > batch) n_threads = (int)batch;
+    if (n_threads < 1) n_threads = 1;
+    Args args[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int failed = 0;
+    for (int i = 0; i < n_threads; i++) {
+        Args a = {q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads, dim,
+                  block_size, max_blocks, scale, bf16, batch * i / n_threads,
+                  batch * (i + 1) / n_threads};
+        args[i] = a;
+    }
+    for (int i = 1; i < n_threads; i++)
+        started[i] = pthread_create(&threads[i], NULL, run_range, &args[i]) == 0;
+    failed |= run_range(&args[0]) != NULL;
+    for (int i = 1; i < n_threads; i++) {
+        if (started[i]) {
+            void *result = NULL;
+            pthread_join(threads[i], &result);
+            failed |= result != NULL;
+        } else {
+            failed |= run_range(&args[i]) != NULL; /* no thread: do its share here */
+        }
+    }
+    return failed ? -1 : 0;
+}
