@@ -134,3 +134,22 @@ def test_built_once_per_source_and_options(tmp_path: Path, monkeypatch: pytest.M
     assert first.stat().st_mtime_ns == mtime  # cached, not rebuilt
     monkeypatch.setattr(cpu_kernels, "_OPTIMIZE", [*cpu_kernels._OPTIMIZE, "-O2"])
     assert cpu_kernels._build(cpu_kernels.SOURCE, compiler, tmp_path) != first
+
+
+def test_long_work_split_over_threads_matches() -> None:
+    assert KERNEL is not None
+    gen = torch.Generator().manual_seed(1)
+    lengths, block_size, kv_heads, heads, dim = [1500, 2000, 900, 1800], 16, 2, 8, 128
+    max_blocks = -(-max(lengths) // block_size)
+    cache = torch.randn(2, len(lengths) * max_blocks * block_size, kv_heads, dim, generator=gen)
+    tables = torch.randperm(len(lengths) * max_blocks, generator=gen).view(len(lengths), -1)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    context = torch.tensor(lengths)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # ~24M multiply-adds: three threads of ~8M
+    try:
+        got = KERNEL(q, cache, tables, context, block_size, dim**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    want = reference(q, cache, tables, context, block_size)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
