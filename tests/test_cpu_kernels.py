@@ -1,11 +1,12 @@
-"""The C decode-attention kernel (`engine/cpu_kernels.py`) against PyTorch's attention.
+"""modelyard's C kernels (`engine/cpu_kernels.py`) against the PyTorch ops they replace.
 
 A property test draws batches of sequences with any context length, block size, head size and
 grouped-query layout, their blocks scattered over the cache in any order, in float32 and
-bfloat16, and checks the kernel's output against scaled-dot-product attention over the
-gathered blocks (the path the engine takes without the kernel). Then the engine end to end:
-the same staggered greedy run with the kernel on and off gives the same logits; and where the
-kernel cannot be built, the engine still serves, through PyTorch.
+bfloat16, and checks decode attention against scaled-dot-product attention over the gathered
+blocks (the path the engine takes without the kernels); others check RMSNorm, RoPE with the KV
+write and w8a8's activation scaling against the model's own PyTorch code. Then the engine end
+to end: the same staggered greedy run with the kernels on and off gives the same logits, in
+float32 and with w8a8; and where the kernels cannot be built, the engine still serves.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from hypothesis import strategies as st
 
 from modelyard.config import EngineSettings
 from modelyard.engine import cpu_kernels
-from modelyard.engine.attention import gather_blocks
+from modelyard.engine.attention import gather_blocks, write_kv
+from modelyard.engine.models.config import ModelConfig
+from modelyard.engine.models.llama import RMSNorm, RotaryEmbedding
+from modelyard.engine.quantization import Int8Linear
 from tests.parity import make_engine, record_logits, run_staggered
 
-KERNEL = cpu_kernels.load_decode_attention(EngineSettings().cache_dir)
+KERNELS = cpu_kernels.load_kernels(EngineSettings().cache_dir)
 pytestmark = pytest.mark.skipif(
-    KERNEL is None, reason="no C compiler here: the engine runs decode attention in PyTorch"
+    KERNELS is None, reason="no C compiler here: the engine runs PyTorch's ops"
 )
 
 
@@ -68,7 +72,7 @@ def test_matches_attention_over_gathered_blocks(
     seed: int,
     spread: float,
 ) -> None:
-    assert KERNEL is not None
+    assert KERNELS is not None
     gen = torch.Generator().manual_seed(seed)
     max_blocks = -(-max(lengths) // block_size)
     num_blocks = len(lengths) * max_blocks + 3
@@ -82,7 +86,7 @@ def test_matches_attention_over_gathered_blocks(
     tables = order.view(len(lengths), max_blocks).contiguous()
     q = torch.randn(len(lengths), kv_heads * group, dim, generator=gen)
     context = torch.tensor(lengths, dtype=torch.long)
-    got = KERNEL(q, cache, tables, context, block_size, dim**-0.5)
+    got = KERNELS.decode_attention(q, cache, tables, context, block_size, dim**-0.5)
     want = reference(q, cache, tables, context, block_size)
     torch.testing.assert_close(got, want, atol=2e-5 * max(1.0, spread), rtol=1e-4)
 
@@ -93,9 +97,9 @@ def test_engine_logits_match_with_and_without_the_kernel(tiny_llama: Path) -> No
     for use_kernel in (True, False):
         engine = make_engine(tiny_llama)
         if not use_kernel:
-            engine.runner.decode_kernel = None
+            engine.runner.use_kernels(None)
         else:
-            assert engine.runner.decode_kernel is KERNEL  # on by default on CPU
+            assert isinstance(engine.runner.kernels, cpu_kernels.CpuKernels)  # on by default
         with record_logits(engine) as records:
             tokens = run_staggered(engine, prompts, max_tokens=24)
         runs.append((tokens, records))
@@ -112,13 +116,13 @@ def test_without_a_compiler_the_engine_falls_back(
 ) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with caplog.at_level(logging.WARNING, "modelyard.engine.cpu_kernels"):
-        assert cpu_kernels.build_decode_attention(tmp_path) is None
-    assert "did not build" in caplog.text and "PyTorch runs it" in caplog.text
+        assert cpu_kernels.build_kernels(tmp_path) is None
+    assert "did not build" in caplog.text and "PyTorch runs their ops" in caplog.text
 
 
 def test_switched_off_the_engine_decodes_through_pytorch(tiny_llama: Path) -> None:
     engine = make_engine(tiny_llama, cpu_kernels=False)
-    assert engine.runner.decode_kernel is None
+    assert engine.runner.kernels is None
     prompts = [[5, 6, 7], [9] * 30]
     assert run_staggered(engine, prompts, max_tokens=8) == run_staggered(
         make_engine(tiny_llama), prompts, max_tokens=8
@@ -128,16 +132,16 @@ def test_switched_off_the_engine_decodes_through_pytorch(tiny_llama: Path) -> No
 def test_built_once_per_source_and_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     compiler = cpu_kernels._compiler()
     assert compiler is not None
-    first = cpu_kernels._build(cpu_kernels.SOURCE, compiler, tmp_path)
+    first = cpu_kernels._build(cpu_kernels.SOURCES, compiler, tmp_path)
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernels._build(cpu_kernels.SOURCE, compiler, tmp_path) == first
+    assert cpu_kernels._build(cpu_kernels.SOURCES, compiler, tmp_path) == first
     assert first.stat().st_mtime_ns == mtime  # cached, not rebuilt
     monkeypatch.setattr(cpu_kernels, "_OPTIMIZE", [*cpu_kernels._OPTIMIZE, "-O2"])
-    assert cpu_kernels._build(cpu_kernels.SOURCE, compiler, tmp_path) != first
+    assert cpu_kernels._build(cpu_kernels.SOURCES, compiler, tmp_path) != first
 
 
 def test_long_work_split_over_threads_matches() -> None:
-    assert KERNEL is not None
+    assert KERNELS is not None
     gen = torch.Generator().manual_seed(1)
     lengths, block_size, kv_heads, heads, dim = [1500, 2000, 900, 1800], 16, 2, 8, 128
     max_blocks = -(-max(lengths) // block_size)
@@ -148,8 +152,96 @@ def test_long_work_split_over_threads_matches() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(3)  # ~24M multiply-adds: three threads of ~8M
     try:
-        got = KERNEL(q, cache, tables, context, block_size, dim**-0.5)
+        got = KERNELS.decode_attention(q, cache, tables, context, block_size, dim**-0.5)
     finally:
         torch.set_num_threads(threads)
     want = reference(q, cache, tables, context, block_size)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 40), cols=st.sampled_from([8, 64, 576]), seed=st.integers(0, 999))
+def test_rms_norm_matches_the_model(rows: int, cols: int, seed: int) -> None:
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(cols, 1e-5)
+    norm.weight.data = torch.randn(cols, generator=gen)
+    x = torch.randn(rows, cols + 5, generator=gen)[:, :cols] * 10  # rows strided
+    want = norm(x)
+    norm.kernels = KERNELS
+    torch.testing.assert_close(norm(x), want)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    tokens=st.integers(1, 20),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    dim=st.sampled_from([8, 64]),
+    seed=st.integers(0, 999),
+)
+def test_rope_and_kv_write_match_the_model(
+    tokens: int, kv_heads: int, group: int, dim: int, seed: int
+) -> None:
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(seed)
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": kv_heads * group,
+            "num_key_value_heads": kv_heads,
+            "head_dim": dim,
+            "vocab_size": 64,
+            "max_position_embeddings": 300,
+        }
+    )
+    rope = RotaryEmbedding(cfg, 300)
+    heads = kv_heads * group
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    slots = torch.randperm(64, generator=gen)[:tokens]
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    want_q, want_k = rope(
+        positions, q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim)
+    )
+    want_cache = torch.zeros(2, 64, kv_heads, dim)
+    write_kv(want_cache, slots, want_k, v.reshape(tokens, kv_heads, dim))
+    cache = torch.zeros(2, 64, kv_heads, dim)
+    KERNELS.rope_write_kv(qkv, rope.cos, rope.sin, positions, slots, cache, heads)
+    torch.testing.assert_close(qkv[:, : heads * dim].reshape(tokens, heads, dim), want_q)
+    torch.testing.assert_close(cache, want_cache)
+    with pytest.raises(IndexError, match="RoPE table"):
+        KERNELS.rope_write_kv(qkv, rope.cos, rope.sin, positions + 300, slots, cache, heads)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(rows=st.integers(2, 16), smooth=st.booleans(), seed=st.integers(0, 999))
+def test_w8a8_activation_scaling_matches(rows: int, smooth: bool, seed: int) -> None:
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(48, 64, generator=gen)
+    ranges = torch.rand(64, generator=gen) * 20 if smooth else None
+    layer = Int8Linear.from_weight(weight, None, torch.float32, "fbgemm", activation_max=ranges)
+    x = torch.randn(rows, 64, generator=gen) * 5
+    x[0] = 0.0  # an all-zero row keeps its floor scale
+    want = layer(x)
+    layer.kernels = KERNELS
+    torch.testing.assert_close(layer(x), want)
+
+
+def test_w8a8_engine_logits_match_with_and_without_kernels(tiny_llama: Path) -> None:
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([6, 33, 70])]
+    runs = []
+    for use_kernels in (True, False):
+        engine = make_engine(tiny_llama, quantization="w8a8")
+        if not use_kernels:
+            engine.runner.use_kernels(None)
+        with record_logits(engine) as records:
+            tokens = run_staggered(engine, prompts, max_tokens=16)
+        runs.append((tokens, records))
+    (tokens_on, logits_on), (tokens_off, logits_off) = runs
+    assert tokens_on == tokens_off
+    for (_, row_on), (_, row_off) in zip(logits_on, logits_off, strict=True):
+        torch.testing.assert_close(row_on, row_off, atol=1e-4, rtol=1e-4)

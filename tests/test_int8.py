@@ -76,6 +76,25 @@ def compare(
     }
 
 
+def teacher_forced_top1(
+    folder: Path, prompts: list[list[int]], max_tokens: int, mode: str
+) -> float:
+    """Top-1 agreement of `mode` with float32 at every position of float32's greedy paths:
+    `mode` reads each prefix of float32's own continuation, so one early divergence does not
+    leave the rest of the sequence uncompared. (w8a8 is chaotic on SmolLM2: a 1e-6 relative
+    change in one attention output moves its free-running greedy agreement by 2x, so a
+    free-running comparison measures luck as much as accuracy.)"""
+    tokens, records = float32_run(folder, tuple(map(tuple, prompts)), max_tokens)
+    ref = {tuple(t): logits for t, logits in records}
+    contexts = [p + tokens[i][:k] for i, p in enumerate(prompts) for k in range(max_tokens)]
+    engine = make_engine(folder, quantization=mode, block_size=4)
+    with record_logits(engine) as got:
+        run_staggered(engine, contexts, max_tokens=1)
+    pairs = [(lg, ref[tuple(t)]) for t, lg in got if tuple(t) in ref]
+    assert len(pairs) == len(contexts)
+    return sum(int(q.argmax() == f.argmax()) for q, f in pairs) / len(pairs)
+
+
 def fp32_bytes(folder: Path) -> int:
     """What the checkpoint's tensors take in float32 (4 bytes per element)."""
     from safetensors import safe_open
@@ -189,7 +208,9 @@ def test_smollm2_w8a8_close_to_fp32(smollm2_folder: Path) -> None:
     got = compare(smollm2_folder, prompts, max_tokens=4, mode="w8a8")
     assert got["int8_bytes"] <= 0.60 * fp32_bytes(smollm2_folder)
     assert got["err"] <= 0.15 * got["scale"], got
-    assert got["top1"] >= 0.8, got
+    top1 = teacher_forced_top1(smollm2_folder, prompts, max_tokens=16, mode="w8a8")
+    print(f"w8a8 teacher-forced top-1 agreement with float32: {top1:.3f}")
+    assert top1 >= 0.75, top1  # measured 0.83-0.85 (48 positions), with or without C kernels
 
 
 def test_unknown_quantization_is_refused() -> None:

@@ -127,7 +127,7 @@ def test_chunked_prefill_and_preemption(tiny_llama: Path) -> None:
 
 def test_step_wire_format_round_trips(tiny_llama: Path) -> None:
     engine = make_engine(tiny_llama, block_size=4, max_num_batched_tokens=16)
-    engine.runner.decode_kernel = None  # as with tensor parallelism: steps carry the mask
+    engine.runner.use_kernels(None)  # as with tensor parallelism: steps carry the mask
     seen: list[dict[str, int]] = []
     execute = engine.runner.execute
 

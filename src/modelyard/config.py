@@ -106,9 +106,10 @@ class EngineSettings(_Settings):
     )
     cpu_kernels: bool = Field(
         True,
-        description="On CPU, decode attention runs in modelyard's C kernel, compiled on first "
-        "use with the machine's C compiler (cc, gcc or $CC) into cache_dir/kernels; false, or "
-        "no compiler, keeps PyTorch's attention (slower).",
+        description="On CPU, decode attention and the small per-layer ops (RMSNorm, RoPE with "
+        "the KV-cache write, w8a8's activation scaling) run in modelyard's C kernels, compiled "
+        "on first use with the machine's C compiler (cc, gcc or $CC) into cache_dir/kernels; "
+        "false, or no compiler, keeps PyTorch's ops (slower).",
     )
     tensor_parallel_size: int = Field(
         1,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from modelyard.engine.cpu_kernels import DecodeAttention
+    from modelyard.engine.cpu_kernels import CpuKernels
 
 
 @dataclass
@@ -37,8 +37,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] block ids, padded with block 0
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True inside context
     prefills: list[PrefillChunk]
-    # With the C kernel: it, and each decode's context length (no mask then).
-    decode_kernel: DecodeAttention | None = None
+    # With the C kernels: them, and each decode's context length (no mask then).
+    kernels: CpuKernels | None = None
     decode_lengths: torch.Tensor | None = None  # [B] int64
 
 
@@ -70,9 +70,9 @@ def paged_attention(
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     gqa = heads != kv_heads
     nd = meta.num_decodes
-    if nd and meta.decode_kernel is not None:
+    if nd and meta.kernels is not None:
         assert meta.decode_block_tables is not None and meta.decode_lengths is not None
-        o = meta.decode_kernel(
+        o = meta.kernels.decode_attention(
             q[:nd].float(),
             cache,
             meta.decode_block_tables,

@@ -3,8 +3,10 @@
 PyTorch has no paged attention for CPUs: decoding gathered every sequence's KV blocks into a
 padded copy, then ran a flash-attention kernel built for long queries over it, which was half
 of a 32-sequence decode step. `csrc/paged_attention.c` reads the blocks where they lie.
+`csrc/fused_ops.c` fuses the small ops around it (RMSNorm, RoPE with the KV-cache write, w8a8's
+activation scaling), each of which cost PyTorch 5 to 20 dispatches per layer.
 
-The kernel is plain C with no PyTorch headers, so it builds in about a second. It is compiled
+The kernels are plain C with no PyTorch headers, so they build in about a second. It is compiled
 for this CPU (`-march=native`) into `<cache_dir>/kernels`, under a name that hashes the source,
 the options, the compiler and the CPU's flags, so a cache shared by different machines never
 loads code built for another CPU. Where no compiler works, or with `cpu_kernels` off
@@ -29,8 +31,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-DTYPES = (torch.float32, torch.bfloat16)
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "fused_ops.c")
+)
 _OPTIMIZE = [
     "-O3",
     "-fno-math-errno",
@@ -55,17 +58,24 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(source: Path, compiler: str, kernel_dir: Path) -> Path:
-    """The shared library of `source` for this CPU, compiled unless already cached."""
+def _build(sources: tuple[Path, ...], compiler: str, kernel_dir: Path) -> Path:
+    """The shared library of `sources` for this CPU, compiled unless already cached."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
     key = hashlib.sha256(
         "\0".join(
-            [source.read_text(), *_OPTIMIZE, compiler, version, platform.machine(), _cpu_flags()]
+            [
+                *(s.read_text() for s in sources),
+                *_OPTIMIZE,
+                compiler,
+                version,
+                platform.machine(),
+                _cpu_flags(),
+            ]
         ).encode()
     ).hexdigest()[:16]
-    target = kernel_dir / f"{source.stem}-{key}.so"
+    target = kernel_dir / f"modelyard-cpu-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +85,7 @@ def _build(source: Path, compiler: str, kernel_dir: Path) -> Path:
             partial = Path(tmp.name)
         command = [compiler, *_OPTIMIZE, *arch, "-fPIC", "-shared", "-pthread"]
         done = subprocess.run(
-            [*command, str(source), "-o", str(partial), "-lm"],
+            [*command, *map(str, sources), "-o", str(partial), "-lm"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -88,36 +98,43 @@ def _build(source: Path, compiler: str, kernel_dir: Path) -> Path:
     raise RuntimeError("; ".join(errors))
 
 
-class DecodeAttention:
-    """`paged_decode_attention` of `csrc/paged_attention.c`: one query token per sequence."""
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuKernels:
+    """The compiled kernels. Inputs are float32 (the attention's cache may be bfloat16) CPU
+    tensors, contiguous where noted; callers check, the C code trusts."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.paged_decode_attention
-        fn.restype = ctypes.c_int
-        fn.argtypes = (
-            [ctypes.c_void_p] * 6
-            + [ctypes.c_int64] * 6
-            + [
-                ctypes.c_float,
-                ctypes.c_int,
-                ctypes.c_int,
-            ]
-        )
-        self._fn = fn
+        ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._attention = library.paged_decode_attention
+        self._attention.restype = i32
+        self._attention.argtypes = [ptr] * 6 + [i64] * 6 + [f32, i32, i32]
+        self._rms_norm = library.rms_norm
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [ptr] * 3 + [i64] * 3 + [f32]
+        self._rope_write_kv = library.rope_write_kv
+        self._rope_write_kv.restype = i32
+        self._rope_write_kv.argtypes = [ptr] * 7 + [i64] * 6
+        self._smooth_rows = library.smooth_rows
+        self._smooth_rows.restype = None
+        self._smooth_rows.argtypes = [ptr] * 4 + [i64] * 3
 
-    def __call__(
+    def decode_attention(
         self,
-        q: torch.Tensor,  # [B, heads, head_dim] float32, contiguous
+        q: torch.Tensor,  # [B, heads, head_dim] float32
         cache: torch.Tensor,  # [2, slots, kv_heads, head_dim] float32 or bfloat16, contiguous
         block_tables: torch.Tensor,  # [B, max_blocks] int64, contiguous
         context_lens: torch.Tensor,  # [B] int64, each >= 1
         block_size: int,
         scale: float,
     ) -> torch.Tensor:
-        """Attention output `[B, heads, head_dim]` float32."""
+        """Attention output `[B, heads, head_dim]` float32, one query token per sequence."""
+        q = q.contiguous()  # the fused path's queries are rows of q|k|v
         batch, heads, dim = q.shape
         out = torch.empty_like(q)
-        failed = self._fn(
+        failed = self._attention(
             q.data_ptr(),
             cache[0].data_ptr(),
             cache[1].data_ptr(),
@@ -138,33 +155,86 @@ class DecodeAttention:
             raise MemoryError("paged decode attention: no memory for the attention scores")
         return out
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of `x` ([rows, cols], rows may be strided; columns contiguous)."""
+        rows, cols = x.shape
+        out = torch.empty(rows, cols)
+        self._rms_norm(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols, x.stride(0), eps
+        )
+        return out
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,  # [T, (heads + 2 * kv_heads) * dim], contiguous: rotated in place
+        rope_cos: torch.Tensor,  # [positions, dim], contiguous
+        rope_sin: torch.Tensor,
+        positions: torch.Tensor,  # [T] int64
+        slots: torch.Tensor,  # [T] int64
+        cache: torch.Tensor,  # [2, slots, kv_heads, dim] float32, contiguous
+        heads: int,
+    ) -> None:
+        """RoPE on every query and key head, then each token's key and value into its slot."""
+        kv_heads, dim = cache.shape[2], cache.shape[3]
+        failed = self._rope_write_kv(
+            qkv.data_ptr(),
+            rope_cos.data_ptr(),
+            rope_sin.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            cache[0].data_ptr(),
+            cache[1].data_ptr(),
+            qkv.shape[0],
+            heads,
+            kv_heads,
+            dim,
+            qkv.stride(0),
+            rope_cos.shape[0],
+        )
+        if failed:
+            raise IndexError(f"a position is outside the RoPE table of {rope_cos.shape[0]}")
+
+    def smooth_rows(
+        self, x: torch.Tensor, inv_smooth: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x * inv_smooth) / row_max` and `row_max` ([rows, 1]), the absmax of each row of
+        `x * inv_smooth` (at least 1e-12)."""
+        rows, cols = x.shape
+        out = torch.empty(rows, cols)
+        row_max = torch.empty(rows, 1)
+        self._smooth_rows(
+            x.data_ptr(),
+            _ptr(inv_smooth),
+            out.data_ptr(),
+            row_max.data_ptr(),
+            rows,
+            cols,
+            x.stride(0),
+        )
+        return out, row_max
+
 
 @functools.cache
-def load_decode_attention(cache_dir: Path) -> DecodeAttention | None:
-    """The compiled decode-attention kernel (built once per process), or None where it cannot
-    be built here."""
-    return build_decode_attention(cache_dir)
+def load_kernels(cache_dir: Path) -> CpuKernels | None:
+    """The compiled kernels (built once per process), or None where they cannot be built."""
+    return build_kernels(cache_dir)
 
 
-def build_decode_attention(cache_dir: Path) -> DecodeAttention | None:
-    """Compile (unless cached under `cache_dir/kernels`) and load the kernel; None, logged,
+def build_kernels(cache_dir: Path) -> CpuKernels | None:
+    """Compile (unless cached under `cache_dir/kernels`) and load the kernels; None, logged,
     where that fails."""
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C compiler (cc, gcc or $CC): decode attention runs in PyTorch (slower)")
+        log.warning("no C compiler (cc, gcc or $CC): the CPU engine runs PyTorch's ops (slower)")
         return None
     try:
-        library = ctypes.CDLL(str(_build(SOURCE, compiler, cache_dir / "kernels")))
+        library = ctypes.CDLL(str(_build(SOURCES, compiler, cache_dir / "kernels")))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("the C decode-attention kernel did not build (%s): PyTorch runs it", exc)
+        log.warning("modelyard's C kernels did not build (%s): PyTorch runs their ops", exc)
         return None
-    return DecodeAttention(library)
+    return CpuKernels(library)
 
 
-def decode_attention_for(
-    device: torch.device, dtype: torch.dtype, cache_dir: Path
-) -> DecodeAttention | None:
-    """The kernel where it serves an engine on `device` with a `dtype` KV cache, else None."""
-    if device.type != "cpu" or dtype not in DTYPES:
-        return None
-    return load_decode_attention(cache_dir)
+def kernels_for(device: torch.device, cache_dir: Path) -> CpuKernels | None:
+    """The kernels where they serve an engine on `device`, else None."""
+    return load_kernels(cache_dir) if device.type == "cpu" else None

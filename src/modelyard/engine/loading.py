@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from modelyard.config import EngineSettings
-from modelyard.engine.cpu_kernels import decode_attention_for
+from modelyard.engine.cpu_kernels import kernels_for
 from modelyard.engine.lora.manager import LoRAManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import ModelRunner
@@ -136,7 +136,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
             loaded.model, cfg, num_blocks, settings.block_size, dtype, device, tp, leader
         )
         if settings.cpu_kernels and tp == 1:  # tensor-parallel steps carry PyTorch's mask
-            runner.decode_kernel = decode_attention_for(device, dtype, settings.cache_dir)
+            runner.use_kernels(kernels_for(device, settings.cache_dir))
         if settings.max_loras:
             runner.lora = LoRAManager(
                 loaded.model, cfg, settings.max_loras, settings.max_lora_rank, settings.lora_dir

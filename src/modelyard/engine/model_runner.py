@@ -24,7 +24,7 @@ from modelyard.engine.models.llama import LlamaForCausalLM
 from modelyard.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from modelyard.engine.cpu_kernels import DecodeAttention
+    from modelyard.engine.cpu_kernels import CpuKernels
     from modelyard.engine.lora.manager import LoRAManager
     from modelyard.engine.tensor_parallel import TensorParallelLeader
 
@@ -80,7 +80,7 @@ class ModelRunner:
         num_slots = num_blocks * block_size
         shape = (2, num_slots, config.num_key_value_heads // tp_size, config.head_dim)
         self.kv_caches = allocate_kv_caches(shape, config.num_hidden_layers, dtype, device)
-        self.decode_kernel: DecodeAttention | None = None  # set by `loading` on CPU
+        self.kernels: CpuKernels | None = None  # `use_kernels`
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -126,7 +126,7 @@ class ModelRunner:
             decode_tables = self._block_tables(
                 [s.block_ids for s, _ in decodes], int(lengths.max())
             )
-            if self.decode_kernel is None:
+            if self.kernels is None:
                 padded_len = decode_tables.shape[1] * self.block_size
                 mask = torch.arange(padded_len) < lengths.unsqueeze(1)
                 decode_mask = mask.view(len(decodes), 1, 1, padded_len).to(self.device)
@@ -139,7 +139,7 @@ class ModelRunner:
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=chunks,
-            decode_kernel=self.decode_kernel,
+            kernels=self.kernels,
             decode_lengths=lengths,
         )
         return StepInputs(
@@ -150,6 +150,12 @@ class ModelRunner:
             sampling_seqs=sampling_seqs,
             lora_slots=lora_slots,
         )
+
+    def use_kernels(self, kernels: CpuKernels | None) -> None:
+        """Run decode attention and the model's fused ops through modelyard's C kernels (CPU,
+        one rank), or through PyTorch's ops (None)."""
+        self.kernels = kernels
+        self.model.use_kernels(kernels)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:

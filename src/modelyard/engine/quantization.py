@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from modelyard.engine.cpu_kernels import CpuKernels
 
 QUANTIZATIONS = ("int8", "w8a8")
 
@@ -109,6 +113,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.packed: torch.ScriptObject | None = None
         self.packed_bytes = 0
+        self.kernels: CpuKernels | None = None  # w8a8's activation scaling in one C call
         if self.kernel == "fbgemm":
             inverse = None if smooth is None else (1.0 / smooth).to(dtype)
             self.register_buffer("inv_smooth", inverse)
@@ -146,6 +151,10 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.packed is not None:  # w8a8: float32 activations (checked at load)
+            if x2.shape[0] > 1 and self.kernels is not None:
+                x2, row_max = self.kernels.smooth_rows(x2, self.inv_smooth)
+                y = torch.ops.quantized.linear_dynamic(x2, self.packed, True) * row_max
+                return self._finish(y, shape)
             if self.inv_smooth is not None:
                 x2 = x2 * self.inv_smooth
             if x2.shape[0] == 1:  # one token (a lone decode): per-tensor is per-token
@@ -161,6 +170,9 @@ class Int8Linear(nn.Module):
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale)
         else:  # dequantize on the fly (CUDA, or a dtype the kernel does not take)
             y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scale.to(x2.dtype)
+        return self._finish(y, shape)
+
+    def _finish(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)

@@ -12,6 +12,7 @@ state.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,14 +23,20 @@ from modelyard.engine.attention import AttentionMetadata, paged_attention, write
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.packed_linear import pack_linears, pack_matrix
 
+if TYPE_CHECKING:
+    from modelyard.engine.cpu_kernels import CpuKernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels: CpuKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dtype == torch.float32 and x.dim() == 2:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 whatever the model dtype, as the reference implementation does.
         dtype = x.dtype
         x32 = x.float()
@@ -120,6 +127,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_proj: nn.Linear | None = None
+        self.kernels: CpuKernels | None = None
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one matmul over their concatenated weights."""
@@ -135,6 +143,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         cache: torch.Tensor,
     ) -> torch.Tensor:
+        if self.kernels is not None and self._fused_rope_applies(cache):
+            return self._forward_fused_rope(positions, x, rope, meta, cache)
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
@@ -147,6 +157,32 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         write_kv(cache, meta.slot_mapping, k, v)
+        out = paged_attention(q, k, v, cache, meta, self.scale)
+        out = self.o_proj(out.reshape(t, self.q_size))
+        return _all_reduce(out) if self.tp_size > 1 else out
+
+    def _fused_rope_applies(self, cache: torch.Tensor) -> bool:
+        return self.qkv_proj is not None and self.q_norm is None and cache.dtype == torch.float32
+
+    def _forward_fused_rope(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        meta: AttentionMetadata,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward` with RoPE and the KV-cache write in one C call, in place in q|k|v."""
+        assert self.kernels is not None and self.qkv_proj is not None
+        qkv = self.qkv_proj(x).contiguous()
+        self.kernels.rope_write_kv(
+            qkv, rope.cos, rope.sin, positions, meta.slot_mapping, cache, self.num_heads
+        )
+        t = x.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, cache, meta, self.scale)
         out = self.o_proj(out.reshape(t, self.q_size))
         return _all_reduce(out) if self.tp_size > 1 else out
@@ -224,6 +260,13 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+
+    def use_kernels(self, kernels: CpuKernels | None) -> None:
+        """Run norms, RoPE with the KV write and w8a8's activation scaling through `kernels`
+        (float32 on CPU; each module keeps PyTorch's ops where its inputs do not fit), or not."""
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = kernels
 
     def fuse_projections(self) -> None:
         for layer in self.model.layers:
