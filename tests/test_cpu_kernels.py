@@ -208,10 +208,17 @@ def test_rope_and_kv_write_match_the_model(
     )
     want_cache = torch.zeros(2, 64, kv_heads, dim)
     write_kv(want_cache, slots, want_k, v.reshape(tokens, kv_heads, dim))
+    bf16_qkv = qkv.clone()
     cache = torch.zeros(2, 64, kv_heads, dim)
     KERNELS.rope_write_kv(qkv, rope.cos, rope.sin, positions, slots, cache, heads)
     torch.testing.assert_close(qkv[:, : heads * dim].reshape(tokens, heads, dim), want_q)
     torch.testing.assert_close(cache, want_cache)
+    # A bfloat16 cache holds PyTorch's own rounding of the same keys and values.
+    bf16_cache = torch.zeros(2, 64, kv_heads, dim, dtype=torch.bfloat16)
+    KERNELS.rope_write_kv(bf16_qkv, rope.cos, rope.sin, positions, slots, bf16_cache, heads)
+    want_bf16 = torch.zeros(2, 64, kv_heads, dim, dtype=torch.bfloat16)
+    write_kv(want_bf16, slots, want_k, v.reshape(tokens, kv_heads, dim))
+    assert torch.equal(bf16_cache, want_bf16)
     with pytest.raises(IndexError, match="RoPE table"):
         KERNELS.rope_write_kv(qkv, rope.cos, rope.sin, positions + 300, slots, cache, heads)
 
@@ -245,3 +252,33 @@ def test_w8a8_engine_logits_match_with_and_without_kernels(tiny_llama: Path) -> 
     assert tokens_on == tokens_off
     for (_, row_on), (_, row_off) in zip(logits_on, logits_off, strict=True):
         torch.testing.assert_close(row_on, row_off, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_kv_cache_under_a_float32_model(tiny_llama: Path) -> None:
+    """`kv_cache_dtype: bfloat16` halves the cache and keeps the float32 model's outputs close;
+    the C kernels and PyTorch's ops read and write it alike."""
+    prompts = [[(3 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([9, 50, 21])]
+    full = make_engine(tiny_llama)
+    with record_logits(full) as reference:
+        run_staggered(full, prompts, max_tokens=12)
+    runs = []
+    for use_kernels in (True, False):
+        engine = make_engine(tiny_llama, kv_cache_dtype="bfloat16")
+        assert engine.runner.kv_caches[0].dtype == torch.bfloat16
+        assert engine.runner.model.model.norm.weight.dtype == torch.float32
+        # Same memory budget, half the bytes per token: twice the blocks.
+        assert engine.kv.num_blocks >= 2 * full.kv.num_blocks - 1
+        if not use_kernels:
+            engine.runner.use_kernels(None)
+        with record_logits(engine) as records:
+            tokens = run_staggered(engine, prompts, max_tokens=12)
+        runs.append((tokens, records))
+    (tokens_on, logits_on), (tokens_off, logits_off) = runs
+    assert tokens_on == tokens_off
+    for (_, row_on), (_, row_off) in zip(logits_on, logits_off, strict=True):
+        torch.testing.assert_close(row_on, row_off, atol=1e-4, rtol=1e-4)
+    by_context = {tuple(t): row for t, row in reference}
+    pairs = [(row, by_context[tuple(t)]) for t, row in logits_on if tuple(t) in by_context]
+    assert len(pairs) >= len(prompts)
+    for row, ref in pairs:  # bfloat16's rounding of K and V: close, not equal
+        torch.testing.assert_close(row, ref, atol=0.05 * ref.abs().max().item(), rtol=0)

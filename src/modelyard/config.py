@@ -77,6 +77,12 @@ class EngineSettings(_Settings):
         "bfloat16 (AVX512-BF16, AMX), else float32 (and float32 with quantization w8a8).",
     )
     device: str = Field("auto", description="torch device for the engine: auto, cpu, cuda, cuda:N.")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Element type of the KV cache; auto = the model's dtype. bfloat16 under a "
+        "float32 model halves the cache's memory and the bytes decode attention reads (as "
+        "llama.cpp's default f16 cache does), at bfloat16's rounding of keys and values.",
+    )
     kv_cache_memory: int = Field(
         parse_size("1GiB"), description="Memory budget for the paged KV cache (e.g. 1GiB)."
     )

@@ -43,9 +43,10 @@ class AttentionMetadata:
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Store the new tokens' K and V (`[T, kv_heads, head_dim]`) in their cache slots."""
-    cache[0].index_copy_(0, slot_mapping, k)
-    cache[1].index_copy_(0, slot_mapping, v)
+    """Store the new tokens' K and V (`[T, kv_heads, head_dim]`) in their cache slots (in the
+    cache's dtype, which may be narrower than the model's)."""
+    cache[0].index_copy_(0, slot_mapping, k.to(cache.dtype))
+    cache[1].index_copy_(0, slot_mapping, v.to(cache.dtype))
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -83,8 +84,9 @@ def paged_attention(
         out[:nd] = o.to(q.dtype)
     elif nd:
         assert meta.decode_block_tables is not None
-        kc = gather_blocks(cache[0], meta.decode_block_tables, meta.block_size).transpose(1, 2)
-        vc = gather_blocks(cache[1], meta.decode_block_tables, meta.block_size).transpose(1, 2)
+        kc = gather_blocks(cache[0], meta.decode_block_tables, meta.block_size)
+        vc = gather_blocks(cache[1], meta.decode_block_tables, meta.block_size)
+        kc, vc = kc.transpose(1, 2).to(q.dtype), vc.transpose(1, 2).to(q.dtype)
         # [B, kv_heads, group, D]: one KV head's query heads act as its "query positions".
         qd = q[:nd].view(nd, kv_heads, heads // kv_heads, dim)
         o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=meta.decode_mask, scale=scale)
@@ -100,8 +102,8 @@ def paged_attention(
         else:
             kc = gather_blocks(cache[0], chunk.context_blocks, meta.block_size)
             vc = gather_blocks(cache[1], chunk.context_blocks, meta.block_size)
-            kc = kc.transpose(0, 1).unsqueeze(0)
-            vc = vc.transpose(0, 1).unsqueeze(0)
+            kc = kc.transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vc = vc.transpose(0, 1).unsqueeze(0).to(q.dtype)
             n = chunk.end - chunk.start
             # Query i sits at position num_computed + i and sees every key up to there; the
             # padding after the context lies beyond every query's position.

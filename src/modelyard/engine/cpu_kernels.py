@@ -116,7 +116,7 @@ class CpuKernels:
         self._rms_norm.argtypes = [ptr] * 3 + [i64] * 3 + [f32]
         self._rope_write_kv = library.rope_write_kv
         self._rope_write_kv.restype = i32
-        self._rope_write_kv.argtypes = [ptr] * 7 + [i64] * 6
+        self._rope_write_kv.argtypes = [ptr] * 7 + [i64] * 6 + [i32]
         self._smooth_rows = library.smooth_rows
         self._smooth_rows.restype = None
         self._smooth_rows.argtypes = [ptr] * 4 + [i64] * 3
@@ -171,7 +171,7 @@ class CpuKernels:
         rope_sin: torch.Tensor,
         positions: torch.Tensor,  # [T] int64
         slots: torch.Tensor,  # [T] int64
-        cache: torch.Tensor,  # [2, slots, kv_heads, dim] float32, contiguous
+        cache: torch.Tensor,  # [2, slots, kv_heads, dim] float32 or bfloat16, contiguous
         heads: int,
     ) -> None:
         """RoPE on every query and key head, then each token's key and value into its slot."""
@@ -190,6 +190,7 @@ class CpuKernels:
             dim,
             qkv.stride(0),
             rope_cos.shape[0],
+            int(cache.dtype == torch.bfloat16),
         )
         if failed:
             raise IndexError(f"a position is outside the RoPE table of {rope_cos.shape[0]}")

@@ -53,6 +53,9 @@ def cpu_has_native_bfloat16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def resolve_dtype(name: str, device: torch.device, quantization: str | None) -> torch.dtype:
     if name == "auto":
         if quantization == "w8a8":  # FBGEMM's int8 matmuls take and give float32
@@ -60,7 +63,7 @@ def resolve_dtype(name: str, device: torch.device, quantization: str | None) -> 
         if device.type == "cuda" or cpu_has_native_bfloat16():
             return torch.bfloat16
         return torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return DTYPES[name]
 
 
 def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
@@ -76,6 +79,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
     if num_threads:
         torch.set_num_threads(num_threads)
     dtype = resolve_dtype(settings.dtype, device, settings.quantization)
+    kv_dtype = dtype if settings.kv_cache_dtype == "auto" else DTYPES[settings.kv_cache_dtype]
     if device.type == "cpu":
         keep_freed_memory_for_reuse()
     folder = to_hf_folder(model, settings.cache_dir)
@@ -99,7 +103,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
         limits.append(cfg.sliding_window)
     max_model_len = min(limits)
     # Each rank holds its 1/tp of the KV heads in its own kv_cache_memory.
-    bytes_per_block = settings.block_size * cfg.kv_bytes_per_token(dtype.itemsize) // tp
+    bytes_per_block = settings.block_size * cfg.kv_bytes_per_token(kv_dtype.itemsize) // tp
     num_blocks = settings.kv_cache_memory // bytes_per_block
     if num_blocks < 1:
         raise ValueError(
@@ -111,6 +115,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
         spec = HelperSpec(
             folder=str(folder),
             dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+            kv_dtype="bfloat16" if kv_dtype == torch.bfloat16 else "float32",
             device=str(device),
             max_model_len=max_model_len,
             num_blocks=num_blocks,
@@ -133,7 +138,15 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
             quantization=settings.quantization,
         )
         runner = ModelRunner(
-            loaded.model, cfg, num_blocks, settings.block_size, dtype, device, tp, leader
+            loaded.model,
+            cfg,
+            num_blocks,
+            settings.block_size,
+            dtype,
+            device,
+            tp,
+            leader,
+            kv_dtype=kv_dtype,
         )
         if settings.cpu_kernels and tp == 1:  # tensor-parallel steps carry PyTorch's mask
             runner.use_kernels(kernels_for(device, settings.cache_dir))

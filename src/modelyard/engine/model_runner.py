@@ -68,7 +68,9 @@ class ModelRunner:
         device: torch.device,
         tp_size: int = 1,
         leader: TensorParallelLeader | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """`kv_dtype`: the KV cache's element type (default: the model's `dtype`)."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -79,7 +81,9 @@ class ModelRunner:
         self.lora: LoRAManager | None = None  # set by `loading` when max_loras > 0
         num_slots = num_blocks * block_size
         shape = (2, num_slots, config.num_key_value_heads // tp_size, config.head_dim)
-        self.kv_caches = allocate_kv_caches(shape, config.num_hidden_layers, dtype, device)
+        self.kv_caches = allocate_kv_caches(
+            shape, config.num_hidden_layers, kv_dtype or dtype, device
+        )
         self.kernels: CpuKernels | None = None  # `use_kernels`
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:

@@ -168,6 +168,7 @@ class HelperSpec:
 
     folder: str
     dtype: str  # "float32" | "bfloat16"
+    kv_dtype: str  # the KV cache's, "float32" | "bfloat16"
     device: str  # rank 0's base device; rank r uses `rank_device(device, r)`
     max_model_len: int
     num_blocks: int
@@ -477,6 +478,7 @@ def run_helper(spec: HelperSpec, rank: int, master_port: int) -> None:
             dtype,
             device,
             tp_size=spec.world_size,
+            kv_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.kv_dtype],
         )
         store.set(f"loaded/{rank}", "1")
         store.wait(["go"], timedelta(seconds=STARTUP_TIMEOUT_S))

@@ -5,6 +5,16 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+/* float32 to bfloat16, rounded to nearest even as PyTorch's conversion does. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
 
 /* out[r] = x[r] / rms(x[r]) * weight, rows of `cols` values (rows `x_stride` apart). */
 void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,
@@ -21,12 +31,13 @@ void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int
 
 /* Rotate-half RoPE of each token's query and key heads, in place in the fused q|k|v rows
  * (`row_stride` apart: queries at 0, keys at `heads * dim`, values after them), then the
- * rotated key and the value written to the token's cache slot. cos/sin: [max_positions, dim].
- * Returns 0, or -1 (nothing written) when a position lies outside the tables. */
+ * rotated key and the value written to the token's cache slot (float32, or bfloat16 when
+ * `bf16`). cos/sin: [max_positions, dim]. Returns 0, or -1 (nothing written) when a position
+ * lies outside the tables. */
 int rope_write_kv(float *qkv, const float *cos_table, const float *sin_table,
-                  const int64_t *positions, const int64_t *slots, float *k_cache, float *v_cache,
+                  const int64_t *positions, const int64_t *slots, void *k_cache, void *v_cache,
                   int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
-                  int64_t row_stride, int64_t max_positions) {
+                  int64_t row_stride, int64_t max_positions, int bf16) {
     const int64_t half = dim / 2, kv_width = kv_heads * dim;
     for (int64_t t = 0; t < tokens; t++)
         if (positions[t] < 0 || positions[t] >= max_positions) return -1;
@@ -42,10 +53,19 @@ int rope_write_kv(float *qkv, const float *cos_table, const float *sin_table,
             }
         }
         const float *k = row + heads * dim, *v = k + kv_width;
-        float *kc = k_cache + slots[t] * kv_width, *vc = v_cache + slots[t] * kv_width;
-        for (int64_t i = 0; i < kv_width; i++) {
-            kc[i] = k[i];
-            vc[i] = v[i];
+        const int64_t at = slots[t] * kv_width;
+        if (bf16) {
+            uint16_t *kc = (uint16_t *)k_cache + at, *vc = (uint16_t *)v_cache + at;
+            for (int64_t i = 0; i < kv_width; i++) {
+                kc[i] = float_to_bf16(k[i]);
+                vc[i] = float_to_bf16(v[i]);
+            }
+        } else {
+            float *kc = (float *)k_cache + at, *vc = (float *)v_cache + at;
+            for (int64_t i = 0; i < kv_width; i++) {
+                kc[i] = k[i];
+                vc[i] = v[i];
+            }
         }
     }
     return 0;

@@ -143,7 +143,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         cache: torch.Tensor,
     ) -> torch.Tensor:
-        if self.kernels is not None and self._fused_rope_applies(cache):
+        if self.kernels is not None and self._fused_rope_applies(x, cache):
             return self._forward_fused_rope(positions, x, rope, meta, cache)
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -161,8 +161,13 @@ class Attention(nn.Module):
         out = self.o_proj(out.reshape(t, self.q_size))
         return _all_reduce(out) if self.tp_size > 1 else out
 
-    def _fused_rope_applies(self, cache: torch.Tensor) -> bool:
-        return self.qkv_proj is not None and self.q_norm is None and cache.dtype == torch.float32
+    def _fused_rope_applies(self, x: torch.Tensor, cache: torch.Tensor) -> bool:
+        return (
+            self.qkv_proj is not None
+            and self.q_norm is None
+            and x.dtype == torch.float32
+            and cache.dtype in (torch.float32, torch.bfloat16)
+        )
 
     def _forward_fused_rope(
         self,
