@@ -130,10 +130,10 @@ def trace_prompts(args: argparse.Namespace, n: int) -> list[Prompt]:
     return out
 
 
-def make_prompts(args: argparse.Namespace, n: int) -> list[Prompt]:
+def make_prompts(args: argparse.Namespace, n: int, seed: int | None = None) -> list[Prompt]:
     if args.dataset.startswith("azure-"):
         return trace_prompts(args, n)
-    rng = random.Random(args.seed)
+    rng = random.Random(args.seed if seed is None else seed)
     if args.dataset == "random":
         lens = [
             max(1, int(args.input_len * (1 + args.range_ratio * (2 * rng.random() - 1))))
@@ -407,41 +407,56 @@ def _launch(
 
 
 async def against_llama_cpp(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Both servers started side by side (the idle one takes no CPU) and measured alternately,
+    concurrency by concurrency, `--rounds` times, the order flipped every round: drift in a
+    shared machine's speed hits both alike, and each round's ratio compares neighbours."""
     gguf = Path(args.gguf) if args.gguf else _bundled_gguf()
     log_dir = Path(args.log_dir)
     rows: list[dict[str, Any]] = []
     servers = [s for s in ("llama.cpp", "modelyard") if args.only in (None, s)]
-    for name in servers:
-        port = _free_port()
-        proc = _launch(name, args, gguf, port, log_dir)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            await _wait_ready(base, proc, 300)
-            warm = make_prompts(args, 2)
-            await run_load(args, base + "/v1", "bench", warm, 2)
+    bases: dict[str, str] = {}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for name in servers:
+            port = _free_port()
+            procs.append(_launch(name, args, gguf, port, log_dir))
+            bases[name] = f"http://127.0.0.1:{port}"
+            await _wait_ready(bases[name], procs[-1], 300)
+            await run_load(args, bases[name] + "/v1", "bench", make_prompts(args, 2), 2)
+        for round_ in range(args.rounds):
             for c in args.concurrencies:
                 n = args.num_prompts or max(8, 4 * c)
-                outcomes, wall = await run_load(
-                    args, base + "/v1", "bench", make_prompts(args, n), c
-                )
-                row = {"server": name, "concurrency": c, **summarize(args, outcomes, wall)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        finally:
+                # Fresh prompts per round and concurrency: no prefix-cache hits across runs.
+                prompts = make_prompts(args, n, seed=args.seed + 1000 * round_ + c)
+                for name in servers if round_ % 2 == 0 else servers[::-1]:
+                    outcomes, wall = await run_load(args, bases[name] + "/v1", "bench", prompts, c)
+                    summary = summarize(args, outcomes, wall)
+                    row = {"server": name, "concurrency": c, "round": round_, **summary}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        for proc in procs:
             _stop(proc)
     print_ratios(rows)
     return rows
 
 
 def print_ratios(rows: list[dict[str, Any]]) -> None:
-    """modelyard ÷ llama.cpp output tokens/s at each concurrency both were measured at."""
-    by = {(r["server"], r["concurrency"]): r["output_tokens_per_s"] for r in rows}
-    for (server, c), theirs in by.items():
-        mine = by.get(("modelyard", c))
+    """modelyard ÷ llama.cpp output tokens/s at each concurrency, per round and the median."""
+    by = {
+        (r["server"], r["concurrency"], r.get("round", 0)): r["output_tokens_per_s"] for r in rows
+    }
+    ratios: dict[int, list[float]] = {}
+    for (server, c, round_), theirs in by.items():
+        mine = by.get(("modelyard", c, round_))
         if server == "llama.cpp" and mine is not None and theirs:
+            ratios.setdefault(c, []).append(mine / theirs)
             print(
-                f"c={c}: modelyard {mine} tok/s, llama.cpp {theirs} tok/s -> {mine / theirs:.2f}x"
+                f"round {round_} c={c}: modelyard {mine} tok/s, llama.cpp {theirs} tok/s "
+                f"-> {mine / theirs:.2f}x"
             )
+    for c, values in ratios.items():
+        print(f"c={c}: median ratio {statistics.median(values):.2f}x over {len(values)} rounds")
 
 
 def _bundled_gguf() -> Path:
@@ -522,6 +537,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--concurrencies", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32]
     )
     g.add_argument("--gguf", default=None, help="default: SmolLM2's bundled Q4_1 GGUF")
+    g.add_argument(
+        "--rounds", type=int, default=1, help="measure both servers alternately this many times"
+    )
     g.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server -t / -tb")
     g.add_argument(
         "--only", choices=("llama.cpp", "modelyard"), default=None, help="one server only"
