@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -91,24 +92,35 @@ def test_matches_attention_over_gathered_blocks(
     torch.testing.assert_close(got, want, atol=2e-5 * max(1.0, spread), rtol=1e-4)
 
 
-def test_engine_logits_match_with_and_without_the_kernel(tiny_llama: Path) -> None:
-    prompts = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17, 90])]
+Records = list[tuple[list[int], torch.Tensor]]
+
+
+def same_with_and_without_kernels(
+    folder: Path, prompts: list[list[int]], max_tokens: int, **settings: Any
+) -> Records:
+    """Run the prompts staggered in an engine with the C kernels (on by default) and in one
+    without; check both give the same tokens and logits (to 1e-4); return the first's logits."""
     runs = []
-    for use_kernel in (True, False):
-        engine = make_engine(tiny_llama)
-        if not use_kernel:
+    for use_kernels in (True, False):
+        engine = make_engine(folder, **settings)
+        assert isinstance(engine.runner.kernels, cpu_kernels.CpuKernels)
+        if not use_kernels:
             engine.runner.use_kernels(None)
-        else:
-            assert isinstance(engine.runner.kernels, cpu_kernels.CpuKernels)  # on by default
         with record_logits(engine) as records:
-            tokens = run_staggered(engine, prompts, max_tokens=24)
+            tokens = run_staggered(engine, prompts, max_tokens)
         runs.append((tokens, records))
     (tokens_on, logits_on), (tokens_off, logits_off) = runs
     assert tokens_on == tokens_off
-    assert len(logits_on) == len(logits_off) > 4 * 20
+    assert len(logits_on) == len(logits_off) >= len(prompts) * max_tokens
     for (ids_on, row_on), (ids_off, row_off) in zip(logits_on, logits_off, strict=True):
         assert ids_on == ids_off
         torch.testing.assert_close(row_on, row_off, atol=1e-4, rtol=1e-4)
+    return logits_on
+
+
+def test_engine_logits_match_with_and_without_the_kernels(tiny_llama: Path) -> None:
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17, 90])]
+    same_with_and_without_kernels(tiny_llama, prompts, max_tokens=24)
 
 
 def test_without_a_compiler_the_engine_falls_back(
@@ -240,18 +252,7 @@ def test_w8a8_activation_scaling_matches(rows: int, smooth: bool, seed: int) -> 
 
 def test_w8a8_engine_logits_match_with_and_without_kernels(tiny_llama: Path) -> None:
     prompts = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([6, 33, 70])]
-    runs = []
-    for use_kernels in (True, False):
-        engine = make_engine(tiny_llama, quantization="w8a8")
-        if not use_kernels:
-            engine.runner.use_kernels(None)
-        with record_logits(engine) as records:
-            tokens = run_staggered(engine, prompts, max_tokens=16)
-        runs.append((tokens, records))
-    (tokens_on, logits_on), (tokens_off, logits_off) = runs
-    assert tokens_on == tokens_off
-    for (_, row_on), (_, row_off) in zip(logits_on, logits_off, strict=True):
-        torch.testing.assert_close(row_on, row_off, atol=1e-4, rtol=1e-4)
+    same_with_and_without_kernels(tiny_llama, prompts, max_tokens=16, quantization="w8a8")
 
 
 def test_bfloat16_kv_cache_under_a_float32_model(tiny_llama: Path) -> None:
@@ -261,22 +262,14 @@ def test_bfloat16_kv_cache_under_a_float32_model(tiny_llama: Path) -> None:
     full = make_engine(tiny_llama)
     with record_logits(full) as reference:
         run_staggered(full, prompts, max_tokens=12)
-    runs = []
-    for use_kernels in (True, False):
-        engine = make_engine(tiny_llama, kv_cache_dtype="bfloat16")
-        assert engine.runner.kv_caches[0].dtype == torch.bfloat16
-        assert engine.runner.model.model.norm.weight.dtype == torch.float32
-        # Same memory budget, half the bytes per token: twice the blocks.
-        assert engine.kv.num_blocks >= 2 * full.kv.num_blocks - 1
-        if not use_kernels:
-            engine.runner.use_kernels(None)
-        with record_logits(engine) as records:
-            tokens = run_staggered(engine, prompts, max_tokens=12)
-        runs.append((tokens, records))
-    (tokens_on, logits_on), (tokens_off, logits_off) = runs
-    assert tokens_on == tokens_off
-    for (_, row_on), (_, row_off) in zip(logits_on, logits_off, strict=True):
-        torch.testing.assert_close(row_on, row_off, atol=1e-4, rtol=1e-4)
+    engine = make_engine(tiny_llama, kv_cache_dtype="bfloat16")
+    assert engine.runner.kv_caches[0].dtype == torch.bfloat16
+    assert engine.runner.model.model.norm.weight.dtype == torch.float32
+    # Same memory budget, half the bytes per token: twice the blocks.
+    assert engine.kv.num_blocks >= 2 * full.kv.num_blocks - 1
+    logits_on = same_with_and_without_kernels(
+        tiny_llama, prompts, max_tokens=12, kv_cache_dtype="bfloat16"
+    )
     by_context = {tuple(t): row for t, row in reference}
     pairs = [(row, by_context[tuple(t)]) for t, row in logits_on if tuple(t) in by_context]
     assert len(pairs) >= len(prompts)

@@ -143,54 +143,42 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         cache: torch.Tensor,
     ) -> torch.Tensor:
-        if self.kernels is not None and self._fused_rope_applies(x, cache):
-            return self._forward_fused_rope(positions, x, rope, meta, cache)
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qkv_proj is None:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qkv = self.qkv_proj(x)
         t = x.shape[0]
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        write_kv(cache, meta.slot_mapping, k, v)
+        if self.kernels is not None and self._fused_rope_applies(qkv, cache):
+            # RoPE and the KV-cache write in one C call, in place in the q|k|v rows.
+            qkv = qkv.contiguous()
+            self.kernels.rope_write_kv(
+                qkv, rope.cos, rope.sin, positions, meta.slot_mapping, cache, self.num_heads
+            )
+            q, k, v = self._heads(qkv, t)
+        else:
+            q, k, v = self._heads(qkv, t)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rope(positions, q, k)
+            write_kv(cache, meta.slot_mapping, k, v)
         out = paged_attention(q, k, v, cache, meta, self.scale)
         out = self.o_proj(out.reshape(t, self.q_size))
         return _all_reduce(out) if self.tp_size > 1 else out
 
-    def _fused_rope_applies(self, x: torch.Tensor, cache: torch.Tensor) -> bool:
+    def _heads(self, qkv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (
-            self.qkv_proj is not None
-            and self.q_norm is None
-            and x.dtype == torch.float32
+            q.reshape(t, self.num_heads, self.head_dim),
+            k.reshape(t, self.num_kv_heads, self.head_dim),
+            v.reshape(t, self.num_kv_heads, self.head_dim),
+        )
+
+    def _fused_rope_applies(self, qkv: torch.Tensor, cache: torch.Tensor) -> bool:
+        return (
+            self.q_norm is None
+            and qkv.dtype == torch.float32
             and cache.dtype in (torch.float32, torch.bfloat16)
         )
-
-    def _forward_fused_rope(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        rope: RotaryEmbedding,
-        meta: AttentionMetadata,
-        cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """`forward` with RoPE and the KV-cache write in one C call, in place in q|k|v."""
-        assert self.kernels is not None and self.qkv_proj is not None
-        qkv = self.qkv_proj(x).contiguous()
-        self.kernels.rope_write_kv(
-            qkv, rope.cos, rope.sin, positions, meta.slot_mapping, cache, self.num_heads
-        )
-        t = x.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, cache, meta, self.scale)
-        out = self.o_proj(out.reshape(t, self.q_size))
-        return _all_reduce(out) if self.tp_size > 1 else out
 
 
 class MLP(nn.Module):
