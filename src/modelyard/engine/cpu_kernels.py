@@ -6,12 +6,12 @@ of a 32-sequence decode step. `csrc/paged_attention.c` reads the blocks where th
 `csrc/fused_ops.c` fuses the small ops around it (RMSNorm, RoPE with the KV-cache write, w8a8's
 activation scaling), each of which cost PyTorch 5 to 20 dispatches per layer.
 
-The kernels are plain C with no PyTorch headers, so they build in about a second. It is compiled
-for this CPU (`-march=native`) into `<cache_dir>/kernels`, under a name that hashes the source,
-the options, the compiler and the CPU's flags, so a cache shared by different machines never
-loads code built for another CPU. Where no compiler works, or with `cpu_kernels` off
-(`MODELYARD_CPU_KERNELS=false`), the engine keeps PyTorch's path (`load_decode_attention`
-returns None and logs why once).
+The kernels are plain C with no PyTorch headers, so they build in about a second. They are
+compiled for this CPU (`-march=native`) into `<cache_dir>/kernels`, under a name that hashes the
+sources, the options, the compiler and the CPU's flags, so a cache shared by different machines
+never loads code built for another CPU. Where no compiler works (`load_kernels` returns None and
+logs why), or with `cpu_kernels` off (`MODELYARD_CPU_KERNELS=false`), the engine keeps
+PyTorch's ops.
 """
 
 from __future__ import annotations
@@ -96,10 +96,6 @@ def _build(sources: tuple[Path, ...], compiler: str, kernel_dir: Path) -> Path:
         partial.unlink(missing_ok=True)
         errors.append(done.stderr.strip()[-500:])
     raise RuntimeError("; ".join(errors))
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class CpuKernels:
@@ -205,7 +201,7 @@ class CpuKernels:
         row_max = torch.empty(rows, 1)
         self._smooth_rows(
             x.data_ptr(),
-            _ptr(inv_smooth),
+            None if inv_smooth is None else inv_smooth.data_ptr(),
             out.data_ptr(),
             row_max.data_ptr(),
             rows,

@@ -15,7 +15,7 @@ from modelyard.config import EngineSettings
 from modelyard.engine.cpu_kernels import kernels_for
 from modelyard.engine.lora.manager import LoRAManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
-from modelyard.engine.model_runner import ModelRunner
+from modelyard.engine.model_runner import DTYPES, ModelRunner
 from modelyard.engine.models.loader import load_model, read_model_config, to_hf_folder
 from modelyard.engine.models.sharding import check_tensor_parallel
 from modelyard.engine.tensor_parallel import (
@@ -51,9 +51,6 @@ def cpu_has_native_bfloat16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_dtype(name: str, device: torch.device, quantization: str | None) -> torch.dtype:
@@ -114,8 +111,8 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
     if tp > 1:
         spec = HelperSpec(
             folder=str(folder),
-            dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-            kv_dtype="bfloat16" if kv_dtype == torch.bfloat16 else "float32",
+            dtype=str(dtype).removeprefix("torch."),
+            kv_dtype=str(kv_dtype).removeprefix("torch."),
             device=str(device),
             max_model_len=max_model_len,
             num_blocks=num_blocks,

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from modelyard.engine.tensor_parallel import TensorParallelLeader
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # weights, activations, KV
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor

@@ -442,7 +442,7 @@ def serve_steps(runner: ModelRunner) -> int:
 
 def run_helper(spec: HelperSpec, rank: int, master_port: int) -> None:
     from modelyard.engine.memory import keep_freed_memory_for_reuse
-    from modelyard.engine.model_runner import ModelRunner
+    from modelyard.engine.model_runner import DTYPES, ModelRunner
     from modelyard.engine.models.loader import load_model
 
     device = rank_device(torch.device(spec.device), rank)
@@ -461,7 +461,7 @@ def run_helper(spec: HelperSpec, rank: int, master_port: int) -> None:
         backend_for(device), store=store, rank=rank, world_size=spec.world_size, timeout=timeout
     )
     try:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
+        dtype = DTYPES[spec.dtype]
         loaded = load_model(
             Path(spec.folder),
             dtype,
@@ -478,7 +478,7 @@ def run_helper(spec: HelperSpec, rank: int, master_port: int) -> None:
             dtype,
             device,
             tp_size=spec.world_size,
-            kv_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.kv_dtype],
+            kv_dtype=DTYPES[spec.kv_dtype],
         )
         store.set(f"loaded/{rank}", "1")
         store.wait(["go"], timedelta(seconds=STARTUP_TIMEOUT_S))
