@@ -128,33 +128,40 @@ def test_rpm_limit_holds_across_gateways_and_usage_matches(cluster: Cluster) -> 
 
 
 def _replica_pids(api: httpx.Client, name: str) -> set[int]:
-    body = next(e for e in api.get("/v1/endpoints").json()["data"] if e["model_name"] == name)
+    r = api.get("/v1/endpoints")
+    assert r.status_code == 200, f"{r.status_code} {r.text}"
+    body = next(e for e in r.json()["data"] if e["model_name"] == name)
     return {r["pid"] for r in body["replicas"]["items"] if r["state"] == "ready"}
 
 
 def test_leader_killed_under_traffic(cluster: Cluster) -> None:
     old = cluster.leader()
     standby = cluster.standby()
-    with cluster.api(0) as g1:
-        pids = _replica_pids(g1, "tiny")
-    with Traffic(lambda: [cluster.api(0), cluster.api(1)]) as traffic:
-        traffic.wait_ok(5)
-        old.kill()
-        killed_at = time.monotonic()
-        assert cluster.leader() is standby
-        took = time.monotonic() - killed_at
-        traffic.wait_ok(10)
-    print(f"standby led {took:.1f}s after the SIGKILL; {len(traffic.ok)} requests answered")
-    assert took < 15.0, took
-    assert traffic.failed == [], traffic.failed[:5]
-    with cluster.api(1) as g2, cluster.api(0) as g1:
-        assert _replica_pids(g2, "tiny") == pids  # adopted, not restarted
-        deploy(g2, "tiny2", str(cluster.models_dir / "tiny"))
-        deadline = time.monotonic() + 2.0
-        while (r := chat(g1, "tiny2")).status_code != 200:
-            assert time.monotonic() < deadline, r.text
-            time.sleep(0.05)
-    old.start()  # back as the standby
+    try:
+        with cluster.api(0) as g1, cluster.api(1) as g2:
+            pids = _replica_pids(g1, "tiny")
+            assert _replica_pids(g2, "tiny") == pids  # gateway 2 now holds the old leader's URL
+            with Traffic(lambda: [cluster.api(0), cluster.api(1)]) as traffic:
+                traffic.wait_ok(5)
+                old.kill()
+                killed_at = time.monotonic()
+                # A control request in the takeover waits for the next leader, never a 503.
+                r = g2.get("/v1/endpoints")
+                assert r.status_code == 200, r.text
+                assert cluster.leader() is standby
+                took = time.monotonic() - killed_at
+                traffic.wait_ok(10)
+            print(f"standby led {took:.1f}s after the SIGKILL; {len(traffic.ok)} requests answered")
+            assert took < 15.0, took
+            assert traffic.failed == [], traffic.failed[:5]
+            assert _replica_pids(g2, "tiny") == pids  # adopted, not restarted
+            deploy(g2, "tiny2", str(cluster.models_dir / "tiny"))
+            deadline = time.monotonic() + 2.0
+            while (r := chat(g1, "tiny2")).status_code != 200:
+                assert time.monotonic() < deadline, r.text
+                time.sleep(0.05)
+    finally:
+        old.start()  # back as the standby
 
 
 def test_gateway_killed_under_traffic_loses_nothing_acknowledged(cluster: Cluster) -> None:
@@ -190,14 +197,16 @@ def test_batch_survives_controller_failover(cluster: Cluster) -> None:
             time.sleep(0.1)
         old = cluster.leader()
         old.kill()
-        while (b := _batch_or_none(g2, batch_id)) is None or b["status"] != "completed":
-            assert time.monotonic() < deadline, (b, cluster.output())
-            time.sleep(0.2)
-        out = g2.get(f"/v1/files/{b['output_file_id']}/content").text
+        try:
+            while (b := _batch_or_none(g2, batch_id)) is None or b["status"] != "completed":
+                assert time.monotonic() < deadline, (b, cluster.output())
+                time.sleep(0.2)
+            out = g2.get(f"/v1/files/{b['output_file_id']}/content").text
+        finally:
+            old.start()
     custom_ids = [json.loads(x)["custom_id"] for x in out.splitlines() if x]
     assert sorted(custom_ids) == sorted(f"item-{i}" for i in range(n))
     assert b["request_counts"] == {"total": n, "completed": n, "failed": 0}
-    old.start()
 
 
 def _batch(api: httpx.Client, batch_id: str) -> dict[str, Any]:

@@ -97,7 +97,11 @@ class _Role:
         app = create_platform_app(p.services, self)
         address = LeaderAddress(p._redis)
         app.add_middleware(
-            ControlForward, leads=leads, leader_url=address.get, forget_leader=address.forget
+            ControlForward,
+            leads=leads,
+            leader_url=address.get,
+            forget_leader=address.forget,
+            takeover_wait_s=self.settings.controller_lease_s,
         )
         return app
 

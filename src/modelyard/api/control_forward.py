@@ -8,12 +8,19 @@ answers it as `serve` would (a 400 names the field, a 202 carries the endpoint i
 did is in its routing table, which it publishes at once. The request goes on as it came (method,
 path, query, headers, body streamed both ways), marked `x-modelyard-forwarded` so it is never
 forwarded twice (a request reaching a process that no longer leads, during a takeover, is a 503
-with Retry-After, as is one arriving while no controller leads).
+with Retry-After).
+
+A takeover is not the client's problem when it is short: a request that finds no leader, or a
+leader that refuses the connection (it died; nothing of the request was sent), waits for the
+next leader to be advertised, up to `takeover_wait_s` (the controller lease: a crashed leader's
+successor leads within a fraction of it), and goes there; only then is it a 503 with Retry-After.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -37,6 +44,7 @@ CONTROL_PREFIXES = (
 FORWARDED = b"x-modelyard-forwarded"
 _HOP = {b"host", b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te"}
 _RETRY_AFTER_S = 3
+_LEADER_POLL_S = 0.2
 
 
 class ControlForward:
@@ -46,12 +54,14 @@ class ControlForward:
         leads: Callable[[], bool],
         leader_url: Callable[[], Awaitable[str | None]],
         forget_leader: Callable[[], None] = lambda: None,
+        takeover_wait_s: float = 0.0,
         timeout_s: float = 600.0,
     ) -> None:
         self.app = app
         self.leads = leads
         self.leader_url = leader_url
         self.forget_leader = forget_leader
+        self.takeover_wait_s = takeover_wait_s
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=3.0))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -60,23 +70,35 @@ class ControlForward:
             await self.app(scope, receive, send)
             return
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
-        url = None if any(k == FORWARDED for k, _ in headers) else await self.leader_url()
-        if url is None:
-            await _unavailable(send, "no controller leads right now (a takeover is under way)")
+        if any(k == FORWARDED for k, _ in headers):
+            await _unavailable(send, "this controller no longer leads (a takeover is under way)")
             return
         query = scope.get("query_string", b"").decode()
-        request = self._http.build_request(
-            scope["method"],
-            url.rstrip("/") + path + (f"?{query}" if query else ""),
-            headers=[*headers, (FORWARDED, b"1")],
-            content=_body(receive),
-        )
-        try:
-            response = await self._http.send(request, stream=True)
-        except httpx.TransportError:
-            self.forget_leader()
-            await _unavailable(send, "the leading controller did not answer")
-            return
+        target = path + (f"?{query}" if query else "")
+        body = _Body(receive)
+        deadline = time.monotonic() + self.takeover_wait_s
+        while True:
+            url = await self.leader_url()
+            if url is not None:
+                request = self._http.build_request(
+                    scope["method"],
+                    url.rstrip("/") + target,
+                    headers=[*headers, (FORWARDED, b"1")],
+                    content=body.stream(),
+                )
+                try:
+                    response = await self._http.send(request, stream=True)
+                    break
+                except httpx.ConnectError:
+                    self.forget_leader()  # it died; nothing of the request reached it
+                except httpx.TransportError:
+                    self.forget_leader()
+                    await _unavailable(send, "the leading controller did not answer")
+                    return
+            if body.started or time.monotonic() >= deadline:
+                await _unavailable(send, "no controller leads right now (a takeover is under way)")
+                return
+            await asyncio.sleep(_LEADER_POLL_S)
         try:
             await send(
                 {
@@ -92,14 +114,23 @@ class ControlForward:
             await response.aclose()
 
 
-async def _body(receive: Receive) -> AsyncIterator[bytes]:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-        yield message.get("body", b"")
-        if not message.get("more_body", False):
-            return
+class _Body:
+    """The request body, streamed once; `started` says whether a try has read any of it (a
+    request whose body is partly sent is never tried again)."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.started = False
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        self.started = True
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return
+            yield message.get("body", b"")
+            if not message.get("more_body", False):
+                return
 
 
 async def _unavailable(send: Send, why: str) -> None:
