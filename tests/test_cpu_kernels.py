@@ -26,7 +26,6 @@ from modelyard.engine import cpu_kernels
 from modelyard.engine.attention import gather_blocks, write_kv
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.llama import RMSNorm, RotaryEmbedding
-from modelyard.engine.quantization import Int8Linear
 from tests.parity import make_engine, record_logits, run_staggered
 
 KERNELS = cpu_kernels.load_kernels(EngineSettings().cache_dir)
@@ -238,21 +237,84 @@ def test_rope_and_kv_write_match_the_model(
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(rows=st.integers(2, 16), smooth=st.booleans(), seed=st.integers(0, 999))
 def test_w8a8_activation_scaling_matches(rows: int, smooth: bool, seed: int) -> None:
+    """FBGEMM's w8a8 path (no VNNI here, or a batch the C matmul does not take) scales each row
+    in C exactly as in PyTorch."""
     assert KERNELS is not None
     gen = torch.Generator().manual_seed(seed)
-    weight = torch.randn(48, 64, generator=gen)
-    ranges = torch.rand(64, generator=gen) * 20 if smooth else None
-    layer = Int8Linear.from_weight(weight, None, torch.float32, "fbgemm", activation_max=ranges)
     x = torch.randn(rows, 64, generator=gen) * 5
     x[0] = 0.0  # an all-zero row keeps its floor scale
-    want = layer(x)
-    layer.kernels = KERNELS
-    torch.testing.assert_close(layer(x), want)
+    inv_smooth = 1.0 / (torch.rand(64, generator=gen) * 3 + 0.1) if smooth else None
+    scaled = x if inv_smooth is None else x * inv_smooth
+    row_max = scaled.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)
+    out, got_max = KERNELS.smooth_rows(x, inv_smooth)
+    assert torch.equal(got_max, row_max) and torch.equal(out, scaled / row_max)
+
+
+def exact_int8_product(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The C matmul's arithmetic in PyTorch: x quantized per row (round half away from zero),
+    the integer products summed exactly (float64), then the scales."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    v = x * torch.where(amax > 0, 127.0 / amax, 0.0)
+    xq = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    acc = (xq.double() @ q.double().T).float()
+    y = acc * (amax / 127.0) * scale
+    return y if bias is None else y + bias
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    rows=st.integers(1, 11),
+    k=st.sampled_from([8, 63, 64, 65, 576, 1000]),
+    n=st.sampled_from([1, 4, 6, 37, 576, 2000]),
+    smooth=st.booleans(),
+    bias=st.booleans(),
+    seed=st.integers(0, 999),
+)
+def test_int8_matmul_matches_its_integer_arithmetic(
+    rows: int, k: int, n: int, smooth: bool, bias: bool, seed: int
+) -> None:
+    """Every batch size, K not a multiple of the 64-byte vector, N not a multiple of the 4-row
+    block, over the threads the process may use (chunks claimed dynamically)."""
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) / 100
+    x = torch.randn(rows, k, generator=gen) * 3
+    x[0, : k // 2] = 0.0
+    inv_smooth = torch.rand(k, generator=gen) + 0.5 if smooth else None
+    b = torch.randn(n, generator=gen) if bias else None
+    got = KERNELS.int8_matmul(x, q, q.sum(dim=1, dtype=torch.int32), scale, b, inv_smooth)
+    want = exact_int8_product(x if inv_smooth is None else x * inv_smooth, q, scale, b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_w8a8_engine_logits_match_with_and_without_kernels(tiny_llama: Path) -> None:
+    """Where the C matmul runs (VNNI), w8a8 quantizes activations with 8 symmetric bits per
+    token instead of FBGEMM's 7-bit asymmetric ones: the logits differ by a quantization's
+    error, so both are held to float32's and the C path must be no further from them;
+    elsewhere the C path is PyTorch's, exactly."""
+    assert KERNELS is not None
     prompts = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([6, 33, 70])]
-    same_with_and_without_kernels(tiny_llama, prompts, max_tokens=16, quantization="w8a8")
+    if not KERNELS.int8_matmul_vectorized:
+        same_with_and_without_kernels(tiny_llama, prompts, max_tokens=16, quantization="w8a8")
+        return
+    firsts = []
+    for quantization, use_kernels in (("w8a8", True), ("w8a8", False), (None, True)):
+        engine = make_engine(tiny_llama, quantization=quantization)
+        engine.runner.use_kernels(KERNELS if use_kernels else None)
+        if quantization:
+            layer = engine.runner.model.model.layers[0].mlp.down_proj
+            assert (layer.packed is None) == use_kernels  # one form of the weights at a time
+        with record_logits(engine) as records:
+            run_staggered(engine, prompts, max_tokens=1)
+        firsts.append(torch.stack([row for _, row in records]))
+    c_matmul, fbgemm, float32 = (
+        (f - firsts[2]).abs().max() / firsts[2].abs().max() for f in firsts
+    )
+    print(f"w8a8 logits' error against float32: C {c_matmul:.4f}, FBGEMM {fbgemm:.4f}")
+    assert float32 == 0 and 0 < c_matmul <= fbgemm
 
 
 def test_bfloat16_kv_cache_under_a_float32_model(tiny_llama: Path) -> None:

@@ -93,8 +93,10 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     """`y = x @ (q * scale)^T + bias` with int8 `q` and the scale in the activation dtype.
 
-    Under the `fbgemm` kernel the int8 rows live only in FBGEMM's packed copy (`packed`), whose
-    size `packed_bytes` is what `weight_bytes` counts for them."""
+    Under the `fbgemm` kernel (w8a8) the int8 rows are in one of two forms, never both: FBGEMM's
+    packed copy (`packed`, whose size `packed_bytes` is what `weight_bytes` counts for it), or,
+    while C kernels with a vectorised int8 matmul are in use (`kernels`), plain rows
+    (`qweight`, one byte each) with their sums."""
 
     def __init__(
         self,
@@ -113,17 +115,43 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.packed: torch.ScriptObject | None = None
         self.packed_bytes = 0
-        self.kernels: CpuKernels | None = None  # w8a8's activation scaling in one C call
+        self._kernels: CpuKernels | None = None
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale.to(dtype))
         if self.kernel == "fbgemm":
             inverse = None if smooth is None else (1.0 / smooth).to(dtype)
             self.register_buffer("inv_smooth", inverse)
-            self.packed = _fbgemm_pack(qweight, scale)
+            self.register_buffer("weight_sums", None, persistent=False)
+            self._pack()
+
+    @property
+    def kernels(self) -> CpuKernels | None:
+        """The C kernels w8a8 runs its activation scaling (and, with VNNI, its matmul) with."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: CpuKernels | None) -> None:
+        self._kernels = kernels
+        if self.kernel == "fbgemm":
+            if kernels is not None and kernels.int8_matmul_vectorized:
+                self._unpack()
+            else:
+                self._pack()
+
+    def _pack(self) -> None:
+        if self.packed is None:
+            self.packed = _fbgemm_pack(self.qweight, self.scale)
             # Measured: FBGEMM's packed weights hold ~1.8 bytes of RSS per int8 weight (why was
             # not investigated); counted as 2.
-            self.packed_bytes = 2 * qweight.numel() + 8 * qweight.shape[0]
-            return
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scale", scale.to(dtype))
+            self.packed_bytes = 2 * self.qweight.numel() + 8 * self.out_features
+            self.qweight = self.weight_sums = None
+
+    def _unpack(self) -> None:
+        if self.packed is not None:
+            qweight = torch.ops.quantized.linear_unpack(self.packed)[0].int_repr().contiguous()
+            self.qweight = qweight
+            self.weight_sums = qweight.sum(dim=1, dtype=torch.int32)
+            self.packed, self.packed_bytes = None, 0
 
     @classmethod
     def from_weight(
@@ -150,6 +178,13 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if self.kernel == "fbgemm" and self.packed is None:  # w8a8 in C (VNNI)
+            assert self._kernels is not None
+            y = self._kernels.int8_matmul(
+                x2.contiguous(), self.qweight, self.weight_sums, self.scale, self.bias,
+                self.inv_smooth,
+            )  # fmt: skip
+            return y.reshape(*shape[:-1], self.out_features)
         if self.packed is not None:  # w8a8: float32 activations (checked at load)
             if x2.shape[0] > 1 and self.kernels is not None:
                 x2, row_max = self.kernels.smooth_rows(x2, self.inv_smooth)
