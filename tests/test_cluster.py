@@ -5,9 +5,10 @@ replicas of a tiny random model.
 In order (the tests share the cluster): a deploy made through gateway 1 serves through gateway
 2 within 2 s of being ready; a key's RPM limit holds across both gateways (±1); usage rows equal
 the requests answered; the leader SIGKILLed under traffic: a control read in the takeover
-answers (no 503), the standby leads within 15 s, no request fails, the replica is adopted (same process), a deploy after the takeover serves; a
-gateway SIGKILLed under traffic: a client retrying on the other loses nothing acknowledged;
-a batch survives a controller failover with every custom_id exactly once.
+answers (no 503), the standby leads within 15 s, no request fails, the replica is adopted (same
+process), a deploy after the takeover serves; a gateway SIGKILLed under traffic: a client
+retrying on the other loses nothing acknowledged; a batch survives a controller failover with
+every custom_id exactly once.
 """
 
 from __future__ import annotations

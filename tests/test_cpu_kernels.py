@@ -317,6 +317,32 @@ def test_w8a8_engine_logits_match_with_and_without_kernels(tiny_llama: Path) -> 
     assert float32 == 0 and 0 < c_matmul <= fbgemm
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+def test_one_call_decode_matches_the_modules(tiny_llama: Path, kv_cache_dtype: str) -> None:
+    """w8a8 decode steps in one C call (`models/decode_step.py`) give the tokens and logits of
+    the same kernels called layer by layer from the modules."""
+    assert KERNELS is not None
+    if not KERNELS.int8_matmul_vectorized:
+        pytest.skip("no AVX-512 VNNI here: w8a8 runs FBGEMM's matmul, and steps the modules")
+    prompts = [[(3 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([4, 29, 61, 8])]
+    runs = []
+    for one_call in (True, False):
+        engine = make_engine(tiny_llama, quantization="w8a8", kv_cache_dtype=kv_cache_dtype)
+        engine.runner.model.one_call_decode = one_call
+        with record_logits(engine) as records:
+            tokens = run_staggered(engine, prompts, max_tokens=20)
+        assert (engine.runner.model._decode_step is not None) == one_call
+        runs.append((tokens, records))
+    (tokens_one, logits_one), (tokens_modules, logits_modules) = runs
+    assert tokens_one == tokens_modules
+    for (ids_one, row_one), (ids_modules, row_modules) in zip(
+        logits_one, logits_modules, strict=True
+    ):
+        assert ids_one == ids_modules
+        # SiLU's exp is C's here and PyTorch's there: float rounding apart, nothing more.
+        torch.testing.assert_close(row_one, row_modules, atol=1e-3, rtol=1e-3)
+
+
 def test_bfloat16_kv_cache_under_a_float32_model(tiny_llama: Path) -> None:
     """`kv_cache_dtype: bfloat16` halves the cache and keeps the float32 model's outputs close;
     the C kernels and PyTorch's ops read and write it alike."""

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.c", "fused_ops.c", "int8_matmul.c")
+    for name in ("paged_attention.c", "fused_ops.c", "int8_matmul.c", "decode_step.c")
 )
 _OPTIMIZE = [
     "-O3",
@@ -123,6 +124,12 @@ class CpuKernels:
         self._int8_matmul.restype = i32
         self._int8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
         self._int8_matmul.argtypes += [i32]
+        self._decode_step = library.decode_step
+        self._decode_step.restype = i32
+        self._decode_step.argtypes = [ptr] * 2 + [i64] + [ptr] * 4 + [i64] + [ptr] * 3
+        self._decode_step_scratch = library.decode_step_scratch
+        self._decode_step_scratch.restype = i64
+        self._decode_step_scratch.argtypes = [ptr, i64]
         # Only with VNNI does the C matmul beat FBGEMM (its plain-C form is a fallback for tests).
         self.int8_matmul_vectorized = bool(library.int8_matmul_vectorized())
         self.matmul_threads = len(os.sched_getaffinity(0))
@@ -251,6 +258,39 @@ class CpuKernels:
             self.matmul_threads,
         )
         return out
+
+    def decode_step(
+        self,
+        model: Any,  # ctypes reference to decode_step.c's Model (models/decode_step.py)
+        x: torch.Tensor,  # [T, hidden] float32, contiguous: updated in place
+        positions: torch.Tensor,  # [T] int64
+        slots: torch.Tensor,  # [T] int64
+        block_tables: torch.Tensor,  # [T, max_blocks] int64, contiguous
+        context_lens: torch.Tensor,  # [T] int64
+        widest_input: int,
+    ) -> None:
+        """A decode step's decoder layers (see `csrc/decode_step.c`)."""
+        tokens = x.shape[0]
+        scratch = torch.empty(self._decode_step_scratch(model, tokens))
+        quantized = torch.empty(tokens * widest_input, dtype=torch.uint8)
+        row_scales = torch.empty(tokens)
+        failed = self._decode_step(
+            model,
+            x.data_ptr(),
+            tokens,
+            positions.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            block_tables.shape[1],
+            scratch.data_ptr(),
+            quantized.data_ptr(),
+            row_scales.data_ptr(),
+        )
+        if failed == 1:
+            raise IndexError("a position is outside the RoPE table")
+        if failed:
+            raise MemoryError("paged decode attention: no memory for the attention scores")
 
 
 @functools.cache

@@ -13,7 +13,9 @@ Every linear layer keeps an int8 `[out, in]` matrix and one scale per output row
   factors, set by one calibration prefill at load, have moved the activations' outlier channels
   into the weights; products accumulate in int32. 1.7-3.5x float32's tokens/s on AVX2, less
   accurate than `int8` (BENCHMARKS.md), and FBGEMM's packed weights take ~1.8 bytes
-  each: it buys speed, not memory.
+  each. On CPUs with AVX-512 VNNI the C kernels (`cpu_kernels.py`, `csrc/int8_matmul.c`) run
+  the matmul instead, from plain int8 rows (1 byte each), quantizing each token's activations
+  to 8 symmetric bits (FBGEMM: 7 asymmetric ones).
 
 The token embedding is quantized per row too; with tied embeddings the `int8` LM head reuses
 its rows, the `w8a8` one is its own packed copy.

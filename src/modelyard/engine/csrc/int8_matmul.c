@@ -174,6 +174,7 @@ int int8_matmul_vectorized(void) { return VNNI; }
  * claims nothing, and one that claims a chunk holds `busy`, which the caller waits out before it
  * returns (and before the next call replaces `job`). */
 static struct {
+    pthread_mutex_t call; /* one pooled call at a time (two engines in a process take turns) */
     pthread_mutex_t lock;
     pthread_cond_t wake;
     atomic_uint_fast64_t generation; /* one per call */
@@ -182,7 +183,9 @@ static struct {
     atomic_int sleepers;
     int started; /* workers running */
     Job job;
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+} pool = {.call = PTHREAD_MUTEX_INITIALIZER,
+        .lock = PTHREAD_MUTEX_INITIALIZER,
+        .wake = PTHREAD_COND_INITIALIZER};
 
 /* Claim and compute chunks of the current call until none is left. */
 static void work(void) {
@@ -238,8 +241,7 @@ static void start_workers(int n) {
     }
 }
 
-/* out[M, N] = quantize(x[M, K] * inv_smooth) . w[N, K]^T * scales (+ bias). xq: M*K scratch.
- * Calls must not overlap (the engine runs one step at a time). */
+/* out[M, N] = quantize(x[M, K] * inv_smooth) . w[N, K]^T * scales (+ bias). xq: M*K scratch. */
 int int8_matmul(const float *x, int64_t M, int64_t K, const float *inv_smooth, const int8_t *w,
                 const int32_t *wsum, const float *wscale, const float *bias, int64_t N,
                 float *out, uint8_t *xq, float *xscale, int n_threads) {
@@ -257,6 +259,7 @@ int int8_matmul(const float *x, int64_t M, int64_t K, const float *inv_smooth, c
         product(&job, 0, N);
         return 0;
     }
+    pthread_mutex_lock(&pool.call);
     start_workers(n_threads - 1);
     pool.job = job;
     uint64_t gen = atomic_load(&pool.generation) + 1;
@@ -269,5 +272,6 @@ int int8_matmul(const float *x, int64_t M, int64_t K, const float *inv_smooth, c
     }
     work();
     while (atomic_load(&pool.busy) > 0) PAUSE();
+    pthread_mutex_unlock(&pool.call);
     return 0;
 }
