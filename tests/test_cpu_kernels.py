@@ -12,6 +12,7 @@ float32 and with w8a8; and where the kernels cannot be built, the engine still s
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +289,27 @@ def test_int8_matmul_matches_its_integer_arithmetic(
     got = KERNELS.int8_matmul(x, q, q.sum(dim=1, dtype=torch.int32), scale, b, inv_smooth)
     want = exact_int8_product(x if inv_smooth is None else x * inv_smooth, q, scale, b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_matmul_from_two_threads_at_once() -> None:
+    """Two engines in one process may step at the same time: their calls take turns on the
+    thread pool (ctypes releases the GIL), and each gets its own product."""
+    assert KERNELS is not None
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (3000, 512), dtype=torch.int8, generator=gen)
+    sums, scale = q.sum(dim=1, dtype=torch.int32), torch.rand(3000, generator=gen) / 100
+    inputs = [torch.randn(rows, 512, generator=gen) for rows in (1, 3, 8, 17)]
+    want = [KERNELS.int8_matmul(x, q, sums, scale, None, None) for x in inputs]
+
+    def run(offset: int) -> bool:
+        return all(
+            torch.equal(KERNELS.int8_matmul(inputs[i], q, sums, scale, None, None), want[i])
+            for n in range(60)
+            for i in [(n + offset) % len(inputs)]
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(run, [0, 1]))
 
 
 def test_w8a8_engine_logits_match_with_and_without_kernels(tiny_llama: Path) -> None:

@@ -36,7 +36,13 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.c", "fused_ops.c", "int8_matmul.c", "decode_step.c")
+    for name in (
+        "thread_pool.c",
+        "paged_attention.c",
+        "fused_ops.c",
+        "int8_matmul.c",
+        "decode_step.c",
+    )
 )
 _OPTIMIZE = [
     "-O3",

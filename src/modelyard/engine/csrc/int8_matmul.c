@@ -4,33 +4,17 @@
  * A decode step multiplies a few rows by every weight once: the time is reading W. FBGEMM's
  * dynamic linear costs ~60 us a call at one row (quantizing, packing, a GEMM built for large
  * batches) and does not split one row over threads. Here each block of weight rows is read once
- * for all M rows of x, and the output channels are shared out in chunks that threads claim one
- * at a time: a thread the OS preempts (the server's own thread shares the cores) delays only
- * the chunk it holds, never the whole call, as a static split or a barrier would.
- *
- * The pool's threads live across calls, spin briefly for the next one (calls come microseconds
- * apart within a step) and then sleep on a condition variable.
+ * for all M rows of x, and the output channels are shared out over the thread pool
+ * (`thread_pool.c`) in chunks.
  */
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_THREADS 16
-#define ROWS 4            /* weight rows per block: their reads are shared by the M rows of x */
-#define SPIN_LOOPS 20000  /* ~30-50 us of polling before a worker sleeps */
-#ifndef PREFETCH_BLOCKS
+#define ROWS 4 /* weight rows per block: their reads are shared by the M rows of x */
 #define PREFETCH_BLOCKS 8
-#endif
-#define MAX_CHUNKS 4096   /* a call's chunk count fits the claim word's 16 bits */
 
-#if defined(__x86_64__) || defined(__i386__)
-#define PAUSE() __builtin_ia32_pause()
-#elif defined(__aarch64__)
-#define PAUSE() __asm__ volatile("yield")
-#else
-#define PAUSE() ((void)0)
-#endif
+typedef void (*pool_task)(const void *context, int64_t first, int64_t last);
+void pool_run(pool_task task, const void *context, int64_t items, int64_t chunk, int n_threads);
 
 /* ----- quantizing x ------------------------------------------------------------------------ */
 
@@ -67,7 +51,7 @@ typedef struct {
     const float *wscale;
     const float *bias;
     float *out;
-    int64_t M, K, N, chunk, n_chunks;
+    int64_t M, K, N;
 } Job;
 
 /* One output channel for every row of x, in plain C. */
@@ -167,78 +151,8 @@ static void product(const Job *j, int64_t n0, int64_t n1) {
 /* Whether this build has the vector product (where not, PyTorch's int8 matmul is faster). */
 int int8_matmul_vectorized(void) { return VNNI; }
 
-/* ----- the pool ------------------------------------------------------------------------------ */
-
-/* A call's chunks are claimed through one word, generation << 32 | chunks << 16 | next, so a
- * claim is valid only for the call it was read from: a late worker that finds a finished call
- * claims nothing, and one that claims a chunk holds `busy`, which the caller waits out before it
- * returns (and before the next call replaces `job`). */
-static struct {
-    pthread_mutex_t call; /* one pooled call at a time (two engines in a process take turns) */
-    pthread_mutex_t lock;
-    pthread_cond_t wake;
-    atomic_uint_fast64_t generation; /* one per call */
-    atomic_uint_fast64_t claim;
-    atomic_int busy; /* threads between looking for a chunk and finishing it */
-    atomic_int sleepers;
-    int started; /* workers running */
-    Job job;
-} pool = {.call = PTHREAD_MUTEX_INITIALIZER,
-        .lock = PTHREAD_MUTEX_INITIALIZER,
-        .wake = PTHREAD_COND_INITIALIZER};
-
-/* Claim and compute chunks of the current call until none is left. */
-static void work(void) {
-    for (;;) {
-        atomic_fetch_add(&pool.busy, 1);
-        uint64_t c = atomic_load(&pool.claim);
-        int claimed = 0;
-        while ((c & 0xffff) < ((c >> 16) & 0xffff)) {
-            if (atomic_compare_exchange_weak(&pool.claim, &c, c + 1)) {
-                claimed = 1;
-                break;
-            }
-        }
-        if (claimed) {
-            int64_t n0 = (int64_t)(c & 0xffff) * pool.job.chunk;
-            int64_t n1 = n0 + pool.job.chunk < pool.job.N ? n0 + pool.job.chunk : pool.job.N;
-            product(&pool.job, n0, n1);
-        }
-        atomic_fetch_sub(&pool.busy, 1);
-        if (!claimed) return;
-    }
-}
-
-static void *worker(void *arg) {
-    (void)arg;
-    uint64_t seen = atomic_load(&pool.generation);
-    for (;;) {
-        for (int i = 0; i < SPIN_LOOPS && atomic_load(&pool.generation) == seen; i++)
-            PAUSE();
-        if (atomic_load(&pool.generation) == seen) {
-            pthread_mutex_lock(&pool.lock);
-            atomic_fetch_add(&pool.sleepers, 1);
-            while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
-            atomic_fetch_sub(&pool.sleepers, 1);
-            pthread_mutex_unlock(&pool.lock);
-        }
-        seen = atomic_load(&pool.generation);
-        work();
-    }
-    return NULL;
-}
-
-static void start_workers(int n) {
-    while (pool.started < n) {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int ok = pthread_create(&t, &attr, worker, NULL) == 0;
-        pthread_attr_destroy(&attr);
-        if (!ok) return; /* fewer threads: the caller's share grows, nothing is lost */
-        pool.started++;
-    }
+static void product_task(const void *job, int64_t first, int64_t last) {
+    product((const Job *)job, first, last);
 }
 
 /* out[M, N] = quantize(x[M, K] * inv_smooth) . w[N, K]^T * scales (+ bias). xq: M*K scratch. */
@@ -246,32 +160,9 @@ int int8_matmul(const float *x, int64_t M, int64_t K, const float *inv_smooth, c
                 const int32_t *wsum, const float *wscale, const float *bias, int64_t N,
                 float *out, uint8_t *xq, float *xscale, int n_threads) {
     quantize_rows(x, M, K, inv_smooth, xq, xscale);
-    Job job = {xq, xscale, w, wsum, wscale, bias, out, M, K, N, 0, 0};
-    /* Chunks of ~16K multiply-adds: small enough to balance, large enough to amortise a claim. */
-    int64_t chunk = (16384 / (M * K) + 1) * ROWS;
-    int64_t least = ((N + MAX_CHUNKS - 1) / MAX_CHUNKS + ROWS - 1) / ROWS * ROWS;
-    if (chunk < least) chunk = least;
-    if (chunk > N) chunk = N;
-    job.chunk = chunk;
-    job.n_chunks = (N + chunk - 1) / chunk;
-    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
-    if (n_threads <= 1 || job.n_chunks < 2) {
-        product(&job, 0, N);
-        return 0;
-    }
-    pthread_mutex_lock(&pool.call);
-    start_workers(n_threads - 1);
-    pool.job = job;
-    uint64_t gen = atomic_load(&pool.generation) + 1;
-    atomic_store(&pool.claim, (gen & 0xffffffffu) << 32 | (uint64_t)job.n_chunks << 16);
-    atomic_store(&pool.generation, gen);
-    if (atomic_load(&pool.sleepers) > 0) {
-        pthread_mutex_lock(&pool.lock);
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.lock);
-    }
-    work();
-    while (atomic_load(&pool.busy) > 0) PAUSE();
-    pthread_mutex_unlock(&pool.call);
+    const Job job = {xq, xscale, w, wsum, wscale, bias, out, M, K, N};
+    /* Chunks of ~16K multiply-adds: small enough to balance, large enough to amortise a claim;
+     * whole blocks of ROWS. */
+    pool_run(product_task, &job, N, (16384 / (M * K) + 1) * ROWS, n_threads);
     return 0;
 }

@@ -3,13 +3,13 @@
  * One query token per sequence. Every query head is scored against every key of the
  * sequence's context, block by block through its block table (grouped-query heads share their
  * KV head's row), then the softmax-weighted values are summed. Keys and values are read once,
- * where they lie. Long work is split over sequences across up to `n_threads` threads.
+ * where they lie. The sequences are shared out over the thread pool (`thread_pool.c`).
  *
  * Built at run time by modelyard.engine.cpu_kernels (cc -O3 -march=native), called through
  * ctypes, which releases the GIL for the call. float32 and bfloat16 caches.
  */
 #include <math.h>
-#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,8 +24,11 @@ typedef struct {
     int64_t heads, kv_heads, dim, block_size, max_blocks;
     float scale;
     int bf16;
-    int64_t first, last;       /* this thread's sequences */
+    atomic_int failed;         /* a task found no memory for its scores */
 } Args;
+
+typedef void (*pool_task)(const void *context, int64_t first, int64_t last);
+void pool_run(pool_task task, const void *context, int64_t items, int64_t chunk, int n_threads);
 
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = ((uint32_t)x) << 16;
@@ -138,17 +141,25 @@ static void attend(const Args *a, int64_t b, float *scores, float *row) {
     }
 }
 
-static void *run_range(void *arg) {
-    Args *a = (Args *)arg;
+/* Sequences [first, last), with this thread's scratch (kept for its next call). */
+static void run_range(const void *context, int64_t first, int64_t last) {
+    Args *a = (Args *)context;
+    static __thread float *scratch = NULL;
+    static __thread int64_t capacity = 0;
     int64_t longest = 1;
-    for (int64_t b = a->first; b < a->last; b++)
+    for (int64_t b = first; b < last; b++)
         longest = a->context_lens[b] > longest ? a->context_lens[b] : longest;
-    float *scores =
-        malloc(sizeof(float) * (size_t)(a->heads * longest + a->block_size * a->kv_heads * a->dim));
-    if (scores == NULL) return (void *)1;
-    for (int64_t b = a->first; b < a->last; b++) attend(a, b, scores, scores + a->heads * longest);
-    free(scores);
-    return NULL;
+    const int64_t need = a->heads * longest + a->block_size * a->kv_heads * a->dim;
+    if (need > capacity) {
+        free(scratch);
+        scratch = malloc(sizeof(float) * (size_t)need);
+        capacity = scratch ? need : 0;
+        if (scratch == NULL) {
+            atomic_store(&a->failed, 1);
+            return;
+        }
+    }
+    for (int64_t b = first; b < last; b++) attend(a, b, scratch, scratch + a->heads * longest);
 }
 
 /* Returns 0, or -1 when memory for the scores could not be had. */
@@ -157,39 +168,8 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                            int64_t block_size, int64_t max_blocks, float scale, int bf16,
                            int n_threads) {
-    enum { MAX_THREADS = 64 };
-    /* Threads only for long work: they start per call, and right after a matmul PyTorch's
-     * OpenMP threads still spin on the other cores, so a thread of ours shares a core with one
-     * (measured, 2 vCPU, batch 32 x 150 tokens: 2 threads 62 ms a step, 1 thread 40 ms). One
-     * thread per ~8M multiply-adds (a few ms of work). */
-    int64_t work = 0;
-    for (int64_t b = 0; b < batch; b++) work += context_lens[b] * heads * dim;
-    const int64_t useful = 1 + work / (8 << 20);
-    if (n_threads > useful) n_threads = (int)useful;
-    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
-    if (n_threads > batch) n_threads = (int)batch;
-    if (n_threads < 1) n_threads = 1;
-    Args args[MAX_THREADS];
-    pthread_t threads[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    int failed = 0;
-    for (int i = 0; i < n_threads; i++) {
-        Args a = {q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads, dim,
-                  block_size, max_blocks, scale, bf16, batch * i / n_threads,
-                  batch * (i + 1) / n_threads};
-        args[i] = a;
-    }
-    for (int i = 1; i < n_threads; i++)
-        started[i] = pthread_create(&threads[i], NULL, run_range, &args[i]) == 0;
-    failed |= run_range(&args[0]) != NULL;
-    for (int i = 1; i < n_threads; i++) {
-        if (started[i]) {
-            void *result = NULL;
-            pthread_join(threads[i], &result);
-            failed |= result != NULL;
-        } else {
-            failed |= run_range(&args[i]) != NULL; /* no thread: do its share here */
-        }
-    }
-    return failed ? -1 : 0;
+    Args a = {q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads, dim,
+              block_size, max_blocks, scale, bf16, 0};
+    pool_run(run_range, &a, batch, 1, n_threads);
+    return atomic_load(&a.failed) ? -1 : 0;
 }

@@ -150,7 +150,7 @@ class DecodeStep:
             first.scale,
             int(caches[0].dtype == torch.bfloat16),
             kernels.matmul_threads,
-            1,
+            kernels.matmul_threads,  # no PyTorch op in the step: its threads are all asleep
         )
         return cls(kernels, model, layers, caches)
 
@@ -159,7 +159,6 @@ class DecodeStep:
         decode (`meta.num_decodes == T`)."""
         assert meta.decode_block_tables is not None and meta.decode_lengths is not None
         self.model.block_size = meta.block_size
-        self.model.attention_threads = torch.get_num_threads()
         self.kernels.decode_step(
             ctypes.byref(self.model),
             x,
