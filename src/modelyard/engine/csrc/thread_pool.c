@@ -92,7 +92,24 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* A child forked while the pool ran has none of its threads (and maybe a held mutex): it starts
+ * over with a fresh pool. */
+static void forget_pool_in_child(void) {
+    pthread_mutex_init(&pool.turn, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.generation, 0);
+    atomic_store(&pool.claim, 0);
+    atomic_store(&pool.busy, 0);
+    atomic_store(&pool.sleepers, 0);
+    pool.started = 0;
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_pool_in_child); }
+
 static void start_workers(int n) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
     while (pool.started < n) {
         pthread_t t;
         pthread_attr_t attr;
