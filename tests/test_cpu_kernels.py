@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modelyard.config import EngineSettings
-from modelyard.engine import cpu_kernels
+from modelyard.engine import cpu_kernels, kernel_build
 from modelyard.engine.attention import gather_blocks, write_kv
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.llama import RMSNorm, RotaryEmbedding
@@ -142,14 +142,14 @@ def test_switched_off_the_engine_decodes_through_pytorch(tiny_llama: Path) -> No
 
 
 def test_built_once_per_source_and_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    compiler = cpu_kernels._compiler()
+    compiler = kernel_build.compiler()
     assert compiler is not None
-    first = cpu_kernels._build(cpu_kernels.SOURCES, compiler, tmp_path)
+    first = kernel_build.build(kernel_build.SOURCES, compiler, tmp_path)
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernels._build(cpu_kernels.SOURCES, compiler, tmp_path) == first
+    assert kernel_build.build(kernel_build.SOURCES, compiler, tmp_path) == first
     assert first.stat().st_mtime_ns == mtime  # cached, not rebuilt
-    monkeypatch.setattr(cpu_kernels, "_OPTIMIZE", [*cpu_kernels._OPTIMIZE, "-O2"])
-    assert cpu_kernels._build(cpu_kernels.SOURCES, compiler, tmp_path) != first
+    monkeypatch.setattr(kernel_build, "OPTIMIZE", [*kernel_build.OPTIMIZE, "-O2"])
+    assert kernel_build.build(kernel_build.SOURCES, compiler, tmp_path) != first
 
 
 def test_long_work_split_over_threads_matches() -> None:
@@ -350,10 +350,10 @@ def test_one_call_decode_matches_the_modules(tiny_llama: Path, kv_cache_dtype: s
     runs = []
     for one_call in (True, False):
         engine = make_engine(tiny_llama, quantization="w8a8", kv_cache_dtype=kv_cache_dtype)
-        engine.runner.model.one_call_decode = one_call
+        engine.runner.model.one_call.enabled = one_call
         with record_logits(engine) as records:
             tokens = run_staggered(engine, prompts, max_tokens=20)
-        assert (engine.runner.model._decode_step is not None) == one_call
+        assert (engine.runner.model.one_call.described is not None) == one_call
         runs.append((tokens, records))
     (tokens_one, logits_one), (tokens_modules, logits_modules) = runs
     assert tokens_one == tokens_modules

@@ -8,104 +8,27 @@ activation scaling), each of which cost PyTorch 5 to 20 dispatches per layer. `c
 is w8a8's matmul for CPUs with AVX-512 VNNI: the weights read once for all rows of a decode
 batch, on every core (FBGEMM's takes one core per call and ~60 us of overhead at one row).
 
-The kernels are plain C with no PyTorch headers, so they build in about a second. They are
-compiled for this CPU (`-march=native`) into `<cache_dir>/kernels`, under a name that hashes the
-sources, the options, the compiler and the CPU's flags, so a cache shared by different machines
-never loads code built for another CPU. Where no compiler works (`load_kernels` returns None and
-logs why), or with `cpu_kernels` off (`MODELYARD_CPU_KERNELS=false`), the engine keeps
-PyTorch's ops.
+The kernels are plain C with no PyTorch headers, so they build in about a second, for this CPU
+(`kernel_build.py`, cached in `<cache_dir>/kernels`). Where no compiler works (`load_kernels`
+returns None and logs why), or with `cpu_kernels` off (`MODELYARD_CPU_KERNELS=false`), the
+engine keeps PyTorch's ops.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from modelyard.engine import kernel_build
+
 log = logging.getLogger(__name__)
-
-SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name
-    for name in (
-        "thread_pool.c",
-        "paged_attention.c",
-        "fused_ops.c",
-        "int8_matmul.c",
-        "decode_step.c",
-    )
-)
-_OPTIMIZE = [
-    "-O3",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fno-signed-zeros",
-    "-fassociative-math",  # lets the compiler vectorise the dot products' sums
-    "-ffinite-math-only",  # and the softmax's max and exp (no inf or NaN is made on purpose)
-]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _build(sources: tuple[Path, ...], compiler: str, kernel_dir: Path) -> Path:
-    """The shared library of `sources` for this CPU, compiled unless already cached."""
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
-    ).stdout
-    key = hashlib.sha256(
-        "\0".join(
-            [
-                *(s.read_text() for s in sources),
-                *_OPTIMIZE,
-                compiler,
-                version,
-                platform.machine(),
-                _cpu_flags(),
-            ]
-        ).encode()
-    ).hexdigest()[:16]
-    target = kernel_dir / f"modelyard-cpu-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for arch in (["-march=native"], []):  # some compilers (or CPUs) have no -march=native
-        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-            partial = Path(tmp.name)
-        command = [compiler, *_OPTIMIZE, *arch, "-fPIC", "-shared", "-pthread"]
-        done = subprocess.run(
-            [*command, *map(str, sources), "-o", str(partial), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if done.returncode == 0:
-            partial.replace(target)  # atomic: concurrent builders each write a whole file
-            return target
-        partial.unlink(missing_ok=True)
-        errors.append(done.stderr.strip()[-500:])
-    raise RuntimeError("; ".join(errors))
 
 
 class CpuKernels:
@@ -308,12 +231,14 @@ def load_kernels(cache_dir: Path) -> CpuKernels | None:
 def build_kernels(cache_dir: Path) -> CpuKernels | None:
     """Compile (unless cached under `cache_dir/kernels`) and load the kernels; None, logged,
     where that fails."""
-    compiler = _compiler()
+    compiler = kernel_build.compiler()
     if compiler is None:
         log.warning("no C compiler (cc, gcc or $CC): the CPU engine runs PyTorch's ops (slower)")
         return None
     try:
-        library = ctypes.CDLL(str(_build(SOURCES, compiler, cache_dir / "kernels")))
+        library = ctypes.CDLL(
+            str(kernel_build.build(kernel_build.SOURCES, compiler, cache_dir / "kernels"))
+        )
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("modelyard's C kernels did not build (%s): PyTorch runs their ops", exc)
         return None

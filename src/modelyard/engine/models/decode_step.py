@@ -168,3 +168,36 @@ class DecodeStep:
             meta.decode_lengths,
             self.widest_input,
         )
+
+
+class OneCallDecode:
+    """For one model: whether a step runs as one C call, and its description (made on the
+    first step it applies to, forgotten when the model's kernels change). `enabled` off keeps
+    every step in the modules (tests and benchmarks compare the two)."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.described: DecodeStep | None = None
+        self._inapplicable = False
+
+    def forget(self) -> None:
+        self.described, self._inapplicable = None, False
+
+    def step_for(
+        self,
+        lm: nn.Module,
+        kernels: CpuKernels | None,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> DecodeStep | None:
+        """The one-call step for this step of `lm`, or None (the modules run it)."""
+        if kernels is None or not self.enabled or self._inapplicable or meta.prefills:
+            return None
+        if meta.num_decodes != input_ids.shape[0] or meta.kernels is None:
+            return None
+        step = self.described
+        if step is None or step.cache_ptr != kv_caches[0].data_ptr():
+            step = self.described = DecodeStep.describe(lm, kernels, kv_caches)
+            self._inapplicable = step is None  # the model's form holds until `forget`
+        return step

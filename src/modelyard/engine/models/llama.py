@@ -21,7 +21,7 @@ from torch import nn
 
 from modelyard.engine.attention import AttentionMetadata, paged_attention, write_kv
 from modelyard.engine.models.config import ModelConfig
-from modelyard.engine.models.decode_step import DecodeStep
+from modelyard.engine.models.decode_step import OneCallDecode
 from modelyard.engine.models.packed_linear import pack_linears, pack_matrix
 
 if TYPE_CHECKING:
@@ -255,9 +255,7 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.kernels: CpuKernels | None = None
-        self._decode_step: DecodeStep | None = None
-        self._no_decode_step = False
-        self.one_call_decode = True  # where it applies (tests and benchmarks switch it off)
+        self.one_call = OneCallDecode()
 
     def use_kernels(self, kernels: CpuKernels | None) -> None:
         """Run norms, RoPE with the KV write and w8a8's activation scaling (and matmul, with
@@ -267,25 +265,7 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(module, "kernels"):
                 module.kernels = kernels
         self.kernels = kernels
-        self._decode_step, self._no_decode_step = None, False
-
-    def _one_call_decode(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
-    ) -> DecodeStep | None:
-        """The one-call decode step where this step and model allow it (module docstring of
-        `decode_step.py`), described on first use."""
-        kernels = getattr(self, "kernels", None)
-        if kernels is None or not self.one_call_decode or meta.prefills:
-            return None
-        if meta.num_decodes != input_ids.shape[0] or meta.kernels is None:
-            return None
-        step = self._decode_step
-        if step is None or step.cache_ptr != kv_caches[0].data_ptr():
-            if self._no_decode_step:
-                return None
-            step = self._decode_step = DecodeStep.describe(self, kernels, kv_caches)
-            self._no_decode_step = step is None  # the model's form holds until use_kernels
-        return step
+        self.one_call.forget()
 
     def fuse_projections(self) -> None:
         for layer in self.model.layers:
@@ -301,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the flat batch after the final norm."""
         x = self.model.embed_tokens(input_ids)
-        step = self._one_call_decode(input_ids, meta, kv_caches)
+        step = self.one_call.step_for(self, self.kernels, input_ids, meta, kv_caches)
         if step is not None:
             step.run(x.contiguous(), positions, meta)
             return self.model.norm(x)
