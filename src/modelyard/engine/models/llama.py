@@ -283,7 +283,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         step = self.one_call.step_for(self, self.kernels, input_ids, meta, kv_caches)
         if step is not None:
-            step.run(x.contiguous(), positions, meta)
+            x = x.contiguous()  # updated in place by the C step
+            step.run(x, positions, meta)
             return self.model.norm(x)
         rope = self.model.rotary
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
