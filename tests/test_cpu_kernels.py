@@ -28,6 +28,7 @@ from modelyard.engine.attention import gather_blocks, write_kv
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.llama import RMSNorm, RotaryEmbedding
 from tests.parity import make_engine, record_logits, run_staggered
+from tests.tiny_models import build_model
 
 KERNELS = cpu_kernels.load_kernels(EngineSettings().cache_dir)
 pytestmark = pytest.mark.skipif(
@@ -339,21 +340,34 @@ def test_w8a8_engine_logits_match_with_and_without_kernels(tiny_llama: Path) -> 
     assert float32 == 0 and 0 < c_matmul <= fbgemm
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
-def test_one_call_decode_matches_the_modules(tiny_llama: Path, kv_cache_dtype: str) -> None:
+ONE_CALL_VARIANTS = {
+    "llama-f32-kv": ("llama", {}, "float32"),
+    "llama-bf16-kv": ("llama", {}, "bfloat16"),
+    "qwen2-bias": ("qwen2", {}, "float32"),  # q/k/v biases through the C matmul
+    "llama-mqa": ("llama", {"num_key_value_heads": 1}, "bfloat16"),
+    "qwen3-qk-norm": ("qwen3", {"head_dim": 32}, "float32"),  # not one call: per-head norms
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ONE_CALL_VARIANTS))
+def test_one_call_decode_matches_the_modules(tmp_path: Path, variant: str) -> None:
     """w8a8 decode steps in one C call (`models/decode_step.py`) give the tokens and logits of
-    the same kernels called layer by layer from the modules."""
+    the same kernels called layer by layer from the modules; a model it does not fit (per-head
+    q/k norms) keeps the modules."""
     assert KERNELS is not None
     if not KERNELS.int8_matmul_vectorized:
         pytest.skip("no AVX-512 VNNI here: w8a8 runs FBGEMM's matmul, and steps the modules")
+    model_type, overrides, kv_cache_dtype = ONE_CALL_VARIANTS[variant]
+    folder = build_model(tmp_path / "m", model_type, **overrides)
+    applies = model_type != "qwen3"
     prompts = [[(3 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([4, 29, 61, 8])]
     runs = []
     for one_call in (True, False):
-        engine = make_engine(tiny_llama, quantization="w8a8", kv_cache_dtype=kv_cache_dtype)
+        engine = make_engine(folder, quantization="w8a8", kv_cache_dtype=kv_cache_dtype)
         engine.runner.model.one_call.enabled = one_call
         with record_logits(engine) as records:
             tokens = run_staggered(engine, prompts, max_tokens=20)
-        assert (engine.runner.model.one_call.described is not None) == one_call
+        assert (engine.runner.model.one_call.described is not None) == (one_call and applies)
         runs.append((tokens, records))
     (tokens_one, logits_one), (tokens_modules, logits_modules) = runs
     assert tokens_one == tokens_modules
