@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,14 @@ from typing import Any
 import torch
 
 from modelyard.engine import kernel_build
+from modelyard.engine.tensor_parallel import usable_cores
 
 log = logging.getLogger(__name__)
+
+
+def data_ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for a C pointer argument; NULL for None."""
+    return None if t is None else t.data_ptr()
 
 
 class CpuKernels:
@@ -50,9 +55,8 @@ class CpuKernels:
         self._smooth_rows.restype = None
         self._smooth_rows.argtypes = [ptr] * 4 + [i64] * 3
         self._int8_matmul = library.int8_matmul
-        self._int8_matmul.restype = i32
-        self._int8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
-        self._int8_matmul.argtypes += [i32]
+        self._int8_matmul.restype = None
+        self._int8_matmul.argtypes = [ptr, i64, i64, *[ptr] * 5, i64, *[ptr] * 3, i32]
         self._decode_step = library.decode_step
         self._decode_step.restype = i32
         self._decode_step.argtypes = [ptr] * 2 + [i64] + [ptr] * 4 + [i64] + [ptr] * 3
@@ -61,7 +65,7 @@ class CpuKernels:
         self._decode_step_scratch.argtypes = [ptr, i64]
         # Only with VNNI does the C matmul beat FBGEMM (its plain-C form is a fallback for tests).
         self.int8_matmul_vectorized = bool(library.int8_matmul_vectorized())
-        self.matmul_threads = len(os.sched_getaffinity(0))
+        self.matmul_threads = usable_cores()
 
     def decode_attention(
         self,
@@ -147,7 +151,7 @@ class CpuKernels:
         row_max = torch.empty(rows, 1)
         self._smooth_rows(
             x.data_ptr(),
-            None if inv_smooth is None else inv_smooth.data_ptr(),
+            data_ptr(inv_smooth),
             out.data_ptr(),
             row_max.data_ptr(),
             rows,
@@ -175,11 +179,11 @@ class CpuKernels:
             x.data_ptr(),
             rows,
             cols,
-            None if inv_smooth is None else inv_smooth.data_ptr(),
+            data_ptr(inv_smooth),
             weight.data_ptr(),
             weight_sums.data_ptr(),
             scale.data_ptr(),
-            None if bias is None else bias.data_ptr(),
+            data_ptr(bias),
             weight.shape[0],
             out.data_ptr(),
             quantized.data_ptr(),

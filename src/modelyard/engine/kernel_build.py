@@ -53,10 +53,11 @@ def build(sources: tuple[Path, ...], compiler: str, kernel_dir: Path) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")})  # what they include
     key = hashlib.sha256(
         "\0".join(
             [
-                *(s.read_text() for s in sources),
+                *(s.read_text() for s in (*sources, *headers)),
                 *OPTIMIZE,
                 compiler,
                 version,

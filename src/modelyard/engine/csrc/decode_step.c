@@ -11,21 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* the other kernels of this library */
-void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,
-              int64_t x_stride, float eps);
-int rope_write_kv(float *qkv, const float *cos_table, const float *sin_table,
-                  const int64_t *positions, const int64_t *slots, void *k_cache, void *v_cache,
-                  int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
-                  int64_t row_stride, int64_t max_positions, int bf16);
-int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
-                           const int64_t *block_tables, const int64_t *context_lens, float *out,
-                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                           int64_t block_size, int64_t max_blocks, float scale, int bf16,
-                           int n_threads);
-int int8_matmul(const float *x, int64_t M, int64_t K, const float *inv_smooth, const int8_t *w,
-                const int32_t *wsum, const float *wscale, const float *bias, int64_t N,
-                float *out, uint8_t *xq, float *xscale, int n_threads);
+#include "kernels.h"
 
 typedef struct {
     const int8_t *weight; /* [out, in] */

@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 /* float32 to bfloat16, rounded to nearest even as PyTorch's conversion does. */
 static inline uint16_t float_to_bf16(float f) {
     uint32_t bits;

@@ -8,13 +8,11 @@
  * (`thread_pool.c`) in chunks.
  */
 #include <stdint.h>
-#include <string.h>
+
+#include "kernels.h"
 
 #define ROWS 4 /* weight rows per block: their reads are shared by the M rows of x */
 #define PREFETCH_BLOCKS 8
-
-typedef void (*pool_task)(const void *context, int64_t first, int64_t last);
-void pool_run(pool_task task, const void *context, int64_t items, int64_t chunk, int n_threads);
 
 /* ----- quantizing x ------------------------------------------------------------------------ */
 
@@ -156,13 +154,12 @@ static void product_task(const void *job, int64_t first, int64_t last) {
 }
 
 /* out[M, N] = quantize(x[M, K] * inv_smooth) . w[N, K]^T * scales (+ bias). xq: M*K scratch. */
-int int8_matmul(const float *x, int64_t M, int64_t K, const float *inv_smooth, const int8_t *w,
-                const int32_t *wsum, const float *wscale, const float *bias, int64_t N,
-                float *out, uint8_t *xq, float *xscale, int n_threads) {
+void int8_matmul(const float *x, int64_t M, int64_t K, const float *inv_smooth, const int8_t *w,
+                 const int32_t *wsum, const float *wscale, const float *bias, int64_t N,
+                 float *out, uint8_t *xq, float *xscale, int n_threads) {
     quantize_rows(x, M, K, inv_smooth, xq, xscale);
     const Job job = {xq, xscale, w, wsum, wscale, bias, out, M, K, N};
     /* Chunks of ~16K multiply-adds: small enough to balance, large enough to amortise a claim;
      * whole blocks of ROWS. */
     pool_run(product_task, &job, N, (16384 / (M * K) + 1) * ROWS, n_threads);
-    return 0;
 }

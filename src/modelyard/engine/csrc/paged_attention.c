@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 typedef struct {
     const float *q;            /* [B, H, D] float32 */
     const void *k_cache;       /* [slots, KVH, D] */
@@ -27,8 +29,6 @@ typedef struct {
     atomic_int failed;         /* a task found no memory for its scores */
 } Args;
 
-typedef void (*pool_task)(const void *context, int64_t first, int64_t last);
-void pool_run(pool_task task, const void *context, int64_t items, int64_t chunk, int n_threads);
 
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = ((uint32_t)x) << 16;

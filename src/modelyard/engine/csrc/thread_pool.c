@@ -11,6 +11,8 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 #define MAX_THREADS 64
 #define SPIN_LOOPS 8000 /* polling for the next call before a worker sleeps: ~0.2 ms at the
                          * ~28 ns a PAUSE takes on AMD Zen 4 (a step's module-by-module calls
@@ -24,8 +26,6 @@
 #else
 #define PAUSE() ((void)0)
 #endif
-
-typedef void (*pool_task)(const void *context, int64_t first, int64_t last);
 
 typedef struct {
     pool_task task;

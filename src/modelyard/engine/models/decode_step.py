@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from modelyard.engine.cpu_kernels import data_ptr
 from modelyard.engine.quantization import Int8Linear
 
 if TYPE_CHECKING:
@@ -68,10 +69,6 @@ class _Model(ctypes.Structure):
     ]
 
 
-def _optional(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _linear(layer: nn.Module | None) -> _Linear | None:
     """The C description of a w8a8 layer in plain int8 rows, or None for anything else."""
     if not isinstance(layer, Int8Linear) or layer.kernel != "fbgemm" or layer.packed is not None:
@@ -80,8 +77,8 @@ def _linear(layer: nn.Module | None) -> _Linear | None:
         layer.qweight.data_ptr(),
         layer.weight_sums.data_ptr(),
         layer.scale.data_ptr(),
-        _optional(layer.bias),
-        _optional(layer.inv_smooth),
+        data_ptr(layer.bias),
+        data_ptr(layer.inv_smooth),
         layer.out_features,
         layer.in_features,
     )

@@ -263,8 +263,7 @@ class LlamaForCausalLM(nn.Module):
         inputs do not fit), and decode steps in one call where all of it is C, or not."""
         for module in self.modules():
             if hasattr(module, "kernels"):
-                module.kernels = kernels
-        self.kernels = kernels
+                module.kernels = kernels  # this model's own among them
         self.one_call.forget()
 
     def fuse_projections(self) -> None:
