@@ -10,13 +10,14 @@ loads of `--requests` requests, each decoding exactly `--max-tokens` tokens (EOS
   every step has its own adapter), adapters already in their slots (a warm-up round loads them).
 
 Rounds alternate (base, mixed, base, mixed, ...) in one process; the table gives output tokens/s
-per round and the median ratio mixed / base. `--kernels grouped,gathered` runs the mixed load
-once per LoRA kernel in each round (grouped: segmented matmuls over rows sorted by slot, the CPU
-default; gathered: per-row gathered bmm / per-adapter matmul pairs, the path on other devices).
+per round and the median ratio mixed / base. `--kernels c,pytorch` runs the mixed load once
+per form of the LoRA update in each round (c: modelyard's C kernel, `csrc/lora.c`, the CPU
+default where it builds; pytorch: per-row gathered bmm / per-adapter matmul pairs, the path
+without a compiler and on other devices).
 
     python benchmarks/lora.py                        # SmolLM2, 50 adapters, 50 requests
     python benchmarks/lora.py --adapters 8 --requests 32 --rounds 2
-    python benchmarks/lora.py --kernels grouped,gathered --max-tokens 16
+    python benchmarks/lora.py --kernels c,pytorch --max-tokens 16
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def main() -> None:
         default=",".join(MODULES),
         help="projections each adapter targets (PEFT's default for Llama: q_proj,v_proj)",
     )
-    ap.add_argument("--kernels", default="grouped", help="grouped, gathered, or both (a,b)")
+    ap.add_argument("--kernels", default="c", help="c, pytorch, or both (c,pytorch)")
     args = ap.parse_args()
     kernels = args.kernels.split(",")
 
@@ -139,10 +140,15 @@ def main() -> None:
         run_load(engine, prompts, mixed, 2)  # warm-up: every adapter into its slot
         run_load(engine, prompts, base, 2)
         rows = []
-        loads = [("base", base, "grouped")] + [(f"mixed-{k}", mixed, k) for k in kernels]
+        loads = [("base", base, "c")] + [(f"mixed-{k}", mixed, k) for k in kernels]
+        projections = [lin for layer in lora._layers for lin in layer.values()]
+        c_kernels = engine.runner.kernels
+        if "c" in kernels and c_kernels is None:
+            sys.exit("the C kernels did not build here (see the log): drop `c` from --kernels")
         for r in range(args.rounds):
             for label, loras, kernel in loads:
-                lora.batch.allow_grouped = kernel == "grouped"
+                for lin in projections:
+                    lin.kernels = c_kernels if kernel == "c" else None
                 tokens, seconds = run_load(engine, prompts, loras, args.max_tokens)
                 rows.append((r, label, tokens, seconds, tokens / seconds))
                 print(f"round {r} {label}: {tokens} tokens in {seconds:.2f} s", flush=True)

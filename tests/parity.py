@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,6 +12,7 @@ from typing import Any
 import torch
 
 from modelyard.config import EngineSettings
+from modelyard.engine import cpu_kernels
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.sampling_params import SamplingParams
 
@@ -77,3 +80,20 @@ def record_logits(engine: LLMEngine) -> Iterator[list[tuple[list[int], torch.Ten
 def hf_logits(hf_model: Any, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+@functools.cache
+def kernel_builds() -> dict[str, cpu_kernels.CpuKernels]:
+    """The C kernels as the engine builds them for this CPU, and (x86) built without AVX-512, so
+    that their plain-C forms are checked on machines whose own build never takes them. Empty
+    where no compiler works."""
+    cache_dir = EngineSettings().cache_dir
+    native = cpu_kernels.load_kernels(cache_dir)
+    if native is None:
+        return {}
+    builds = {"native": native}
+    if platform.machine() in ("x86_64", "AMD64"):
+        plain = cpu_kernels.build_kernels(cache_dir, ("-mno-avx512f",))
+        assert plain is not None, "the kernels build natively but not without AVX-512"
+        builds["plain-c"] = plain
+    return builds

@@ -27,7 +27,7 @@ from modelyard.engine import cpu_kernels, kernel_build
 from modelyard.engine.attention import gather_blocks, write_kv
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.llama import RMSNorm, RotaryEmbedding
-from tests.parity import make_engine, record_logits, run_staggered
+from tests.parity import kernel_builds, make_engine, record_logits, run_staggered
 from tests.tiny_models import build_model
 
 KERNELS = cpu_kernels.load_kernels(EngineSettings().cache_dir)
@@ -273,13 +273,15 @@ def exact_int8_product(
     smooth=st.booleans(),
     bias=st.booleans(),
     seed=st.integers(0, 999),
+    build=st.sampled_from(sorted(kernel_builds())),
 )
 def test_int8_matmul_matches_its_integer_arithmetic(
-    rows: int, k: int, n: int, smooth: bool, bias: bool, seed: int
+    rows: int, k: int, n: int, smooth: bool, bias: bool, seed: int, build: str
 ) -> None:
     """Every batch size, K not a multiple of the 64-byte vector, N not a multiple of the 4-row
-    block, over the threads the process may use (chunks claimed dynamically)."""
-    assert KERNELS is not None
+    block, over the threads the process may use (chunks claimed dynamically); the VNNI and the
+    plain-C build."""
+    kernels = kernel_builds()[build]
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
     scale = torch.rand(n, generator=gen) / 100
@@ -287,7 +289,7 @@ def test_int8_matmul_matches_its_integer_arithmetic(
     x[0, : k // 2] = 0.0
     inv_smooth = torch.rand(k, generator=gen) + 0.5 if smooth else None
     b = torch.randn(n, generator=gen) if bias else None
-    got = KERNELS.int8_matmul(x, q, q.sum(dim=1, dtype=torch.int32), scale, b, inv_smooth)
+    got = kernels.int8_matmul(x, q, q.sum(dim=1, dtype=torch.int32), scale, b, inv_smooth)
     want = exact_int8_product(x if inv_smooth is None else x * inv_smooth, q, scale, b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

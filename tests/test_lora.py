@@ -14,14 +14,17 @@ from typing import Any
 import openai
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from modelyard.engine.admission import RequestRejected
 from modelyard.engine.llm_engine import LLMEngine
+from modelyard.engine.lora.layers import LoRABatch, LoRALinear
 from modelyard.engine.lora.manager import LoRASlotsBusy
 from modelyard.engine.sampling_params import SamplingParams
 from tests.conftest import WorkerProcess
-from tests.parity import hf_greedy, make_engine
+from tests.parity import hf_greedy, kernel_builds, make_engine
 from tests.tiny_models import build_model
 
 peft = pytest.importorskip("peft")
@@ -104,14 +107,19 @@ def run(engine: LLMEngine, jobs: dict[str, tuple[list[int], str | None]], n: int
 PROMPT = [5, 71, 33, 200, 17, 9, 120, 44, 61, 2, 88]
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "gathered-segmented"])
-def test_mixed_batch_equals_peft_merged(tiny: tuple[Path, dict[str, Path]], grouped: bool) -> None:
-    """Both kernels: segmented matmuls over rows sorted by slot (CPU), and the gathered bmm /
-    per-adapter matmul pairs (other devices, or shapes the grouped kernel refuses)."""
+@pytest.mark.parametrize("kernel", ["c", "pytorch"])
+def test_mixed_batch_equals_peft_merged(tiny: tuple[Path, dict[str, Path]], kernel: str) -> None:
+    """Both forms of the update: modelyard's C kernel (CPU) and PyTorch's gathered bmm /
+    per-adapter matmul pairs (other devices, or no compiler)."""
     base, adapters = tiny
     engine = lora_engine(base, adapters, max_loras=3)
     assert engine.runner.lora is not None
-    engine.runner.lora.batch.allow_grouped = grouped
+    projections = [lin for wrapped in engine.runner.lora._layers for lin in wrapped.values()]
+    if kernel == "c" and not kernel_builds():
+        pytest.skip("no C compiler here: the LoRA update runs in PyTorch")
+    assert all((lin.kernels is not None) == bool(kernel_builds()) for lin in projections)
+    for lin in projections if kernel != "c" else []:
+        lin.kernels = None
     prompt2 = [7, 7, 150, 3, 99]
     jobs = {"base": (PROMPT, None), **{n: (PROMPT, n) for n in adapters}, "a2-b": (prompt2, "a2")}
     got = run(engine, jobs, 8)["tokens"]
@@ -119,8 +127,61 @@ def test_mixed_batch_equals_peft_merged(tiny: tuple[Path, dict[str, Path]], grou
         ref = merged_greedy(base, adapters[lora] if lora else None, prompt, 8)
         assert got[rid] == ref, rid
     assert len({tuple(got[n]) for n in ("base", "a1", "a2", "a3")}) == 4  # adapters matter
-    layers = engine.runner.lora._layers
-    assert all(lin.grouped_ok for wrapped in layers for lin in wrapped.values())  # no fallback
+
+
+@pytest.mark.skipif(not kernel_builds(), reason="no C compiler here")
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    token_slots=st.lists(st.integers(0, 3), min_size=1, max_size=14),
+    parts=st.sampled_from([[24], [16, 8, 8], [40, 40]]),
+    in_features=st.sampled_from([8, 20, 64]),
+    rank=st.sampled_from([1, 4, 8]),
+    weights=st.sampled_from([torch.float32, torch.bfloat16]),
+    activations=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 999),
+    build=st.sampled_from(sorted(kernel_builds())),
+)
+def test_c_kernel_adds_each_rows_own_update(
+    build: str,
+    token_slots: list[int],
+    parts: list[int],
+    in_features: int,
+    rank: int,
+    weights: torch.dtype,
+    activations: torch.dtype,
+    seed: int,
+) -> None:
+    """`y[row] += x[row] @ A[slot] @ B[slot]` for every row whatever its slot (0: base, none),
+    however many rows share one (groups of 4 share a weight read), with parts an adapter does
+    not target (zeros, skipped), output widths not a multiple of 16, in float32 and bfloat16;
+    against the same arithmetic in float64; the AVX-512 and the plain-C build."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = LoRABatch()
+    base = torch.nn.Linear(in_features, sum(parts), bias=False, dtype=activations)
+    lin = LoRALinear(base, in_features, parts, 3, rank, batch, weights, torch.device("cpu"))
+    lin.kernels = kernel_builds()[build]
+    for slot in (1, 2, 3):
+        lin.load_slot(
+            slot,
+            [
+                None if (slot + p) % 3 == 0 else
+                (torch.randn(rank, in_features, generator=gen),
+                 torch.randn(size, rank, generator=gen))
+                for p, size in enumerate(parts)
+            ],
+        )  # fmt: skip
+    x = torch.randn(len(token_slots), in_features, generator=gen).to(activations)
+    batch.set(token_slots, torch.device("cpu"))
+    got = lin(x).double()
+    want = base(x).double()
+    a, bs = lin.lora_a.double(), [b.double() for b in lin.lora_b]
+    for row, slot in enumerate(token_slots):
+        if slot:
+            h = a[slot] @ x[row].double()
+            parts_h = [h[p * rank : (p + 1) * rank] for p in range(len(bs))]
+            want[row] += torch.cat([hp @ b[slot] for hp, b in zip(parts_h, bs, strict=True)])
+    tolerance = 1e-4 if activations == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 def test_lru_eviction_and_held_adapters(tiny: tuple[Path, dict[str, Path]]) -> None:

@@ -7,6 +7,8 @@ of a 32-sequence decode step. `csrc/paged_attention.c` reads the blocks where th
 activation scaling), each of which cost PyTorch 5 to 20 dispatches per layer. `csrc/int8_matmul.c`
 is w8a8's matmul for CPUs with AVX-512 VNNI: the weights read once for all rows of a decode
 batch, on every core (FBGEMM's takes one core per call and ~60 us of overhead at one row).
+`csrc/lora.c` adds each row's own LoRA update reading the adapters' weights in place (PyTorch
+gathered them per row, or ran a matmul pair per adapter).
 
 The kernels are plain C with no PyTorch headers, so they build in about a second, for this CPU
 (`kernel_build.py`, cached in `<cache_dir>/kernels`). Where no compiler works (`load_kernels`
@@ -21,12 +23,15 @@ import functools
 import logging
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from modelyard.engine import kernel_build
 from modelyard.engine.tensor_parallel import usable_cores
+
+if TYPE_CHECKING:
+    from modelyard.engine.lora.layers import LoRAGroups
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,10 @@ class CpuKernels:
         self._decode_step = library.decode_step
         self._decode_step.restype = i32
         self._decode_step.argtypes = [ptr] * 2 + [i64] + [ptr] * 4 + [i64] + [ptr] * 3
+        self._lora_add = library.lora_add
+        self._lora_add.restype = i32
+        self._lora_add.argtypes = [ptr, i64, i32, ptr, i64, i32, *[ptr] * 3, i64, *[ptr] * 4]
+        self._lora_add.argtypes += [i64] * 3 + [i32] * 2
         self._decode_step_scratch = library.decode_step_scratch
         self._decode_step_scratch.restype = i64
         self._decode_step_scratch.argtypes = [ptr, i64]
@@ -192,6 +201,43 @@ class CpuKernels:
         )
         return out
 
+    def lora_add(
+        self,
+        x: torch.Tensor,  # [T, in] float32 or bfloat16, columns contiguous
+        y: torch.Tensor,  # [T, sum(part_sizes)] float32 or bfloat16, contiguous: updated
+        groups: LoRAGroups,
+        lora_a: torch.Tensor,  # [slots, parts * rank, in], contiguous
+        lora_b: Any,  # ctypes array of each part's B [slots, rank, out_p] (contiguous)
+        part_sizes: torch.Tensor,  # [parts] int64
+        part_used: torch.Tensor,  # [slots, parts] uint8: the slot's adapter targets the part
+        rank: int,
+        bf16: bool,  # the weights' dtype (else float32)
+    ) -> None:
+        """Each adapter row's `y[row] += x[row] @ A[slot] @ B[slot]` (see `csrc/lora.c`)."""
+        failed = self._lora_add(
+            x.data_ptr(),
+            x.stride(0),
+            int(x.dtype == torch.bfloat16),
+            y.data_ptr(),
+            y.stride(0),
+            int(y.dtype == torch.bfloat16),
+            groups.rows.data_ptr(),
+            groups.starts.data_ptr(),
+            groups.slots.data_ptr(),
+            groups.slots.shape[0],
+            lora_a.data_ptr(),
+            lora_b,
+            part_sizes.data_ptr(),
+            part_used.data_ptr(),
+            part_sizes.shape[0],
+            x.shape[1],
+            rank,
+            int(bf16),
+            self.matmul_threads,
+        )
+        if failed:
+            raise MemoryError("LoRA kernel: no memory for its scratch")
+
     def decode_step(
         self,
         model: Any,  # ctypes reference to decode_step.c's Model (models/decode_step.py)
@@ -232,7 +278,7 @@ def load_kernels(cache_dir: Path) -> CpuKernels | None:
     return build_kernels(cache_dir)
 
 
-def build_kernels(cache_dir: Path) -> CpuKernels | None:
+def build_kernels(cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> CpuKernels | None:
     """Compile (unless cached under `cache_dir/kernels`) and load the kernels; None, logged,
     where that fails."""
     compiler = kernel_build.compiler()
@@ -240,9 +286,10 @@ def build_kernels(cache_dir: Path) -> CpuKernels | None:
         log.warning("no C compiler (cc, gcc or $CC): the CPU engine runs PyTorch's ops (slower)")
         return None
     try:
-        library = ctypes.CDLL(
-            str(kernel_build.build(kernel_build.SOURCES, compiler, cache_dir / "kernels"))
+        built = kernel_build.build(
+            kernel_build.SOURCES, compiler, cache_dir / "kernels", extra_flags
         )
+        library = ctypes.CDLL(str(built))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("modelyard's C kernels did not build (%s): PyTorch runs their ops", exc)
         return None

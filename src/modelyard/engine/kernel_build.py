@@ -22,6 +22,7 @@ SOURCES = tuple(
         "fused_ops.c",
         "int8_matmul.c",
         "decode_step.c",
+        "lora.c",
     )
 )
 OPTIMIZE = [
@@ -48,8 +49,11 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(sources: tuple[Path, ...], compiler: str, kernel_dir: Path) -> Path:
-    """The shared library of `sources` for this CPU, compiled unless already cached."""
+def build(
+    sources: tuple[Path, ...], compiler: str, kernel_dir: Path, extra_flags: tuple[str, ...] = ()
+) -> Path:
+    """The shared library of `sources` for this CPU, compiled unless already cached.
+    `extra_flags` after the others (tests build the plain-C forms with `-mno-avx512f`)."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
@@ -59,6 +63,7 @@ def build(sources: tuple[Path, ...], compiler: str, kernel_dir: Path) -> Path:
             [
                 *(s.read_text() for s in (*sources, *headers)),
                 *OPTIMIZE,
+                *extra_flags,
                 compiler,
                 version,
                 platform.machine(),
@@ -74,7 +79,7 @@ def build(sources: tuple[Path, ...], compiler: str, kernel_dir: Path) -> Path:
     for arch in (["-march=native"], []):  # some compilers (or CPUs) have no -march=native
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
-        command = [compiler, *OPTIMIZE, *arch, "-fPIC", "-shared", "-pthread"]
+        command = [compiler, *OPTIMIZE, *arch, *extra_flags, "-fPIC", "-shared", "-pthread"]
         done = subprocess.run(
             [*command, *map(str, sources), "-o", str(partial), "-lm"],
             capture_output=True,

@@ -145,13 +145,13 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
             leader,
             kv_dtype=kv_dtype,
         )
-        if settings.cpu_kernels and tp == 1:  # tensor-parallel steps carry PyTorch's mask
-            runner.use_kernels(kernels_for(device, settings.cache_dir))
-        if settings.max_loras:
+        if settings.max_loras:  # before the kernels: the LoRA layers take them too
             runner.lora = LoRAManager(
                 loaded.model, cfg, settings.max_loras, settings.max_lora_rank, settings.lora_dir
             )
             runner.lora.registry_dir = settings.lora_registry_dir
+        if settings.cpu_kernels and tp == 1:  # tensor-parallel steps carry PyTorch's mask
+            runner.use_kernels(kernels_for(device, settings.cache_dir))
         tokenizer = Tokenizer.load(folder, cfg)
         if leader is not None:
             leader.wait_ready()

@@ -29,4 +29,11 @@ void int8_matmul(const float *x, int64_t M, int64_t K, const float *inv_smooth, 
                  const int32_t *wsum, const float *wscale, const float *bias, int64_t N,
                  float *out, uint8_t *xq, float *xscale, int n_threads);
 
+/* lora.c */
+int lora_add(const void *x, int64_t x_stride, int x_bf16, void *y, int64_t y_stride, int y_bf16,
+             const int64_t *rows, const int64_t *groups, const int64_t *slots, int64_t n_groups,
+             const void *a, const void *const *b, const int64_t *part_sizes,
+             const uint8_t *part_used, int64_t parts, int64_t in, int64_t rank, int w_bf16,
+             int n_threads);
+
 #endif

@@ -1,30 +1,59 @@
 """Batched per-row LoRA on a model's linear projections (no weight merging).
 
-Each wrapped projection keeps stacked weights for every slot: A `[slots, in, P*R]` (P =
-projections fused into this matmul, e.g. 3 for qkv, R = max rank; part p's A in columns
-p*R..p*R+R) and one B per part, `[slots, R, out_p]` (no block-diagonal padding: a part's update
-reads only its own B). Slot 0 is the base model and is never computed. A step sets `LoRABatch`
-once: which flat-batch rows use which slot. Then every wrapped projection adds
-`x[rows] @ A[slot] @ B[slot]` for its adapter rows:
+Each wrapped projection keeps stacked weights for every slot: A `[slots, P*R, in]` (P =
+projections fused into this matmul, e.g. 3 for qkv, R = max rank; part p's A in rows
+p*R..p*R+R, as `nn.Linear` keeps a weight) and one B per part, `[slots, R, out_p]` (no
+block-diagonal padding: a part's update reads only its own B). Slot 0 is the base model and
+is never computed. A step sets `LoRABatch` once: which flat-batch rows use which slot. Then
+every wrapped projection adds `x[rows] @ A[slot] @ B[slot]` for its adapter rows:
 
-- grouped (CPU): the adapter rows sorted by slot, one segmented matmul (`torch._grouped_mm`)
-  for A and one per part for B, each reading every slot's weights in place: the cost is one read
-  of the weights of the adapters in the step, whatever their number;
-- otherwise one gathered `bmm` (many adapters, one row each: decoding) or one matmul pair per
-  adapter (segmented: long prefill chunks of few adapters). A projection whose shapes the
-  grouped kernel refuses (strides not a multiple of 16 bytes) falls back to these.
+- with modelyard's C kernels (CPU, float32/bfloat16): one `lora_add` call (`csrc/lora.c`) for
+  every row and part, streaming each adapter's A and B once per group of up to 4 of its rows;
+- otherwise PyTorch: one gathered `bmm` (many adapters, one row each: decoding) or one matmul
+  pair per adapter (segmented: long prefill chunks of few adapters).
+
+With 50 adapters on every projection of SmolLM2 in one batch, PyTorch's forms (gathered, or
+`torch._grouped_mm` over rows sorted by slot, which this module used to take on CPUs) cost 2 to
+4 times the base model's own step; the C kernel, about a third of it (BENCHMARKS.md).
 
 A step without adapter rows costs one attribute check per projection.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-_GROUPED = hasattr(torch, "_grouped_mm")
+from modelyard.engine.cpu_kernels import CpuKernels
+
+
+@dataclass(frozen=True)
+class LoRAGroups:
+    """A step's adapter rows for `lora_add`: grouped by slot, at most `GROUP_ROWS` rows of one
+    slot per group (they share each read of its weights)."""
+
+    rows: torch.Tensor  # int64, the adapter rows, grouped
+    starts: torch.Tensor  # int64 [groups + 1]: group g is rows[starts[g]:starts[g + 1]]
+    slots: torch.Tensor  # int64 [groups]
+
+    GROUP_ROWS = 4  # csrc/lora.c's GROUP
+
+    @classmethod
+    def of(cls, by_slot: dict[int, list[int]]) -> LoRAGroups:
+        rows: list[int] = []
+        starts = [0]
+        slots: list[int] = []
+        for slot, slot_rows in sorted(by_slot.items()):
+            for i in range(0, len(slot_rows), cls.GROUP_ROWS):
+                rows.extend(slot_rows[i : i + cls.GROUP_ROWS])
+                starts.append(len(rows))
+                slots.append(slot)
+        as_long = {"dtype": torch.long}
+        return cls(torch.tensor(rows, **as_long), torch.tensor(starts, **as_long),
+                   torch.tensor(slots, **as_long))  # fmt: skip
 
 
 @dataclass
@@ -37,35 +66,21 @@ class LoRABatch:
     segments: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, rows)
     gathered: bool = False
     all_rows: bool = False  # every row uses an adapter: no row selection, add in place
-    grouped: bool = False  # segmented matmuls over rows sorted by slot
-    order: torch.Tensor | None = None  # adapter rows sorted by slot (grouped mode)
-    offs: torch.Tensor | None = None  # int32 end of each slot's rows in `order`
-    # Grouped mode where the kernel exists and is fast (on CUDA it needs recent GPUs: the
-    # gathered/segmented path stays there).
-    allow_grouped: bool = True
+    groups: LoRAGroups | None = None  # the rows for the C kernel (CPU)
 
-    def set(self, token_slots: list[int], device: torch.device, slots: int = 0) -> None:
+    def set(self, token_slots: list[int], device: torch.device) -> None:
         rows = [i for i, s in enumerate(token_slots) if s]
         self.active = bool(rows)
         if not rows:
-            self.rows = self.row_slots = self.order = self.offs = None
+            self.rows = self.row_slots = self.groups = None
             self.segments = []
             return
         by_slot: dict[int, list[int]] = {}
         for i in rows:
             by_slot.setdefault(token_slots[i], []).append(i)
         as_long = {"dtype": torch.long, "device": device}
+        self.groups = LoRAGroups.of(by_slot) if device.type == "cpu" else None
         self.all_rows = len(rows) == len(token_slots)
-        self.grouped = _GROUPED and self.allow_grouped and device.type == "cpu" and slots > 0
-        if self.grouped:
-            order = [i for s in sorted(by_slot) for i in by_slot[s]]
-            counts = [len(by_slot.get(s, ())) for s in range(slots + 1)]
-            ends, total = [], 0
-            for c in counts:
-                total += c
-                ends.append(total)
-            self.order = torch.tensor(order, **as_long)
-            self.offs = torch.tensor(ends, dtype=torch.int32, device=device)
         # Few adapters with many rows each: a matmul pair per adapter beats gathering A and B
         # per row; one row each (decode with many adapters): one bmm over gathered weights.
         self.gathered = len(rows) < 4 * len(by_slot)
@@ -98,12 +113,16 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.batch = batch
         width = len(parts) * max_rank
-        self.lora_a = torch.zeros(slots + 1, in_features, width, dtype=dtype, device=device)
+        self.lora_a = torch.zeros(slots + 1, width, in_features, dtype=dtype, device=device)
         self.lora_b = [
             torch.zeros(slots + 1, max_rank, size, dtype=dtype, device=device) for size in parts
         ]
         self.used_slots: set[int] = set()  # slots whose adapter targets this projection
-        self.grouped_ok = True  # until the grouped kernel refuses these shapes
+        self.kernels: CpuKernels | None = None  # the model's `use_kernels`
+        self._part_sizes = torch.tensor(parts, dtype=torch.long)
+        self._part_used = torch.zeros(slots + 1, len(parts), dtype=torch.uint8)
+        self._b_pointers = (ctypes.c_void_p * len(parts))(*(b.data_ptr() for b in self.lora_b))
+        self._kernel_dtypes = dtype in (torch.float32, torch.bfloat16) and device.type == "cpu"
 
     def load_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter's (A [r, in], scaled B [out, r]) per part; None = part untouched."""
@@ -114,11 +133,12 @@ class LoRALinear(nn.Module):
         if any(w is not None for w in weights):
             self.used_slots.add(slot)
         for p, w in enumerate(weights):
+            self._part_used[slot, p] = w is not None
             if w is not None:
                 a, b = w
                 r = a.shape[0]
                 lo = p * self.max_rank
-                self.lora_a[slot, :, lo : lo + r] = a.T.to(self.lora_a.dtype)
+                self.lora_a[slot, lo : lo + r] = a.to(self.lora_a.dtype)
                 self.lora_b[p][slot, :r] = b.T.to(self.lora_a.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,35 +146,43 @@ class LoRALinear(nn.Module):
         batch = self.batch
         if not batch.active or not self.used_slots:  # no loaded adapter targets this one
             return y
-        if batch.grouped and self.grouped_ok:
-            try:
-                return self._grouped(x, y)
-            except RuntimeError:  # shapes the kernel refuses (alignment): gathered from now on
-                self.grouped_ok = False
+        if self.kernels is not None and batch.groups is not None and self._kernel_fits(x, y):
+            self.kernels.lora_add(
+                x,
+                y,
+                batch.groups,
+                self.lora_a,
+                self._b_pointers,
+                self._part_sizes,
+                self._part_used,
+                self.max_rank,
+                self.lora_a.dtype == torch.bfloat16,
+            )
+            return y
         assert batch.rows is not None and batch.row_slots is not None
         if batch.gathered:
             xs = (x if batch.all_rows else x[batch.rows]).unsqueeze(1)  # [n, 1, in]
-            h = torch.bmm(xs.to(self.lora_a.dtype), self.lora_a[batch.row_slots])
+            h = torch.bmm(xs.to(self.lora_a.dtype), self.lora_a[batch.row_slots].transpose(1, 2))
             deltas = [
                 torch.bmm(self._part(h, p), b[batch.row_slots]).squeeze(1)
                 for p, b in enumerate(self.lora_b)
             ]
             return self._add(y, batch.rows, deltas, batch.all_rows)
         for slot, rows in batch.segments:
-            h = x[rows].to(self.lora_a.dtype) @ self.lora_a[slot]
+            h = x[rows].to(self.lora_a.dtype) @ self.lora_a[slot].T
             self._add(y, rows, [self._part(h, p) @ b[slot] for p, b in enumerate(self.lora_b)])
         return y
 
-    def _grouped(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        batch = self.batch
-        assert batch.order is not None and batch.offs is not None
-        xs = x[batch.order].to(self.lora_a.dtype)  # adapter rows, sorted by slot
-        h = torch._grouped_mm(xs, self.lora_a, offs=batch.offs)
-        deltas = [
-            torch._grouped_mm(self._part(h, p).contiguous(), b, offs=batch.offs)
-            for p, b in enumerate(self.lora_b)
-        ]
-        return self._add(y, batch.order, deltas)
+    def _kernel_fits(self, x: torch.Tensor, y: torch.Tensor) -> bool:
+        as_kernel = (torch.float32, torch.bfloat16)
+        return (
+            self._kernel_dtypes
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and x.dtype in as_kernel
+            and y.dtype in as_kernel
+            and y.is_contiguous()
+        )
 
     def _part(self, h: torch.Tensor, p: int) -> torch.Tensor:
         if len(self.lora_b) == 1:

@@ -203,4 +203,4 @@ class LoRAManager:
     # ----- per step -------------------------------------------------------------------------
 
     def set_rows(self, token_slots: list[int], device: torch.device) -> None:
-        self.batch.set(token_slots, device, self.max_loras)
+        self.batch.set(token_slots, device)
