@@ -50,9 +50,10 @@ static void add_into(float *x, const float *y, int64_t n) {
 /* x: [tokens, hidden], the embeddings in, the last layer's output out. Returns 0, or 1 for a
  * position outside the RoPE table, 2 when attention found no memory. `xq`: tokens * the widest
  * matmul input bytes; `scratch`: decode_step_scratch floats. */
-int decode_step(const Model *m, float *x, int64_t tokens, const int64_t *positions,
-                const int64_t *slots, const int64_t *block_tables, const int64_t *context_lens,
-                int64_t max_blocks, float *scratch, uint8_t *xq, float *xscale) {
+static int run_layers(const Model *m, float *x, int64_t tokens, const int64_t *positions,
+                      const int64_t *slots, const int64_t *block_tables,
+                      const int64_t *context_lens, int64_t max_blocks, float *scratch,
+                      uint8_t *xq, float *xscale) {
     const int64_t H = m->hidden, I = m->intermediate, T = tokens;
     const int64_t q_width = m->heads * m->head_dim, kv_width = m->kv_heads * m->head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width;
@@ -97,4 +98,14 @@ int decode_step(const Model *m, float *x, int64_t tokens, const int64_t *positio
         add_into(x, projected, T * H);
     }
     return 0;
+}
+
+int decode_step(const Model *m, float *x, int64_t tokens, const int64_t *positions,
+                const int64_t *slots, const int64_t *block_tables, const int64_t *context_lens,
+                int64_t max_blocks, float *scratch, uint8_t *xq, float *xscale) {
+    pool_spin(1); /* the layers' pool calls come back to back: keep the workers polling */
+    const int failed = run_layers(m, x, tokens, positions, slots, block_tables, context_lens,
+                                  max_blocks, scratch, xq, xscale);
+    pool_spin(0);
+    return failed;
 }

@@ -8,6 +8,7 @@
 /* thread_pool.c */
 typedef void (*pool_task)(const void *context, int64_t first, int64_t last);
 void pool_run(pool_task task, const void *context, int64_t items, int64_t chunk, int n_threads);
+void pool_spin(int on);
 
 /* fused_ops.c */
 void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,

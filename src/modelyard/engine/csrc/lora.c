@@ -112,10 +112,9 @@ static inline __attribute__((always_inline)) void shrink4(const Args *a, const v
 static inline __attribute__((always_inline)) void shrink(const Args *a, const void *A,
                                                          const float *xs, float *h,
                                                          int64_t h_stride, int g_count) {
-    for (int64_t w = 0; w < a->rank; w += 4) {
-        const int nw = a->rank - w >= 4 ? 4 : (int)(a->rank - w);
-        shrink4(a, A, w, nw, xs, h, h_stride, g_count);
-    }
+    int64_t w = 0;
+    for (; w + 4 <= a->rank; w += 4) shrink4(a, A, w, 4, xs, h, h_stride, g_count);
+    if (w < a->rank) shrink4(a, A, w, (int)(a->rank - w), xs, h, h_stride, g_count);
 }
 
 /* y[rows[g]][col..col + out) += h[g] @ B for the first `count` of `g_count` rows; bfloat16 y

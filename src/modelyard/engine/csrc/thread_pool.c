@@ -14,9 +14,12 @@
 #include "kernels.h"
 
 #define MAX_THREADS 64
-#define SPIN_LOOPS 8000 /* polling for the next call before a worker sleeps: ~0.2 ms at the
-                         * ~28 ns a PAUSE takes on AMD Zen 4 (a step's module-by-module calls
-                         * come 50-100 us apart; a sleeping worker costs a wake-up) */
+#define SPIN_LOOPS 8000 /* polling for the next call before a worker sleeps, while a caller
+                         * holds `pool_spin`: ~0.2 ms at the ~28 ns a PAUSE takes on AMD Zen 4
+                         * (a one-call decode step's calls come microseconds apart; a sleeping
+                         * worker costs a wake-up). Otherwise workers sleep at once: between
+                         * module-by-module calls PyTorch's own threads need the cores, and a
+                         * spinning worker there cost a bfloat16 LoRA batch ~10 % of its time */
 #define MAX_CHUNKS 4096  /* a call's chunk count fits the claim word's 16 bits */
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -37,6 +40,12 @@ typedef struct {
  * claim is valid only for the call it was read from: a late worker that finds a finished call
  * claims nothing, and one that claims a chunk holds `busy`, which the caller waits out before it
  * returns (and before the next call replaces `current`). */
+static atomic_int spin_loops; /* SPIN_LOOPS while a caller holds pool_spin, else 0 */
+
+/* on = 1: the caller's pool calls will come back to back (its own C loop): idle workers poll
+ * for the next one; on = 0: they sleep as soon as idle. */
+void pool_spin(int on) { atomic_store(&spin_loops, on ? SPIN_LOOPS : 0); }
+
 static struct {
     pthread_mutex_t turn;
     pthread_mutex_t lock;
@@ -78,7 +87,9 @@ static void *worker(void *arg) {
     (void)arg;
     uint64_t seen = atomic_load(&pool.generation);
     for (;;) {
-        for (int i = 0; i < SPIN_LOOPS && atomic_load(&pool.generation) == seen; i++) PAUSE();
+        for (int i = 0; i < atomic_load(&spin_loops) && atomic_load(&pool.generation) == seen;
+             i++)
+            PAUSE();
         if (atomic_load(&pool.generation) == seen) {
             pthread_mutex_lock(&pool.lock);
             atomic_fetch_add(&pool.sleepers, 1);
