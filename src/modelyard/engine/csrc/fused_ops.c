@@ -9,15 +9,6 @@
 
 #include "kernels.h"
 
-/* float32 to bfloat16, rounded to nearest even as PyTorch's conversion does. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* out[r] = x[r] / rms(x[r]) * weight, rows of `cols` values (rows `x_stride` apart). */
 void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,
               int64_t x_stride, float eps) {

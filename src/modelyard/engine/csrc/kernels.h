@@ -4,11 +4,30 @@
 #define MODELYARD_KERNELS_H
 
 #include <stdint.h>
+#include <string.h>
+
+/* bfloat16 <-> float32, shared by the kernels (static inline: no call across files). */
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Rounded to nearest even, as PyTorch's conversion does. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
 
 /* thread_pool.c */
 typedef void (*pool_task)(const void *context, int64_t first, int64_t last);
 void pool_run(pool_task task, const void *context, int64_t items, int64_t chunk, int n_threads);
 void pool_spin(int on);
+float *thread_scratch(int64_t floats);
 
 /* fused_ops.c */
 void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,

@@ -15,7 +15,6 @@
  */
 #include <stdatomic.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -39,21 +38,6 @@ typedef struct {
     atomic_int failed;
 } Args;
 
-static inline float bf16_value(uint16_t v) {
-    uint32_t bits = ((uint32_t)v) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_of(float f) { /* round to nearest even, as PyTorch does */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* `n` weights from `w` (float32 or bfloat16) at element `at`, as floats; a whole register's
  * worth with a constant count, so that the common case compiles to one load. */
 static inline __attribute__((always_inline)) void load_weights(const void *w, int w_bf16,
@@ -61,13 +45,13 @@ static inline __attribute__((always_inline)) void load_weights(const void *w, in
     if (n == LANES) {
         if (w_bf16) {
             const uint16_t *p = (const uint16_t *)w + at;
-            for (int j = 0; j < LANES; j++) out[j] = bf16_value(p[j]);
+            for (int j = 0; j < LANES; j++) out[j] = bf16_to_float(p[j]);
         } else {
             memcpy(out, (const float *)w + at, sizeof(float) * LANES);
         }
     } else if (w_bf16) {
         const uint16_t *p = (const uint16_t *)w + at;
-        for (int64_t j = 0; j < n; j++) out[j] = bf16_value(p[j]);
+        for (int64_t j = 0; j < n; j++) out[j] = bf16_to_float(p[j]);
     } else {
         memcpy(out, (const float *)w + at, sizeof(float) * (size_t)n);
     }
@@ -245,7 +229,8 @@ static inline __attribute__((always_inline)) void expand(const Args *a, const vo
             const int64_t at = rows[g] * a->y_stride + col + j0;
             if (a->y_bf16) {
                 uint16_t *y = (uint16_t *)a->y + at;
-                for (int64_t j = 0; j < n; j++) y[j] = bf16_of(bf16_value(y[j]) + acc[g][j]);
+                for (int64_t j = 0; j < n; j++)
+                    y[j] = float_to_bf16(bf16_to_float(y[j]) + acc[g][j]);
             } else {
                 float *y = (float *)a->y + at;
                 for (int64_t j = 0; j < n; j++) y[j] += acc[g][j];
@@ -277,7 +262,7 @@ static inline __attribute__((always_inline)) void run_group(const Args *a, int64
             memset(xg, 0, sizeof(float) * (size_t)in);
         } else if (a->x_bf16) {
             const uint16_t *xr = (const uint16_t *)a->x + rows[g] * a->x_stride;
-            for (int64_t i = 0; i < in; i++) xg[i] = bf16_value(xr[i]);
+            for (int64_t i = 0; i < in; i++) xg[i] = bf16_to_float(xr[i]);
         } else {
             memcpy(xg, (const float *)a->x + rows[g] * a->x_stride, sizeof(float) * (size_t)in);
         }
@@ -305,17 +290,10 @@ static inline __attribute__((always_inline)) void run_group(const Args *a, int64
 
 static void run_groups(const void *context, int64_t first, int64_t last) {
     Args *a = (Args *)context;
-    static __thread float *scratch = NULL;
-    static __thread int64_t capacity = 0;
-    const int64_t need = GROUP * (a->in + a->rank);
-    if (need > capacity) {
-        free(scratch);
-        scratch = malloc(sizeof(float) * (size_t)need);
-        capacity = scratch ? need : 0;
-        if (scratch == NULL) {
-            atomic_store(&a->failed, 1);
-            return;
-        }
+    float *scratch = thread_scratch(GROUP * (a->in + a->rank));
+    if (scratch == NULL) {
+        atomic_store(&a->failed, 1);
+        return;
     }
     float *xs = scratch, *h = scratch + GROUP * a->in; /* h: [GROUP, rank] */
     for (int64_t g = first; g < last; g++) {

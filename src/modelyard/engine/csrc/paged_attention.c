@@ -11,7 +11,6 @@
 #include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -28,14 +27,6 @@ typedef struct {
     int bf16;
     atomic_int failed;         /* a task found no memory for its scores */
 } Args;
-
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* e^x for x <= 0 (a score minus the largest), in plain arithmetic the compiler vectorises;
  * libm's expf is scalar and was 45 % of the kernel. x = n ln2 + r with |r| <= ln2 / 2, e^r by
@@ -144,20 +135,13 @@ static void attend(const Args *a, int64_t b, float *scores, float *row) {
 /* Sequences [first, last), with this thread's scratch (kept for its next call). */
 static void run_range(const void *context, int64_t first, int64_t last) {
     Args *a = (Args *)context;
-    static __thread float *scratch = NULL;
-    static __thread int64_t capacity = 0;
     int64_t longest = 1;
     for (int64_t b = first; b < last; b++)
         longest = a->context_lens[b] > longest ? a->context_lens[b] : longest;
-    const int64_t need = a->heads * longest + a->block_size * a->kv_heads * a->dim;
-    if (need > capacity) {
-        free(scratch);
-        scratch = malloc(sizeof(float) * (size_t)need);
-        capacity = scratch ? need : 0;
-        if (scratch == NULL) {
-            atomic_store(&a->failed, 1);
-            return;
-        }
+    float *scratch = thread_scratch(a->heads * longest + a->block_size * a->kv_heads * a->dim);
+    if (scratch == NULL) {
+        atomic_store(&a->failed, 1);
+        return;
     }
     for (int64_t b = first; b < last; b++) attend(a, b, scratch, scratch + a->heads * longest);
 }

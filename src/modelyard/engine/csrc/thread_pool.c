@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kernels.h"
 
@@ -159,4 +160,17 @@ void pool_run(pool_task task, const void *context, int64_t items, int64_t chunk,
     work();
     while (atomic_load(&pool.busy) > 0) PAUSE();
     pthread_mutex_unlock(&pool.turn);
+}
+
+/* This thread's scratch of at least `floats` floats, kept for its next task (a thread runs one
+ * task at a time); NULL when memory could not be had. */
+float *thread_scratch(int64_t floats) {
+    static __thread float *scratch = NULL;
+    static __thread int64_t capacity = 0;
+    if (floats > capacity) {
+        free(scratch);
+        scratch = malloc(sizeof(float) * (size_t)floats);
+        capacity = scratch ? floats : 0;
+    }
+    return scratch;
 }
