@@ -12,7 +12,7 @@
 #include "kernels.h"
 
 #define ROWS 4 /* weight rows per block: their reads are shared by the M rows of x */
-#define PREFETCH_BLOCKS 8
+#define PREFETCH_BLOCKS 16
 
 /* ----- quantizing x ------------------------------------------------------------------------ */
 
@@ -84,12 +84,13 @@ static inline __attribute__((always_inline)) void block(const Job *j, int64_t n,
     for (int64_t k = 0; k < K; k += 64) {
         const int64_t left = K - k;
         const __mmask64 mask = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-        /* The weights stream from memory once a step: fetch a few blocks ahead (the hardware
-         * prefetcher alone reached 9 GB/s where a core can read ~30-60). */
-        _mm_prefetch((const char *)(w0 + ahead + k), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w1 + ahead + k), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w2 + ahead + k), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w3 + ahead + k), _MM_HINT_T0);
+        /* The weights stream from memory once a step: fetch 16 blocks ahead into L2 (the
+         * hardware prefetcher alone reached 9 GB/s where a core can read ~30-60; 8 blocks into
+         * L1 16 GB/s, 16 into L2 21-23 GB/s over SmolLM2's layers at one row, AMD EPYC). */
+        _mm_prefetch((const char *)(w0 + ahead + k), _MM_HINT_T1);
+        _mm_prefetch((const char *)(w1 + ahead + k), _MM_HINT_T1);
+        _mm_prefetch((const char *)(w2 + ahead + k), _MM_HINT_T1);
+        _mm_prefetch((const char *)(w3 + ahead + k), _MM_HINT_T1);
         const __m512i v0 = _mm512_maskz_loadu_epi8(mask, w0 + k);
         const __m512i v1 = _mm512_maskz_loadu_epi8(mask, w1 + k);
         const __m512i v2 = _mm512_maskz_loadu_epi8(mask, w2 + k);
