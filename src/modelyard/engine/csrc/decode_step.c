@@ -91,7 +91,11 @@ static int run_layers(const Model *m, float *x, int64_t tokens, const int64_t *p
         for (int64_t t = 0; t < T; t++) {
             const float *g = gate_up + t * 2 * I, *u = g + I;
             float *a = act + t * I;
-            for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            for (int64_t i = 0; i < I; i++) { /* SiLU(g) * u; e^-|g| vectorises, libm's expf not */
+                const float e = exp_nonpositive(-fabsf(g[i]));
+                const float sigmoid = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+                a[i] = g[i] * sigmoid * u[i];
+            }
         }
         int8_matmul(act, T, I, L->down.inv_smooth, L->down.weight, L->down.weight_sums,
                     L->down.scale, L->down.bias, H, projected, xq, xscale, threads);

@@ -28,26 +28,6 @@ typedef struct {
     atomic_int failed;         /* a task found no memory for its scores */
 } Args;
 
-/* e^x for x <= 0 (a score minus the largest), in plain arithmetic the compiler vectorises;
- * libm's expf is scalar and was 45 % of the kernel. x = n ln2 + r with |r| <= ln2 / 2, e^r by
- * its degree-6 Taylor polynomial (relative error < 1e-7), 2^n through the exponent bits. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* e^-87 ~ 1.6e-38, still a normal float */
-    const int32_t n = (int32_t)(x * 1.44269504f - 0.5f); /* rounds to nearest for x <= 0 */
-    const float r = x - (float)n * 0.693145752f - (float)n * 1.42860677e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = (n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 /* Rows `first`..`first + n - 1` of one block (contiguous: `n * kv_heads * dim` values) as
  * float32, converted into `buf` for bfloat16. */
 static inline const float *block_rows(const Args *a, const void *cache, int64_t first, int64_t n,
