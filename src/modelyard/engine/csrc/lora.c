@@ -7,6 +7,7 @@
  * a 135M model that was 2 to 4 times the base model's own step. Here the weights are streamed
  * once per group of rows sharing an adapter (up to GROUP rows: a prefill chunk's rows of one
  * adapter share each read), in float32 arithmetic, on the thread pool (groups are the items).
+ * AVX-512 (with BF16 dot products for the shrink where the CPU has them), or plain C.
  *
  * Layout (layers.LoRALinear): A [slots, parts * rank, in] (as nn.Linear keeps its weight: the
  * shrink is `rank` dot products along `in`), part p's rows p*rank..; B_p [slots, rank, out_p];
@@ -37,25 +38,6 @@ typedef struct {
     int x_bf16, y_bf16, w_bf16;
     atomic_int failed;
 } Args;
-
-/* `n` weights from `w` (float32 or bfloat16) at element `at`, as floats; a whole register's
- * worth with a constant count, so that the common case compiles to one load. */
-static inline __attribute__((always_inline)) void load_weights(const void *w, int w_bf16,
-                                                               int64_t at, int64_t n, float *out) {
-    if (n == LANES) {
-        if (w_bf16) {
-            const uint16_t *p = (const uint16_t *)w + at;
-            for (int j = 0; j < LANES; j++) out[j] = bf16_to_float(p[j]);
-        } else {
-            memcpy(out, (const float *)w + at, sizeof(float) * LANES);
-        }
-    } else if (w_bf16) {
-        const uint16_t *p = (const uint16_t *)w + at;
-        for (int64_t j = 0; j < n; j++) out[j] = bf16_to_float(p[j]);
-    } else {
-        memcpy(out, (const float *)w + at, sizeof(float) * (size_t)n);
-    }
-}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -178,6 +160,25 @@ static inline __attribute__((always_inline)) void shrink_bf16(const Args *a, con
 #endif
 
 #else /* plain C: the compiler vectorises what it can */
+
+/* `n` weights from `w` (float32 or bfloat16) at element `at`, as floats; a whole register's
+ * worth with a constant count, so that the common case compiles to one load. */
+static inline __attribute__((always_inline)) void load_weights(const void *w, int w_bf16,
+                                                               int64_t at, int64_t n, float *out) {
+    if (n == LANES) {
+        if (w_bf16) {
+            const uint16_t *p = (const uint16_t *)w + at;
+            for (int j = 0; j < LANES; j++) out[j] = bf16_to_float(p[j]);
+        } else {
+            memcpy(out, (const float *)w + at, sizeof(float) * LANES);
+        }
+    } else if (w_bf16) {
+        const uint16_t *p = (const uint16_t *)w + at;
+        for (int64_t j = 0; j < n; j++) out[j] = bf16_to_float(p[j]);
+    } else {
+        memcpy(out, (const float *)w + at, sizeof(float) * (size_t)n);
+    }
+}
 
 /* h[g][w] = xs[g] . A[w] for the part's `rank` rows of A (each `in` long: a dot product that
  * vectorises over `in`, whatever the rank), for `g_count` rows (a compile-time constant once
