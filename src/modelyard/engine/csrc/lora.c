@@ -22,6 +22,9 @@
 
 #define GROUP 4  /* rows of one adapter sharing each read of its weights */
 #define LANES 16 /* columns per accumulator: one AVX-512 register of floats */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 512 /* elements ahead in a row of B */
+#endif
 
 typedef struct {
     const void *x;
@@ -51,6 +54,12 @@ static inline __m512 load16(const void *w, int w_bf16, int64_t at, __mmask16 m) 
     return _mm512_maskz_loadu_ps(m, (const float *)w + at);
 }
 
+/* Ask for weights ahead of use into L2 (each adapter's part is a short run the hardware
+ * prefetchers barely train on). */
+static inline void prefetch_l2(const void *w, int w_bf16, int64_t at) {
+    _mm_prefetch((const char *)w + at * (w_bf16 ? 2 : 4), _MM_HINT_T1);
+}
+
 /* Four weight rows of A against `g_count` rows of x: each x chunk loaded once for four rows,
  * each weight chunk once for every x row. */
 static inline __attribute__((always_inline)) void shrink4(const Args *a, const void *A,
@@ -64,6 +73,7 @@ static inline __attribute__((always_inline)) void shrink4(const Args *a, const v
     for (int64_t i = 0; i < in; i += LANES) {
         const __mmask16 m = in - i >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (in - i)) - 1);
         __m512 wv[4];
+        for (int k = 0; k < nw; k++) prefetch_l2(A, a->w_bf16, (w + 4 + k) * in + i);
         for (int k = 0; k < 4; k++)
             wv[k] = k < nw ? load16(A, a->w_bf16, (w + k) * in + i, m) : _mm512_setzero_ps();
         for (int g = 0; g < g_count; g++) {
@@ -96,6 +106,7 @@ static inline __attribute__((always_inline)) void expand(const Args *a, const vo
         __m512 acc[GROUP];
         for (int g = 0; g < g_count; g++) acc[g] = _mm512_setzero_ps();
         for (int64_t r = 0; r < rank; r++) {
+            prefetch_l2(B, a->w_bf16, r * out + j0 + PREFETCH_AHEAD);
             const __m512 bv = load16(B, a->w_bf16, r * out + j0, m);
             for (int g = 0; g < g_count; g++)
                 acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(h[g * h_stride + r]), bv, acc[g]);
@@ -138,6 +149,7 @@ static inline __attribute__((always_inline)) void shrink4_bf16(const Args *a, co
         const __mmask32 m = in - i >= 32 ? (__mmask32)0xffffffffu
                                          : (__mmask32)((1ull << (in - i)) - 1);
         __m512bh wv[4];
+        for (int k = 0; k < nw; k++) prefetch_l2(A, 1, (w + 4 + k) * in + i);
         for (int k = 0; k < 4; k++)
             wv[k] = (__m512bh)(k < nw ? _mm512_maskz_loadu_epi16(m, A + (w + k) * in + i)
                                       : _mm512_setzero_si512());
