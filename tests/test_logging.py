@@ -225,7 +225,13 @@ def test_one_request_id_from_gateway_through_worker_and_engine(platform: Platfor
     assert line["cached_tokens"] == 0 and line["latency_ms"] > 0
     assert {"ts", "level", "msg", "version", "ttft_ms"} <= line.keys()
 
-    worker = _wait_lines(lambda: _worker_logs(platform), lambda x: x.get("request_id") == rid)
+    # The worker's request line is written when its response ends, after the engine's lines:
+    # wait for it, then read every line of the request.
+    _wait_lines(
+        lambda: _worker_logs(platform),
+        lambda x: x.get("request_id") == rid and x.get("logger") == "modelyard.worker.requests",
+    )
+    worker = [x for x in json_lines(_worker_logs(platform)) if x.get("request_id") == rid]
     loggers = {x["logger"] for x in worker}
     assert "modelyard.worker.requests" in loggers, worker
     engine = [x for x in worker if x["logger"] == "modelyard.engine.async_engine"]
