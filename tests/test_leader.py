@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from modelyard.control.leader import LeaderLease, LeaderState
+from modelyard.control.leader import LeaderLease, LeaderState, LeaseKeeper
 from tests.databases import POSTGRES_ADMIN_URL, postgres_unreachable, skip_or_fail
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,3 +125,41 @@ def test_release_hands_over_at_once_and_sqlite_always_leads(pg_url: str, tmp_pat
     single = LeaderLease(f"sqlite:///{tmp_path / 'db.sqlite'}")
     assert single.acquire() is LeaderState.ACQUIRED
     assert single.acquire() is LeaderState.LEADING and single.is_leader
+
+
+def test_the_lease_is_checked_while_a_takeover_is_still_running(pg_url: str) -> None:
+    """A takeover that outlasts the lease's safety margin (adopting many replicas on a loaded
+    node) must not make the new leader drop its own lease: the keeper checks it on a thread of
+    its own while the takeover runs elsewhere (the controller's event loop; a thread here). The
+    takeover finishes only after three more good checks (1.5 leases, past the 0.8 margin)."""
+    import asyncio
+
+    name = f"test-{time.time_ns()}"
+    lease = LeaderLease(pg_url, name, LEASE_S)
+    lost: list[str] = []
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        async def slow_takeover() -> None:
+            while keeper.checks < 3 and not lost:  # noqa: ASYNC110 - set by the keeper thread
+                await asyncio.sleep(0.05)
+            done.set_result(keeper.checks)
+
+        keeper = LeaseKeeper(
+            lease,
+            on_acquired=lambda: loop.call_soon_threadsafe(loop.create_task, slow_takeover()),
+            on_lost=lambda: lost.append("lost"),
+        )
+        keeper.start()
+        try:
+            return await asyncio.wait_for(done, 60)
+        finally:
+            await asyncio.to_thread(keeper.stop)
+
+    try:
+        assert asyncio.run(run()) >= 3
+        assert not lost and lease.is_leader
+    finally:
+        lease.release()

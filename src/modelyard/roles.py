@@ -35,7 +35,7 @@ from modelyard.control.backends.base import Backend
 from modelyard.control.backends.local import LocalBackend
 from modelyard.control.cluster_load import LoadAggregator
 from modelyard.control.cluster_manager import ClusterEndpointManager
-from modelyard.control.leader import LeaderLease, LeaderState
+from modelyard.control.leader import LeaderLease, LeaseKeeper
 from modelyard.control.route_publisher import RoutePublisher
 from modelyard.core.cluster_keys import LEADER_KEY
 from modelyard.gateway.load_report import LoadReporter
@@ -177,6 +177,8 @@ class ControllerRole(_Role):
         self.leading = False
         self.on_leading: Callable[[], None] | None = None  # e.g. the CLI's banner
         self._task: asyncio.Task[None] | None = None
+        self._takeover: asyncio.Task[None] | None = None
+        self.keeper: LeaseKeeper | None = None
 
     @staticmethod
     def _backend(settings: PlatformSettings) -> Backend:
@@ -189,22 +191,35 @@ class ControllerRole(_Role):
 
     async def start(self) -> None:
         await self._start_shared()
-        self._task = asyncio.create_task(self._lead(), name="controller-lease")
+        loop = asyncio.get_running_loop()
+        self.keeper = LeaseKeeper(
+            self.lease,
+            on_acquired=lambda: loop.call_soon_threadsafe(self._begin_takeover),
+            on_lost=self._exit_lost,
+        )
+        self.keeper.start()
+        self._task = asyncio.create_task(self._keep_advertising(), name="controller-advertise")
 
-    async def _lead(self) -> None:
+    @staticmethod
+    def _exit_lost() -> None:
+        log.error("this controller lost the leader lease; exiting (its supervisor "
+                  "restarts it as a standby)")  # fmt: skip
+        os._exit(LOST_LEASE_EXIT)
+
+    def _begin_takeover(self) -> None:
+        """On the loop: lead. The lease keeps being checked on its own thread meanwhile."""
+        self._takeover = asyncio.create_task(self._take_over_or_exit(), name="takeover")
+
+    async def _take_over_or_exit(self) -> None:
+        try:
+            await self._take_over()
+        except Exception:
+            log.exception("taking over as the leader failed; exiting")
+            os._exit(LOST_LEASE_EXIT)
+
+    async def _keep_advertising(self) -> None:
         tick = self.settings.controller_lease_s / 3
         while True:
-            state = await asyncio.to_thread(self.lease.acquire)
-            if state is LeaderState.LOST:
-                log.error("this controller lost the leader lease; exiting (its supervisor "
-                          "restarts it as a standby)")  # fmt: skip
-                os._exit(LOST_LEASE_EXIT)
-            if state is LeaderState.ACQUIRED:
-                try:
-                    await self._take_over()
-                except Exception:
-                    log.exception("taking over as the leader failed; exiting")
-                    os._exit(LOST_LEASE_EXIT)
             if self.leading:
                 await self._advertise()
             await asyncio.sleep(tick)
@@ -248,10 +263,13 @@ class ControllerRole(_Role):
             }
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self.keeper is not None:
+            await asyncio.to_thread(self.keeper.stop)
+        for task in (self._task, self._takeover):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         p = self.platform
         if self.leading:
             self.leading = False

@@ -29,7 +29,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import threading
 import time
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
@@ -177,3 +179,44 @@ class LeaderLease:
             self._conn = None
         if self.single_node:
             self._checked_at = 0.0
+
+
+class LeaseKeeper:
+    """Checks a `LeaderLease` on a thread of its own, every `lease_s / 3`, whatever the event
+    loop or a takeover is doing: a takeover that adopts many replicas on a loaded node, or a
+    loop stalled by someone else's work, never leaves the lease unchecked past its safety
+    margin (which would make the new leader drop its own lease).
+
+    It reports by verbs on the keeper's thread: `on_acquired()` once this process leads (hand it
+    to the event loop with `call_soon_threadsafe`), `on_lost()` when it no longer does (exit)."""
+
+    def __init__(
+        self, lease: LeaderLease, on_acquired: Callable[[], None], on_lost: Callable[[], None]
+    ) -> None:
+        self.lease = lease
+        self.on_acquired = on_acquired
+        self.on_lost = on_lost
+        self.checks = 0  # successful checks while leading (tests read it)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="leader-lease", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop checking (the caller releases the lease after, from any thread)."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        tick = self.lease.lease_s / 3
+        while not self._stopping.is_set():
+            state = self.lease.acquire()
+            if state is LeaderState.LOST:
+                self.on_lost()
+            elif state is LeaderState.ACQUIRED:
+                self.on_acquired()
+            elif state is LeaderState.LEADING:
+                self.checks += 1
+            self._stopping.wait(tick)
