@@ -213,6 +213,10 @@ def test_two_controllers_and_two_gateways_on_ray_survive_the_leaders_death(
             assert {(r["id"], r["pid"]) for r in replicas(g2, ep)} == before
             deploy(g2, "tiny2", str(models_dir / "tiny"))
             assert chat(g1, "tiny2").status_code == 200
+        except BaseException:
+            for role in (*controllers, *gateways):  # every process's log, on any failure
+                print(f"----- {role.role} on :{role.port} -----\n{role.output()}")
+            raise
         finally:
             for role in (*gateways, *controllers):
                 role.kill(signal.SIGTERM)
