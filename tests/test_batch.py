@@ -704,3 +704,22 @@ async def test_a_deleted_input_file_fails_the_batch_once(
     assert view["failed_at"] is not None
     assert [rec for rec in caplog.records if rec.exc_info] == []
     assert r.gateway.sent == []
+
+
+def test_a_runner_refuses_a_sender_that_cannot_settle_its_items(tmp_path: Path) -> None:
+    """The runner once called a verb its sender no longer had, after each item's commit: every
+    item's usage skipped the quota, one AttributeError at a time. Now a sender missing either
+    verb stops the runner from being made at all."""
+
+    class SendsOnly:  # what the gateway looked like to the runner after `count` went
+        async def run_internal(
+            self, principal: Principal, kind: str, payload: dict[str, Any], request_id: str
+        ) -> tuple[int, dict[str, Any], ItemUsage | None]:
+            return 500, {}, None
+
+    db = Database(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    files = FileService(db, ArtifactStore(tmp_path / "artifacts"), 1 << 30)
+    settings = PlatformSettings(data_dir=tmp_path)
+    with pytest.raises(TypeError, match="cannot send and settle"):
+        BatchRunner(settings, db, files, sender=SendsOnly(), routing=RoutingTable())
+    BatchRunner(settings, db, files, sender=CountingGateway(), routing=RoutingTable())
