@@ -269,8 +269,13 @@ class Accounting:
             call.route.endpoint_id, model, p.tenant_id, latency, call.ttft,
             call.prompt_tokens, call.completion_tokens, call.status_code,
         )  # fmt: skip
+        used = call.prompt_tokens + call.completion_tokens
+        if call.reserved and used > call.reserved:  # a template past reservation.py's margins
+            log.warning(
+                "request %s used %d tokens > reserved %d", call.request_id, used, call.reserved
+            )
         if not call.batch:  # TPM settled to the real count
-            settlement.tokens_back = call.reserved - (call.prompt_tokens + call.completion_tokens)
+            settlement.tokens_back = call.reserved - used
         event = UsageEvent(
             request_id=call.request_id,
             tenant_id=p.tenant_id,
