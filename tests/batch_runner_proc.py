@@ -19,6 +19,7 @@ from modelyard.batch.runner import BatchRunner
 from modelyard.config import PlatformSettings
 from modelyard.core.identity import Principal
 from modelyard.core.routing import RoutingTable
+from modelyard.gateway.accounting import ItemUsage
 from modelyard.gateway.metering import UsageEvent
 from modelyard.store.artifacts import ArtifactStore
 from modelyard.store.db import Database
@@ -32,7 +33,7 @@ class LoggingSender:
 
     async def run_internal(
         self, principal: Principal, kind: str, payload: dict[str, Any], request_id: str
-    ) -> tuple[int, dict[str, Any], UsageEvent | None]:
+    ) -> tuple[int, dict[str, Any], ItemUsage | None]:
         os.write(self.fd, f"sent {self.owner} {request_id}\n".encode())
         await asyncio.sleep(self.hold_s)
         usage = UsageEvent(
@@ -41,10 +42,15 @@ class LoggingSender:
             completion_tokens=2, cached_tokens=0, latency_ms=1.0, ttft_ms=None,
             status_code=200, status="ok", batch=True,
         )  # fmt: skip
-        return 200, {"object": "chat.completion", "usage": {"total_tokens": 5}}, usage
+        return (
+            200,
+            {"object": "chat.completion", "usage": {"total_tokens": 5}},
+            ItemUsage(usage, None),
+        )
 
-    async def count(self, event: UsageEvent, reserved: int = 0) -> bool:
-        return True
+    async def settle_item(self, usage: ItemUsage, recorded: bool) -> None:
+        """No quota here (its tenants have none): nothing is held to settle."""
+        assert usage.held is None
 
 
 async def main() -> None:
@@ -67,7 +73,7 @@ async def main() -> None:
     files = FileService(db, ArtifactStore(data / "artifacts"), 1 << 30)
     sender = LoggingSender(args.owner, Path(args.log), args.hold)
     runner = BatchRunner(
-        settings, db, files, sender=sender, routing=RoutingTable(), usage=sender, owner=args.owner
+        settings, db, files, sender=sender, routing=RoutingTable(), owner=args.owner
     )
     runner.start()
     (data / f"ready-{args.owner}").touch()

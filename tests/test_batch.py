@@ -38,6 +38,7 @@ from modelyard.batch.webhook_policy import WebhookPolicy
 from modelyard.config import PlatformSettings
 from modelyard.core.identity import Limits, Principal
 from modelyard.core.routing import EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.gateway.accounting import ItemUsage
 from modelyard.gateway.metering import UsageEvent
 from modelyard.store import repository as repo
 from modelyard.store.artifacts import ArtifactStore
@@ -511,12 +512,13 @@ class CountingGateway:
         self.sent: list[str] = []
         self.twice: list[str] = []
 
-    async def count(self, usage: UsageEvent, reserved: int = 0) -> bool:
-        return True
+    async def settle_item(self, usage: ItemUsage, recorded: bool) -> None:
+        """No quota here (its tenants have none): nothing is held to settle."""
+        assert usage.held is None
 
     async def run_internal(
         self, principal: Principal, kind: str, payload: dict[str, Any], request_id: str
-    ) -> tuple[int, dict[str, Any], UsageEvent | None]:
+    ) -> tuple[int, dict[str, Any], ItemUsage | None]:
         tenant = self.in_flight.setdefault(principal.tenant_id, set())
         if any(request_id in ids for ids in self.in_flight.values()):
             self.twice.append(request_id)
@@ -535,7 +537,11 @@ class CountingGateway:
             completion_tokens=2, cached_tokens=0, latency_ms=1.0, ttft_ms=None,
             status_code=200, status="ok", batch=True,
         )  # fmt: skip
-        return 200, {"object": "chat.completion", "usage": {"total_tokens": 5}}, usage
+        return (
+            200,
+            {"object": "chat.completion", "usage": {"total_tokens": 5}},
+            ItemUsage(usage, None),
+        )
 
 
 class Runner:
@@ -555,7 +561,6 @@ class Runner:
             self.files,
             sender=self.gateway,
             routing=self.routing,
-            usage=self.gateway,
         )
         self.tmp = tmp
 
@@ -699,3 +704,22 @@ async def test_a_deleted_input_file_fails_the_batch_once(
     assert view["failed_at"] is not None
     assert [rec for rec in caplog.records if rec.exc_info] == []
     assert r.gateway.sent == []
+
+
+def test_a_runner_refuses_a_sender_that_cannot_settle_its_items(tmp_path: Path) -> None:
+    """The runner once called a verb its sender no longer had, after each item's commit: every
+    item's usage skipped the quota, one AttributeError at a time. Now a sender missing either
+    verb stops the runner from being made at all."""
+
+    class SendsOnly:  # what the gateway looked like to the runner after `count` went
+        async def run_internal(
+            self, principal: Principal, kind: str, payload: dict[str, Any], request_id: str
+        ) -> tuple[int, dict[str, Any], ItemUsage | None]:
+            return 500, {}, None
+
+    db = Database(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    files = FileService(db, ArtifactStore(tmp_path / "artifacts"), 1 << 30)
+    settings = PlatformSettings(data_dir=tmp_path)
+    with pytest.raises(TypeError, match="cannot send and settle"):
+        BatchRunner(settings, db, files, sender=SendsOnly(), routing=RoutingTable())
+    BatchRunner(settings, db, files, sender=CountingGateway(), routing=RoutingTable())

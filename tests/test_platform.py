@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from modelyard.gateway.reservation import reservation_bound
 from tests.platform_harness import (
     PlatformProcess,
     batch_line,
@@ -253,14 +254,15 @@ def test_tokens_per_minute_reserve_and_reconcile(
                                                  "max_tokens": 400})  # fmt: skip
     assert r.status_code == 429 and "tokens per minute" in r.json()["error"]["message"]
     r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
-                                                 "max_tokens": 200})  # fmt: skip
+                                                 "max_tokens": 100})  # fmt: skip
     assert r.status_code == 200
     used = r.json()["usage"]["total_tokens"]
-    # 200 completion tokens were reserved; the real use was given back after the response.
-    after = http.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
-                                                     "max_tokens": 1})  # fmt: skip
+    # 100 completion tokens and the prompt's bound were reserved; what was not used was given
+    # back after the response.
+    last = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1}
+    after = http.post("/v1/chat/completions", json=last)
     remaining = int(after.headers["x-ratelimit-remaining-tokens"])
-    assert remaining >= 300 - used - 40, (remaining, used)
+    assert remaining >= 300 - used - reservation_bound("chat", last, 4096), (remaining, used)
 
 
 def test_monthly_quota(platform: PlatformProcess, admin: httpx.Client) -> None:

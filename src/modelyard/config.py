@@ -238,9 +238,6 @@ class PlatformSettings(_Settings):
         180.0, gt=0, description="How long a request waits for a scaled-to-zero model to load."
     )
     async_result_ttl_s: float = Field(600.0, gt=0, description="How long 202 results are kept.")
-    default_reserved_completion_tokens: int = Field(
-        1024, description="TPM reserved for a request without max_tokens, reconciled after."
-    )
     replica_start_timeout_s: float = 300.0
     replica_drain_timeout_s: float = 30.0
     rollout_attempts: int = Field(

@@ -134,7 +134,6 @@ class Platform:
             self.files,
             sender=self.gateway,
             routing=self.routing,
-            usage=self.recorder,
         )
         self.services = Services(
             settings=settings,

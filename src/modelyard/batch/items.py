@@ -1,16 +1,18 @@
 """One batch item: sent through the gateway (retried on transient failures) and its result
 and usage written once, never under a revoked key.
 
-The runner hands in what an item needs, and nothing more: the gateway's `run_internal` (an
-`ItemSender`) and the usage recorder's `count` (a `UsageCounter`, which settles the tenant's
-quota once the usage row is committed)."""
+The runner hands in what an item needs, and nothing more: the gateway (an `ItemSender`), whose
+`run_internal` sends the item holding its quota reservation, and whose `settle_item` settles
+that reservation to the real count once the item's result and usage row are committed (or gives
+it back when they are not). The settlement runs whatever happens to the commit; should it fail,
+the reservation, never less than the real count, stays held and the failure is logged."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import asdict
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from sqlalchemy import update
 
@@ -18,6 +20,7 @@ from modelyard.batch.service import ItemStatus
 from modelyard.config import PlatformSettings
 from modelyard.core.errors import DomainError
 from modelyard.core.identity import Principal
+from modelyard.gateway.accounting import ItemUsage
 from modelyard.gateway.metering import UsageEvent
 from modelyard.protocol.errors import APIError
 from modelyard.store import repository as repo
@@ -40,18 +43,16 @@ def load_principal(db: Database, batch: Batch) -> Principal:
         return Principal.for_batch(batch.key_id, key, tenant)
 
 
+@runtime_checkable
 class ItemSender(Protocol):
-    """Sends one item like a client's request (the gateway's `run_internal`)."""
+    """Sends one item like a client's request and settles it (the gateway). Checked when the
+    runner is made, so a sender missing a verb fails the start, not every item."""
 
     async def run_internal(
         self, principal: Principal, kind: str, payload: dict[str, Any], request_id: str
-    ) -> tuple[int, dict[str, Any], UsageEvent | None]: ...
+    ) -> tuple[int, dict[str, Any], ItemUsage | None]: ...
 
-
-class UsageCounter(Protocol):
-    """Settles a committed item's usage against the tenant's quota (`UsageRecorder.count`)."""
-
-    async def count(self, event: UsageEvent, reserved: int = 0) -> bool: ...
+    async def settle_item(self, usage: ItemUsage, recorded: bool) -> None: ...
 
 
 class ItemRunner:
@@ -60,13 +61,13 @@ class ItemRunner:
         settings: PlatformSettings,
         db: Database,
         sender: ItemSender,
-        usage: UsageCounter,
         owner: str,
     ) -> None:
+        if not isinstance(sender, ItemSender):
+            raise TypeError(f"{type(sender).__name__} cannot send and settle batch items")
         self.settings = settings
         self.db = db
         self.sender = sender
-        self.usage = usage
         self.owner = owner  # the runner's lease owner name, kept on the items it records
 
     async def run(
@@ -82,7 +83,7 @@ class ItemRunner:
         request_id = f"{batch_id}:{item_id}"
         delay = 1.0
         status, result = 500, {"error": {"message": "not run", "type": "server_error"}}
-        usage: UsageEvent | None = None
+        usage: ItemUsage | None = None
         for attempt in range(self.settings.batch_item_attempts):
             try:
                 status, result, usage = await self.sender.run_internal(
@@ -116,13 +117,21 @@ class ItemRunner:
         request_id: str,
         status: int,
         result: dict[str, Any],
-        usage: UsageEvent | None,
+        usage: ItemUsage | None,
     ) -> None:
-        first = await asyncio.to_thread(
-            self._record, key_id, batch_id, item_id, request_id, status, result, usage
-        )
-        if first and usage is not None:
-            await self.usage.count(usage)
+        recorded = False
+        try:
+            recorded = await asyncio.to_thread(
+                self._record, key_id, batch_id, item_id, request_id, status, result,
+                None if usage is None else usage.event,
+            )  # fmt: skip
+        finally:
+            if usage is not None:
+                try:
+                    await self.sender.settle_item(usage, recorded)
+                except Exception:
+                    # Its reservation (at least the real count) stays held: over, never under.
+                    log.exception("batch %s: settling item %s failed", batch_id, item_id)
 
     def _record(
         self,

@@ -27,7 +27,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from modelyard.batch.budget import BatchBudget
 from modelyard.batch.files import FileService
 from modelyard.batch.intake import validate_batch
-from modelyard.batch.items import ItemRunner, ItemSender, UsageCounter, load_principal
+from modelyard.batch.items import ItemRunner, ItemSender, load_principal
 from modelyard.batch.leases import ItemLeases, runner_identity
 from modelyard.batch.notify import Notifier
 from modelyard.batch.outputs import expire_pending, finalize
@@ -61,12 +61,11 @@ class BatchRunner:
         *,
         sender: ItemSender,
         routing: RoutingTable,
-        usage: UsageCounter,
         owner: str | None = None,
     ) -> None:
-        """`sender` sends an item (the gateway's `run_internal`), `routing` tells whether its
-        endpoint is busy with interactive requests, `usage` settles a committed item's quota;
-        `owner` names this runner's leases (default: this host and data dir)."""
+        """`sender` sends an item and settles its quota once committed (the gateway),
+        `routing` tells whether its endpoint is busy with interactive requests; `owner` names
+        this runner's leases (default: this host and data dir)."""
         self.settings = settings
         self.db = db
         self.files = files
@@ -74,7 +73,7 @@ class BatchRunner:
         self.owner = owner or runner_identity(settings.data_dir)
         self.leases = ItemLeases(db, self.owner, settings.batch_lease_s)
         self.budget = BatchBudget(settings.batch_concurrency, settings.batch_max_concurrency)
-        self.items = ItemRunner(settings, db, sender, usage, self.owner)
+        self.items = ItemRunner(settings, db, sender, self.owner)
         self.notifier = Notifier(settings, db, WebhookPolicy(settings.batch_webhook_hosts))
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._loop_task: asyncio.Task[None] | None = None

@@ -1,11 +1,13 @@
 """What a request holds between admission and settlement, and the settlement itself.
 
-Admission takes, all or nothing: the key's rate limits (a request and its reserved tokens),
-the tenant's monthly quota (the same reservation, atomically, so a burst overshoots by at most
+Admission takes, all or nothing: the key's rate limits (a request and its reserved tokens:
+the most it can use, `reservation.py`), the tenant's monthly quota (the same reservation,
+atomically: since a reservation is never below the real count, a burst overshoots by at most
 one request's reservation) and a slot under the tenant's ceiling on requests in flight.
 Settlement happens exactly once per request, whichever comes first: metering (metrics, TPM and
 quota settled to the real count, the usage record) when a worker served it, or the refund of
-everything held when none did. It runs in a task of the usage recorder's, so a client that
+everything held when none did (a batch item's quota stays held until the runner commits its
+result: `settle_item`). It runs in a task of the usage recorder's, so a client that
 disconnects cancels its wait, never the settlement; the slot is released in the same `finally`.
 
 With the limits store (Redis) unreachable, admission fails closed (503) and settlement skips
@@ -23,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelyard.core.errors import RateLimited, Unavailable
-from modelyard.core.identity import Principal
+from modelyard.core.identity import Limits, Principal
 from modelyard.core.prefix_affinity import PrefixHint
 from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.access_log import logged
-from modelyard.gateway.metering import UsageEvent, UsageRecorder
+from modelyard.gateway.metering import UsageEvent, UsageRecorder, quota_moves
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import (
     ConcurrencyLimiter,
@@ -128,7 +130,7 @@ class Accounting:
             )  # fmt: skip
         call.decision = admitted.decision
         if not admitted.decision.allowed:
-            await self.acquire_refused(admitted.decision, model)
+            await self.acquire_refused(admitted.decision, model, call.reserved)
         if admitted.refused is not None:
             call.reserved = 0  # nothing taken: the refusal's settlement gives nothing back
             await self.close(call, served=False)
@@ -170,21 +172,26 @@ class Accounting:
         with fail_closed():
             decision = await self.limiter.acquire(principal.key_id, principal.limits, reserved)
         if not decision.allowed:
-            await self.acquire_refused(decision, model)
+            await self.acquire_refused(decision, model, reserved)
         return decision
 
-    async def acquire_refused(self, decision: Decision, model: str) -> None:
-        """Raise the rate-limit refusal of `decision`."""
+    async def acquire_refused(self, decision: Decision, model: str, reserved: int) -> None:
+        """Raise the rate-limit refusal of `decision` for a request reserving `reserved`."""
         if not decision.allowed:
             self.metrics.limited.labels(decision.reason or "limit").inc()
             what = "requests" if decision.reason == "requests" else "tokens"
             limit = decision.limit_requests if what == "requests" else decision.limit_tokens
-            raise RateLimited(
+            message = (
                 f"Rate limit reached for {model} on {what} per minute: limit {limit}. "
-                f"Please try again in {decision.retry_after_s:.2f}s.",
-                code="rate_limit_exceeded",
-                headers=decision.headers(),
+                f"Please try again in {decision.retry_after_s:.2f}s."
             )
+            if what == "tokens" and limit is not None and reserved > limit:
+                message = (
+                    f"Request too large for {model}: it may use up to {reserved} tokens (its "
+                    f"prompt's size in bytes plus max_tokens x n), above your limit of {limit} "
+                    "tokens per minute. Lower max_tokens or shorten the prompt."
+                )
+            raise RateLimited(message, code="rate_limit_exceeded", headers=decision.headers())
 
     async def reserve_quota(self, call: Call) -> None:
         p = call.principal
@@ -262,8 +269,13 @@ class Accounting:
             call.route.endpoint_id, model, p.tenant_id, latency, call.ttft,
             call.prompt_tokens, call.completion_tokens, call.status_code,
         )  # fmt: skip
+        used = call.prompt_tokens + call.completion_tokens
+        if call.reserved and used > call.reserved:  # a template past reservation.py's margins
+            log.warning(
+                "request %s used %d tokens > reserved %d", call.request_id, used, call.reserved
+            )
         if not call.batch:  # TPM settled to the real count
-            settlement.tokens_back = call.reserved - (call.prompt_tokens + call.completion_tokens)
+            settlement.tokens_back = call.reserved - used
         event = UsageEvent(
             request_id=call.request_id,
             tenant_id=p.tenant_id,
@@ -282,15 +294,29 @@ class Accounting:
             batch=call.batch,
         )
         if call.batch:
-            # The runner writes the item's row and counts its real use once its result is
-            # committed: here only the reservation goes back.
-            if call.quota_reserved:
-                settlement.quota_moves.append((call.quota_month, -call.quota_reserved))
+            # The runner writes the item's row with its result; its quota reservation stays
+            # held until then (`settle_item`), so concurrent items keep seeing it.
             return event, False
         first, settlement.quota_moves = self.recorder.claim(
             event, call.quota_reserved, call.quota_month or None
         )
         return event, first
+
+    async def settle_item(self, usage: ItemUsage, recorded: bool) -> None:
+        """Settle a served batch item's quota once the runner committed its result (and usage
+        row: `recorded`) or did not (a revoked key, an item recorded before): the reservation
+        held since admission moves to the real count, or goes back. Same settlement as every
+        request's (`_apply`)."""
+        held = usage.held
+        if held is None:
+            return
+        event = usage.event
+        settlement = Settlement(held.key_id, held.limits, held.tenant_id)
+        used = event.total_tokens if recorded else 0
+        settlement.quota_moves = quota_moves(
+            held.tokens, held.month, used, month_of(event.created_at)
+        )
+        await self._apply(settlement)
 
     async def _apply(self, s: Settlement) -> None:
         """One round trip when the three live in one Redis; else each through its own."""
@@ -304,6 +330,34 @@ class Accounting:
         if s.slot is not None:
             # Unreleased in Redis, the slot expires with its lease.
             await _tolerant(self.slots.release(*s.slot), "slot release")
+
+
+@dataclass(frozen=True)
+class QuotaHold:
+    """Monthly quota tokens a served batch item still holds (in `month`) until its result is
+    committed."""
+
+    tenant_id: str
+    key_id: str
+    limits: Limits
+    month: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class ItemUsage:
+    """A served batch item's usage record, and the quota it holds until `settle_item`."""
+
+    event: UsageEvent
+    held: QuotaHold | None
+
+
+def item_usage(call: Call, event: UsageEvent) -> ItemUsage:
+    p = call.principal
+    held = None
+    if call.quota_reserved:
+        held = QuotaHold(p.tenant_id, p.key_id, p.limits, call.quota_month, call.quota_reserved)
+    return ItemUsage(event, held)
 
 
 def take_usage(call: Call, usage: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from modelyard.core.logs import current_request_id
 from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
 from modelyard.gateway.cache_scope import scope_prefix_cache
+from modelyard.gateway.reservation import reservation_bound
 from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.errors import APIError, validation_error
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -33,29 +34,6 @@ _SCHEMAS: dict[str, type[BaseModel]] = {
     "embeddings": EmbeddingRequest,
     "responses": ResponsesRequest,
 }
-
-
-def estimate_prompt_tokens(payload: dict[str, Any]) -> int:
-    """A cheap upper-ish estimate (4 characters a token) used to reserve TPM before the worker
-    counts for real; the reservation is reconciled with the true count afterwards."""
-    if "messages" in payload:
-        chars = 0
-        for m in payload.get("messages") or []:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                chars += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, dict))
-            chars += 16
-        return chars // 4 + 1
-    prompt = payload.get("prompt", payload.get("input"))
-    if isinstance(prompt, str):
-        return len(prompt) // 4 + 1
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(len(p) if isinstance(p, list) else len(str(p)) // 4 + 1 for p in prompt)
-    return 1
 
 
 def parse(kind: str, body: bytes) -> tuple[dict[str, Any], Any]:
@@ -151,9 +129,10 @@ class Admission:
         return call
 
     def reserve(self, route: EndpointRoute, payload: dict[str, Any], req: Any) -> int:
-        """Tokens to hold against TPM until the real count is known."""
+        """Tokens to hold against TPM and the quota until the real count is known: the most
+        the request can use (`reservation.py`), never less."""
         if isinstance(req, EmbeddingRequest):
-            return estimate_prompt_tokens(payload)
+            return reservation_bound("embeddings", payload, 0)
         max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
         if max_tokens is not None and max_tokens > route.max_tokens_cap:
             # The name the client used for its bound.
@@ -168,11 +147,10 @@ class Admission:
                 param=param,
                 code="invalid_value",
             )
-        completion = max_tokens or self.settings.default_reserved_completion_tokens
-        prompt = getattr(req, "prompt", None)
-        batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-        n_prompts = len(prompt) if batched else 1
-        return estimate_prompt_tokens(payload) + completion * req.n * n_prompts
+        # The endpoint's sampling defaults fill what the request leaves out (`shape_for_worker`).
+        filled = {k: v for k, v in route.sampling_defaults.items() if payload.get(k) is None}
+        kind = "completions" if isinstance(req, CompletionRequest) else "chat"
+        return reservation_bound(kind, {**payload, **filled}, route.max_tokens_cap)
 
     def resolve(self, principal: Principal, model: str) -> EndpointRoute:
         route = self.routing.resolve(principal.tenant_id, model)

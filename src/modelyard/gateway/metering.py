@@ -64,6 +64,20 @@ class UsageEvent:
         return self.prompt_tokens + self.completion_tokens
 
 
+def quota_moves(reserved: int, held_in: str, used: int, month: str) -> list[tuple[str, int]]:
+    """The moves, `(month, tokens)`, of a tenant's quota counters that settle a request from
+    the `reserved` tokens it held in month `held_in` to the `used` tokens it is billed in
+    `month` (two moves when it was admitted in one month and finished in the next)."""
+    moves = []
+    if held_in != month:
+        if reserved:
+            moves.append((held_in, -reserved))
+        reserved = 0
+    if used != reserved:
+        moves.append((month, used - reserved))
+    return moves
+
+
 class UsageRecorder:
     def __init__(
         self,
@@ -118,13 +132,7 @@ class UsageRecorder:
         self._seen[event.request_id] = None
         if len(self._seen) > _SEEN_CAPACITY:
             self._seen.popitem(last=False)
-        moves = []
-        if held_in != month:  # admitted in one month, finished in the next
-            moves.append((held_in, -reserved))
-            reserved = 0
-        if event.total_tokens != reserved:
-            moves.append((month, event.total_tokens - reserved))
-        return True, moves
+        return True, quota_moves(reserved, held_in, event.total_tokens, month)
 
     async def write(self, event: UsageEvent) -> None:
         """Journal a claimed request's row and queue it for the background writer. When this

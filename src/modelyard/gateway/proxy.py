@@ -21,7 +21,14 @@ from modelyard.config import PlatformSettings
 from modelyard.core.identity import Principal
 from modelyard.core.prefix_affinity import PrefixHint, prefix_hint
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
-from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call, take_usage
+from modelyard.gateway.accounting import (
+    NO_LIMITS,
+    Accounting,
+    Call,
+    ItemUsage,
+    item_usage,
+    take_usage,
+)
 from modelyard.gateway.admission import (
     BATCH_PRIORITY_BASE,
     Admission,
@@ -31,7 +38,7 @@ from modelyard.gateway.admission import (
 )
 from modelyard.gateway.async_results import AsyncResults
 from modelyard.gateway.auth import Authenticator
-from modelyard.gateway.metering import UsageEvent, UsageRecorder
+from modelyard.gateway.metering import UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.oip_proxy import OipProxy
 from modelyard.gateway.quota import ConcurrencyLimiter, concurrency_beside
@@ -126,14 +133,15 @@ class Gateway:
 
     async def run_internal(
         self, principal: Principal, kind: str, payload: dict[str, Any], request_id: str
-    ) -> tuple[int, dict[str, Any], UsageEvent | None]:
+    ) -> tuple[int, dict[str, Any], ItemUsage | None]:
         """One batch item: the same validation, routing, retries and metering as a client's
         request, without rate limits, at batch priority, metered as batch, never streamed.
 
         Returns the worker's status and body, and the usage record to commit with the result
-        (None unless it succeeded); raises a `DomainError` (or the wire's `APIError` for a body
-        that fails its schema, and for the quota) for what fails before a worker (bad body,
-        unknown model, quota, no replica)."""
+        with the quota it still holds (None unless it succeeded: then the runner passes it to
+        `settle_item` once the result is committed, or not); raises a `DomainError` (or the
+        wire's `APIError` for a body that fails its schema, and for the quota) for what fails
+        before a worker (bad body, unknown model, quota, no replica)."""
         req = validate(kind, payload)
         route = self.admission.resolve(principal, req.model)
         # Embeddings have no stream field (and refuse unknown ones); the rest must not stream.
@@ -144,8 +152,8 @@ class Gateway:
         )  # fmt: skip
         call = Call(principal, route, kind, request_id, 0, NO_LIMITS, batch=True)
         if principal.monthly_token_quota is not None:
-            # Held while the item runs, so that concurrent items see each other's share; the
-            # runner counts the real use when it commits the item's result.
+            # Held while the item runs, so that concurrent items see each other's share, and
+            # settled to the real use once the runner has committed the item's result.
             call.reserved = self.admission.reserve(route, payload, req)
             await self.accounting.reserve_quota(call)
         try:
@@ -159,10 +167,15 @@ class Gateway:
             take_usage(call, result.get("usage") or {})
             # A batch item's record is returned, not queued: the runner commits it together
             # with the item's result, so neither can exist without the other.
-            return status, result, await self.accounting.close(call, served=True)
+            event = await self.accounting.close(call, served=True)
+            return status, result, None if event is None else item_usage(call, event)
         except BaseException:
             await self.accounting.close(call, served=False)
             raise
+
+    async def settle_item(self, usage: ItemUsage, recorded: bool) -> None:
+        """A batch item's quota settled once its result is committed (`recorded`) or not."""
+        await self.accounting.settle_item(usage, recorded)
 
     async def handle_oip(self, request: Request, model: str, action: str) -> Response:
         return await self.oip.handle(request, model, action)
