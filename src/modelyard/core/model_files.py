@@ -169,8 +169,9 @@ def safetensors_numel(reader: Reader, size: int, path: str) -> tuple[int, int]:
     header = bounded_json(read_exact(reader, length, path), path)
     if not isinstance(header, dict):
         raise ModelFileError(path, "safetensors header is not a JSON object")
-    if len(header) > MAX_TENSORS + 1:
-        raise ModelFileError(path, f"{len(header)} header entries (limit {MAX_TENSORS})")
+    tensors = len(header) - ("__metadata__" in header)
+    if tensors > MAX_TENSORS:
+        raise ModelFileError(path, f"{tensors} tensors in its header (limit {MAX_TENSORS})")
     data_len = size - 8 - length
     spans: list[tuple[int, int, str]] = []
     numel = 0
