@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from modelyard.store.artifacts import scan_folder
 from modelyard.store.tables import Model, ModelVersion
+from tests.hostile_files import exact_numel, hostile_safetensors
 from tests.platform_harness import (
     PlatformProcess,
     create_key,
@@ -34,7 +35,6 @@ from tests.platform_harness import (
     tiny_models_env,
     wait_status,
 )
-from tests.test_model_files import exact_numel, hostile_safetensors
 from tests.tiny_encoders import build_embedding_model
 from tests.tiny_models import build_model
 

@@ -15,22 +15,9 @@ import pytest
 from modelyard.core import gguf_header, model_files
 from modelyard.core.errors import Invalid
 from modelyard.core.model_files import ModelFileError, inspect_local
+from tests.hostile_files import HUGE, exact_numel, hostile_safetensors, safetensors_bytes
 from tests.tiny_encoders import build_embedding_model
 from tests.tiny_models import build_model
-
-HUGE = "9" * 4300  # the digits of one dimension in the hostile header of issue 27
-
-
-def safetensors_bytes(header: dict[str, Any] | bytes, data: bytes = b"") -> bytes:
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + data
-
-
-def hostile_safetensors() -> bytes:
-    """~2.5 MB: 600 dimensions of 4,300 digits each, which the unbounded sizing multiplied."""
-    dims = ", ".join([HUGE] * 600)
-    header = f'{{"w": {{"dtype": "F32", "shape": [{dims}], "data_offsets": [0, 4]}}}}'
-    return safetensors_bytes(header.encode(), b"\0" * 4)
 
 
 def check(tmp_path: Path, name: str, content: bytes) -> model_files.ModelFacts:
@@ -45,12 +32,6 @@ def refused(tmp_path: Path, name: str, content: bytes, match: str) -> None:
     with pytest.raises(ModelFileError, match=match) as info:
         check(tmp_path, name, content)
     assert repr(name) in str(info.value) and info.value.kind == "invalid"
-
-
-def exact_numel(folder: Path) -> int:
-    from safetensors.torch import load_file
-
-    return sum(t.numel() for p in folder.glob("*.safetensors") for t in load_file(p).values())
 
 
 # ----- real files pass, with their exact count ----------------------------------------------
