@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from tests.tiny_models import build_model
 
 def check(tmp_path: Path, name: str, content: bytes) -> model_files.ModelFacts:
     folder = tmp_path / "m"
-    folder.mkdir(exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # this file alone
+    folder.mkdir()
     (folder / name).parent.mkdir(parents=True, exist_ok=True)
     (folder / name).write_bytes(content)
     return inspect_local(folder)
@@ -98,6 +100,28 @@ def test_a_header_longer_than_the_cap_is_refused_unread(tmp_path: Path) -> None:
     refused(tmp_path, "model.safetensors", struct.pack("<Q", 100) + b"{}", "overruns")
     refused(tmp_path, "model.safetensors", b"\x01", "too short")
     refused(tmp_path, "model.safetensors", safetensors_bytes(b"{not json"), "not valid JSON")
+
+
+def large_header(count: int, bad: bool = False) -> bytes:
+    """`count` one-byte tensors: a header over `INLINE_JSON`, checked in a child process."""
+    header = {
+        f"model.layers.{i}.weight": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]}
+        for i in range(count)
+    }
+    if bad:
+        header["model.layers.0.weight"]["shape"] = [1 << 40]
+    return safetensors_bytes(header, b"\0" * count)
+
+
+def test_a_large_header_is_checked_in_a_child_process(tmp_path: Path) -> None:
+    content = large_header(5000)
+    assert len(content) > model_files.INLINE_JSON
+    assert check(tmp_path, "model.safetensors", content).param_count == 5000
+    refused(tmp_path, "model.safetensors", large_header(5000, bad=True), r"\[0, 2\*\*40\)")
+    big = json.dumps({"id2label": {str(i): f"label {i}" for i in range(20_000)}})
+    assert len(big) > model_files.INLINE_JSON
+    check(tmp_path, "config.json", big.encode())
+    refused(tmp_path, "config.json", big.encode()[:-1], "not valid JSON")
 
 
 def test_too_many_header_entries_are_refused(tmp_path: Path) -> None:

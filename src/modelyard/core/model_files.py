@@ -4,8 +4,10 @@ Every file the platform later parses is checked here, once, with hard limits, be
 exists: safetensors headers (length, entry count, dtype, rank, each dimension, data offsets that
 tile the file), GGUF metadata (`core/gguf_header.py`), `config.json` and the other small JSON
 configs (size, an object, the numbers sizing and loading use), `adapter_config.json` (rank,
-targets). A huge integer is refused from its digits, before any arithmetic; nothing here does
-work that is not bounded by these limits, and callers run it in a thread, never on a loop.
+targets; `core/model_configs.py`). A huge integer is refused from its digits, before any
+arithmetic; nothing here does work that is not bounded by these limits. Callers run it in a
+thread, never on a loop, and a header or config over `INLINE_JSON` is parsed in a child process
+(`in_child`), since parsing JSON holds the GIL and would stall the caller's event loop.
 
 What it returns (`ModelFacts.param_count`) is recorded on the version's row, so that sizing a
 replica or an encoder never reads a header again.
@@ -16,6 +18,9 @@ from __future__ import annotations
 import json
 import math
 import struct
+import subprocess
+import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,15 +39,13 @@ class Reader(Protocol):
 # ----- the limits (hard: no setting raises them) -------------------------------------------------
 
 MAX_FILES = 10_000  # files in one version
-MAX_SAFETENSORS_HEADER = 16 << 20  # bytes of one header's JSON (real ones: tens of KiB)
+MAX_SAFETENSORS_HEADER = 8 << 20  # bytes of one header's JSON (real ones: KiB to a few MiB)
 MAX_TOTAL_HEADER = 256 << 20  # bytes of every header of one version together
-MAX_TENSORS = 131_072  # entries of one header
+MAX_TENSORS = 65_536  # entries of one header
 MAX_NDIM = 8
 MAX_DIM = 1 << 40  # every dimension is an int in [0, MAX_DIM)
 MAX_CONFIG_BYTES = 1 << 20  # config.json and the other small JSON configs
 MAX_INT_DIGITS = 20  # an integer literal in a header or config, before it is converted
-MAX_LORA_RANK = 1024
-MAX_LORA_TARGETS = 64
 MAX_NAME = 256  # a target module, an architecture, a model type
 # Bytes per element of the safetensors dtypes the engine and encoders load.
 SAFETENSORS_DTYPES = {
@@ -51,20 +54,6 @@ SAFETENSORS_DTYPES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8, "C64": 8,
 }  # fmt: skip
-# config.json numbers the engine and the encoders size or allocate from: (least, greatest).
-CONFIG_INTS = {
-    "vocab_size": (1, 1 << 22),
-    "hidden_size": (1, 1 << 17),
-    "intermediate_size": (1, 1 << 20),
-    "num_hidden_layers": (1, 1024),
-    "num_attention_heads": (1, 1024),
-    "num_key_value_heads": (1, 1024),
-    "head_dim": (1, 1 << 12),
-    "max_position_embeddings": (1, 1 << 24),
-    "sliding_window": (1, 1 << 24),
-    "num_labels": (1, 1 << 16),
-    "type_vocab_size": (1, 1 << 16),
-}
 CONFIG_NAMES = frozenset(
     {
         "config.json",
@@ -84,6 +73,7 @@ class ModelFileError(Invalid):
 
     def __init__(self, path: str, why: str) -> None:
         super().__init__(f"file {path!r}: {why}", param="files", code="invalid_model_file")
+        self.why = why
 
 
 @dataclass(frozen=True)
@@ -150,7 +140,7 @@ def bounded_json(raw: bytes, path: str) -> Any:
         raise ModelFileError(path, f"not valid JSON ({str(exc)[:200]})") from None
 
 
-def _int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return type(value) is int  # not bool
 
 
@@ -166,13 +156,20 @@ def safetensors_numel(reader: Reader, size: int, path: str) -> tuple[int, int]:
         )
     if 8 + length > size:
         raise ModelFileError(path, f"safetensors header of {length} bytes overruns the file")
-    header = bounded_json(read_exact(reader, length, path), path)
+    raw = read_exact(reader, length, path)
+    data_len = size - 8 - length
+    if length > INLINE_JSON:
+        return in_child("safetensors", raw, data_len, path), length
+    return _header_numel(raw, data_len, path), length
+
+
+def _header_numel(raw: bytes, data_len: int, path: str) -> int:
+    header = bounded_json(raw, path)
     if not isinstance(header, dict):
         raise ModelFileError(path, "safetensors header is not a JSON object")
     tensors = len(header) - ("__metadata__" in header)
     if tensors > MAX_TENSORS:
         raise ModelFileError(path, f"{tensors} tensors in its header (limit {MAX_TENSORS})")
-    data_len = size - 8 - length
     spans: list[tuple[int, int, str]] = []
     numel = 0
     for name, entry in header.items():
@@ -192,7 +189,7 @@ def safetensors_numel(reader: Reader, size: int, path: str) -> tuple[int, int]:
         end = stop
     if end != data_len:
         raise ModelFileError(path, f"the tensors cover {end} of the {data_len} data bytes")
-    return numel, length
+    return numel
 
 
 def _tensor(entry: Any, name: str, data_len: int, path: str) -> tuple[int, tuple[int, int]]:
@@ -205,9 +202,9 @@ def _tensor(entry: Any, name: str, data_len: int, path: str) -> tuple[int, tuple
     if not isinstance(shape, list) or len(shape) > MAX_NDIM:
         raise ModelFileError(path, f"tensor {name!r}: shape must be a list of ≤ {MAX_NDIM} dims")
     # Each dimension is compared before anything multiplies it.
-    if not all(_int(d) and 0 <= d < MAX_DIM for d in shape):
+    if not all(is_int(d) and 0 <= d < MAX_DIM for d in shape):
         raise ModelFileError(path, f"tensor {name!r}: each dimension must be an int in [0, 2**40)")
-    ok = isinstance(offsets, list) and len(offsets) == 2 and all(_int(o) for o in offsets)
+    ok = isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)
     if not ok or not 0 <= offsets[0] <= offsets[1] <= data_len:
         raise ModelFileError(
             path, f"tensor {name!r}: data_offsets must be [begin, end] within the file"
@@ -220,63 +217,52 @@ def _tensor(entry: Any, name: str, data_len: int, path: str) -> tuple[int, tuple
     return numel, (offsets[0], offsets[1])
 
 
-def _config(raw: Any, path: str) -> None:
-    if not isinstance(raw, dict):
-        raise ModelFileError(path, "must be a JSON object")
-    for key, (low, high) in CONFIG_INTS.items():
-        value = raw.get(key)
-        if value is not None and not (_int(value) and low <= value <= high):
-            raise ModelFileError(path, f"{key} must be an integer in [{low}, {high}]")
-    architectures = raw.get("architectures")
-    if architectures is not None and not (
-        isinstance(architectures, list)
-        and len(architectures) <= 16
-        and all(isinstance(a, str) and len(a) <= MAX_NAME for a in architectures)
-    ):
-        raise ModelFileError(path, f"architectures must be ≤ 16 names of ≤ {MAX_NAME} chars")
-    model_type = raw.get("model_type")
-    if model_type is not None and not (isinstance(model_type, str) and len(model_type) <= 128):
-        raise ModelFileError(path, "model_type must be a name of ≤ 128 chars")
+# ----- large JSON, parsed in a child process ----------------------------------------------------
+
+# Parsing JSON is C code that holds the GIL: a thread parsing a few MiB of it stalls the event
+# loop of its process for seconds. A header or config above this is parsed in a child process.
+INLINE_JSON = 256 << 10
+CHILD_TIMEOUT_S = 120.0
+_CHILDREN = threading.BoundedSemaphore(2)  # at most this many such children at once
+_CHECKS: dict[str, Callable[[bytes, int, str], int]] = {
+    "safetensors": _header_numel,
+    "config": lambda raw, _size, path: _config_bytes(raw, path),
+}
 
 
-def _adapter_config(raw: Any, path: str) -> None:
-    if not isinstance(raw, dict):
-        raise ModelFileError(path, "must be a JSON object")
-    r = raw.get("r", 8)
-    if not (_int(r) and 1 <= r <= MAX_LORA_RANK):
-        raise ModelFileError(path, f"r must be an integer in [1, {MAX_LORA_RANK}]")
-    alpha = raw.get("lora_alpha")
-    if alpha is not None and not (
-        isinstance(alpha, int | float) and not isinstance(alpha, bool) and abs(alpha) <= 1e6
-    ):
-        raise ModelFileError(path, "lora_alpha must be a number of magnitude ≤ 1e6")
-    targets = raw.get("target_modules")
-    if isinstance(targets, str):  # PEFT's regex form
-        if len(targets) > 4096:
-            raise ModelFileError(path, "target_modules as a pattern is limited to 4096 chars")
-    elif targets is not None and not (
-        isinstance(targets, list)
-        and len(targets) <= MAX_LORA_TARGETS
-        and all(isinstance(t, str) and len(t) <= MAX_NAME for t in targets)
-    ):
-        raise ModelFileError(
-            path, f"target_modules must be ≤ {MAX_LORA_TARGETS} names of ≤ {MAX_NAME} chars"
-        )
+def _config_bytes(raw: bytes, path: str) -> int:
+    from modelyard.core.model_configs import check_config_bytes
+
+    check_config_bytes(raw, path)
+    return 0
 
 
-def check_config(reader: Reader, size: int, path: str) -> None:
-    """A small JSON config: its size, an object, and (config.json, adapter_config.json) the
-    fields sizing and loading read."""
-    if size > MAX_CONFIG_BYTES:
-        raise ModelFileError(path, f"{size} bytes (limit {MAX_CONFIG_BYTES} for a JSON config)")
-    raw = bounded_json(read_exact(reader, size, path), path)
-    name = PurePosixPath(path).name
-    if name == "adapter_config.json":
-        _adapter_config(raw, path)
-    elif name == "config.json":
-        _config(raw, path)
-    elif not isinstance(raw, dict | list):
-        raise ModelFileError(path, "must be a JSON object or list")
+def in_child(check: str, raw: bytes, size: int, path: str) -> int:
+    """`_CHECKS[check](raw, size, path)` in a fresh interpreter (`python -m` this module)."""
+    try:
+        with _CHILDREN:
+            done = subprocess.run(
+                [sys.executable, "-m", __name__, check, str(size), path],
+                input=raw,
+                capture_output=True,
+                timeout=CHILD_TIMEOUT_S,
+                check=False,
+            )
+        result = json.loads(done.stdout)
+    except (subprocess.TimeoutExpired, ValueError) as exc:
+        raise ModelFileError(path, f"its header could not be checked ({exc})") from None
+    if "error" in result:
+        raise ModelFileError(path, str(result["error"]))
+    return int(result["value"])
+
+
+def _child_main(argv: list[str]) -> None:
+    check, size, path = argv
+    try:
+        result: dict[str, Any] = {"value": _CHECKS[check](sys.stdin.buffer.read(), int(size), path)}
+    except ModelFileError as exc:
+        result = {"error": exc.why}
+    sys.stdout.write(json.dumps(result))
 
 
 # ----- a whole version ----------------------------------------------------------------------
@@ -303,6 +289,7 @@ def inspect_files(sizes: Mapping[str, int], open_file: Callable[[str], Reader]) 
     """Check every file of a version (relative path → size) that anything parses later, and
     return its size figure; `ModelFileError` names the first file that breaks a limit."""
     from modelyard.core.gguf_header import check_gguf
+    from modelyard.core.model_configs import check_config
 
     if len(sizes) > MAX_FILES:
         raise Invalid(f"{len(sizes)} files (limit {MAX_FILES})", param="files", code="too_many")
@@ -350,3 +337,9 @@ def inspect_local(source: Path) -> ModelFacts:
             raise Invalid(f"{len(files)} files (limit {MAX_FILES})", code="too_many")
     sizes = {rel: p.stat().st_size for rel, p in files.items()}
     return inspect_files(sizes, lambda rel: files[rel].open("rb"))
+
+
+if __name__ == "__main__":  # the child of `in_child`: run as the package's module, not __main__
+    from modelyard.core import model_files
+
+    model_files._child_main(sys.argv[1:])
