@@ -329,9 +329,7 @@ def inspect_local(source: Path) -> ModelFacts:
         files = {source.name: source}
     else:
         files = {
-            p.relative_to(source).as_posix(): p
-            for p in sorted(source.rglob("*"))
-            if p.is_file() and not p.is_symlink()
+            p.relative_to(source).as_posix(): p for p in sorted(source.rglob("*")) if p.is_file()
         }
         if len(files) > MAX_FILES:
             raise Invalid(f"{len(files)} files (limit {MAX_FILES})", code="too_many")
