@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from modelyard.core.model_files import inspect_local
 from modelyard.encoders.batcher import DynamicBatcher
 from modelyard.encoders.classifier import OnnxClassifier, SequenceClassifier
 from modelyard.encoders.embedding import EmbeddingModel
@@ -186,7 +187,8 @@ def test_dimensions_refused_unless_declared(minilm: EmbeddingModel, tiny: Path) 
 def test_memory_bytes_counts_parameters(minilm: EmbeddingModel) -> None:
     params = sum(p.numel() for p in minilm.model.parameters())
     assert params * 4 <= minilm.memory_bytes() < params * 4 * 1.01
-    assert estimate_bytes("embedding", minilm_folder()) == pytest.approx(
+    recorded = inspect_local(minilm_folder()).param_count
+    assert estimate_bytes("embedding", minilm_folder(), recorded) == pytest.approx(
         minilm.memory_bytes(), rel=0.01
     )
 
@@ -325,6 +327,10 @@ async def test_the_event_loop_stays_free_while_a_batch_runs() -> None:
 # ----- model host --------------------------------------------------------------------------------
 
 
+def _params(folder: Path) -> int:
+    return inspect_local(folder).param_count
+
+
 @pytest.fixture(scope="module")
 def three_models(tiny: Path) -> list[Path]:
     return [build_embedding_model(tiny / f"host-{i}", seed=i) for i in range(3)]
@@ -332,10 +338,10 @@ def three_models(tiny: Path) -> list[Path]:
 
 @pytest.fixture
 def host(three_models: list[Path]) -> Iterator[ModelHost]:
-    size = estimate_bytes("embedding", three_models[0])
+    size = estimate_bytes("embedding", three_models[0], _params(three_models[0]))
     host = ModelHost(memory_budget=int(size * 2.5), max_wait_ms=1)
     for i, folder in enumerate(three_models):
-        host.register(f"m{i}", folder)
+        host.register(f"m{i}", folder, param_count=_params(folder))
     yield host
     host.close()
 
@@ -373,13 +379,14 @@ async def test_host_does_not_evict_a_busy_model(host: ModelHost) -> None:
 
 
 def test_host_refuses_a_model_larger_than_its_budget(three_models: list[Path]) -> None:
-    size = estimate_bytes("embedding", three_models[0])
+    params = _params(three_models[0])
+    size = estimate_bytes("embedding", three_models[0], params)
     small = ModelHost(memory_budget=size // 2)
     with pytest.raises(ModelTooLarge, match="memory budget"):
-        small.register("big", three_models[0])
+        small.register("big", three_models[0], param_count=params)
     # A model whose files understate it is refused at load time all the same.
     host = ModelHost(memory_budget=size * 4)
-    host.register("big", three_models[0])
+    host.register("big", three_models[0], param_count=params)
     host.memory_budget = size // 2
     with pytest.raises(ModelTooLarge):
         host.load("big")

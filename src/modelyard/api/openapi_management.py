@@ -102,6 +102,11 @@ class RegistryVersion(BaseModel):
     format: str
     base_model: str | None
     total_size: int
+    param_count: int | None = Field(
+        None,
+        description="Parameters, recorded when the version was pushed (what replicas are sized "
+        "from); null for a version pushed before it was recorded, until first deployed.",
+    )
     files: dict[str, Any] | None = None
     created_at: int | None = None
 

@@ -92,6 +92,7 @@ async def create_version(
         "format": version.format,
         "base_model": version.base_model,
         "total_size": version.total_size,
+        "param_count": version.param_count,
     }
     if version.format == "lora":  # endpoints serving its base can serve it now
         await services.endpoints.adapters_changed(principal.tenant_id)

@@ -42,6 +42,7 @@ class EncoderHostError(RuntimeError):
 @dataclass
 class _Model:
     path: Path
+    param_count: int  # recorded at push: the host sizes the model from it, not its files
     routes: list[ReplicaRoute] = field(default_factory=list)
 
 
@@ -126,9 +127,10 @@ class EncoderPool:
             await self._stop()
             raise
 
-    async def _put(self, name: str, path: Path) -> None:
+    async def _put(self, name: str, path: Path, param_count: int) -> None:
         assert self.handle is not None
-        r = await self._http.put(f"{self.handle.url}/admin/models/{name}", json={"path": str(path)})
+        body = {"path": str(path), "param_count": param_count}
+        r = await self._http.put(f"{self.handle.url}/admin/models/{name}", json=body)
         if r.status_code != 200:
             raise EncoderHostError(f"the encoder host refused {name}: {r.text[:300]}")
 
@@ -143,18 +145,19 @@ class EncoderPool:
             await self._stop()
             await self._start()
             for name, model in self._models.items():
-                await self._put(name, model.path)
+                await self._put(name, model.path, model.param_count)
                 for route in model.routes:
                     self.routing.readmit(route, url=self.handle.url)  # type: ignore[union-attr]
 
-    async def register(self, name: str, path: Path) -> ReplicaRoute:
-        """Serve `path` under `name`; returns a route for the endpoint's routing entry."""
+    async def register(self, name: str, path: Path, param_count: int) -> ReplicaRoute:
+        """Serve `path` under `name` (sized from its recorded `param_count`); returns a route
+        for the endpoint's routing entry."""
         await self.ensure()
         async with self._lock:
             assert self.handle is not None
-            await self._put(name, path)
+            await self._put(name, path, param_count)
             route = ReplicaRoute(f"encoder-host/{name}", self.handle.url)
-            self._models[name] = _Model(path, [route])
+            self._models[name] = _Model(path, param_count, [route])
             return route
 
     async def unregister(self, name: str) -> None:

@@ -93,7 +93,8 @@ class Provisioning:
         replica = Replica(f"encoder-host/{state.row.id}")
         state.replicas = [replica]
         try:
-            replica.route = await self.encoders.register(state.row.id, state.model_path)
+            params = await self.replicas.param_count(state, state.row.version_id)
+            replica.route = await self.encoders.register(state.row.id, state.model_path, params)
         except Exception as exc:
             replica.state, replica.error = ReplicaState.FAILED, str(exc)
             why = f"the encoder host refused the model: {exc}"
@@ -128,6 +129,7 @@ class Provisioning:
         await asyncio.to_thread(self._mark_deleted, state.row.id)
         state.status, state.trigger = EndpointStatus.DELETED, StatusTrigger.DELETING
         self.endpoints.pop(state.row.id, None)
+        self.replicas.forget(state.row.id)
 
     def _mark_deleted(self, endpoint_id: str) -> None:
         with self.db.session() as s:

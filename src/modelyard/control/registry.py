@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from modelyard.core.errors import Conflict, Invalid, NotFound
+from modelyard.core.model_files import ModelFacts, inspect_files
 from modelyard.store import repository as repo
 from modelyard.store.artifact_store import BlobStore
 from modelyard.store.artifacts import ArtifactError, check_relative_path, scan_folder
@@ -70,12 +71,15 @@ class ResolvedVersion:
     files: dict[str, str]  # relative path → sha256
     total_size: int
     base_model: str | None = None  # a `lora` version's base (a registry model name)
+    param_count: int | None = None  # recorded at push (None: pushed before it was recorded)
 
 
 def _resolved(model_name: str, v: ModelVersion) -> ResolvedVersion:
     files = {path: meta["sha256"] for path, meta in v.manifest["files"].items()}
     base = v.manifest.get("base_model")
-    return ResolvedVersion(v.id, model_name, v.version, v.format, files, v.total_size, base)
+    return ResolvedVersion(
+        v.id, model_name, v.version, v.format, files, v.total_size, base, v.param_count
+    )
 
 
 class Registry:
@@ -131,12 +135,38 @@ class Registry:
         if fmt not in FORMATS:
             raise Invalid(f"format must be one of {', '.join(FORMATS)}", param="format")
         extra = self._check_base(tenant_id, model_name, fmt, manifest, base_model)
+        # Every file anything parses later, checked with hard limits before the version exists
+        # (callers run this in a thread); its size figure is recorded with it.
+        facts = self._inspect(manifest)
         with self.db.session() as s:
             model = repo.get_model(s, tenant_id, model_name) or repo.create_model(
                 s, tenant_id, model_name
             )
-            version = repo.add_version(s, model.id, fmt, {"files": manifest, **extra}, total)
+            version = repo.add_version(
+                s, model.id, fmt, {"files": manifest, **extra}, total, facts.param_count
+            )
             return _resolved(model_name, version)
+
+    def _inspect(self, manifest: dict[str, dict[str, Any]]) -> ModelFacts:
+        sizes = {path: int(meta["size"]) for path, meta in manifest.items()}
+        return inspect_files(sizes, lambda path: self.store.open(manifest[path]["sha256"]))
+
+    def param_count(self, version_id: str) -> int:
+        """The version's recorded size figure. A version pushed before it was recorded has it
+        computed now, once, with the bounded parser (this runs in a thread, never on a loop),
+        and stored; a file that breaks a limit raises `ModelFileError`."""
+        with self.db.session() as s:
+            version = repo.version_by_id(s, version_id)
+            assert version is not None, version_id
+            if version.param_count is not None:
+                return version.param_count
+            manifest = version.manifest["files"]
+        count = self._inspect(manifest).param_count
+        with self.db.session() as s:
+            version = repo.version_by_id(s, version_id)
+            if version is not None:
+                version.param_count = count
+        return count
 
     def _check_base(
         self,
@@ -267,6 +297,7 @@ def version_dict(model_name: str, v: ModelVersion) -> dict[str, Any]:
         "format": v.format,
         "base_model": v.manifest.get("base_model"),
         "total_size": v.total_size,
+        "param_count": v.param_count,
         "files": v.manifest["files"],
         "created_at": int(repo.as_utc(v.created_at).timestamp()),
     }

@@ -34,6 +34,7 @@ from modelyard.control.registry import Registry
 from modelyard.control.sizing import replica_bytes_per_device
 from modelyard.control.state import EndpointState, Replica, spawn
 from modelyard.control.warm_pool import WarmPool
+from modelyard.core.model_files import inspect_local
 from modelyard.core.routing import ReplicaRoute, RoutingTable
 from modelyard.core.status import EndpointStatus, ReplicaState, StatusTrigger
 from modelyard.store import repository as repo
@@ -92,6 +93,8 @@ class ReplicaController(ReplicaHealth):
         # Engine settings of a version other than the endpoint's own (a canary's overrides), by
         # (endpoint id, version id); written by `control/versions.py`.
         self.version_engine: dict[tuple[str, str], dict[str, str]] = {}
+        # A server folder's size figure (no registry row records it), by endpoint id.
+        self._local_params: dict[str, int] = {}
 
     async def close(self) -> None:
         await self.warm_pool.stop()
@@ -177,7 +180,8 @@ class ReplicaController(ReplicaHealth):
                 state.last_fetch = "warm pool"
                 return await self.serve(state, replica)
         env = {**self.default_engine_env(), **own_env}
-        no_room = self._place(state, replica, env, path)
+        params = await self.param_count(state, replica.version_id)
+        no_room = self._place(state, replica, env, params)
         if no_room is not None:
             no_room_status = StatusChange(
                 EndpointStatus.UNSCHEDULABLE, no_room, StatusTrigger.NO_ROOM
@@ -208,13 +212,28 @@ class ReplicaController(ReplicaHealth):
             return await self._start_failed(state, replica, exc)
         return await self.serve(state, replica)
 
+    async def param_count(self, state: EndpointState, version_id: str | None) -> int:
+        """The model's size figure: a registry version's as recorded at push; a server folder's
+        read once per endpoint with the bounded parser. Either way off the event loop."""
+        if version_id is not None:
+            return await asyncio.to_thread(self.registry.param_count, version_id)
+        cached = self._local_params.get(state.row.id)
+        if cached is None:
+            assert state.model_path is not None
+            facts = await asyncio.to_thread(inspect_local, state.model_path)
+            cached = self._local_params[state.row.id] = facts.param_count
+        return cached
+
+    def forget(self, endpoint_id: str) -> None:
+        self._local_params.pop(endpoint_id, None)
+
     def _place(
-        self, state: EndpointState, replica: Replica, env: dict[str, str], path: Path
+        self, state: EndpointState, replica: Replica, env: dict[str, str], params: int
     ) -> str | None:
         """Reserve the replica's devices (and tell the worker which); why not, if none fits."""
         count = max(1, int(state.row.hardware.get("gpu_count", 1)))
         need = replica_bytes_per_device(
-            path,
+            params,
             state.engine.model_copy(update={"tensor_parallel_size": count}),
             on_cuda=any(d.kind == "cuda" for d in self.placement.devices),
             overhead=self.settings.replica_overhead_bytes,

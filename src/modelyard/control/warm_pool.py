@@ -86,8 +86,11 @@ class WarmPool:
         replica_id = repo.new_id("warm")
         try:
             entry = await asyncio.to_thread(self.node_cache.fetch, slot.version)
+            params = slot.version.param_count
+            if params is None:  # pushed before it was recorded: computed once, in a thread
+                params = await asyncio.to_thread(self.registry.param_count, slot.version.version_id)
             need = replica_bytes_per_device(
-                entry.path,
+                params,
                 EngineSettings(**self.settings.worker_engine),
                 on_cuda=any(d.kind == "cuda" for d in self.placement.devices),
                 overhead=self.settings.replica_overhead_bytes,

@@ -44,6 +44,7 @@ class ModelSpec:
     name: str
     kind: ModelKind
     path: Path
+    estimate: int  # bytes once loaded, from the recorded parameter count (never its headers)
 
 
 @dataclass
@@ -92,15 +93,19 @@ class ModelHost:
 
     # ----- registry ----------------------------------------------------------------------------
 
-    def register(self, name: str, path: str | Path, kind: ModelKind | None = None) -> ModelSpec:
-        """Add a model (not loaded yet); `kind` defaults to what the folder looks like."""
+    def register(
+        self, name: str, path: str | Path, kind: ModelKind | None = None, *, param_count: int
+    ) -> ModelSpec:
+        """Add a model (not loaded yet); `kind` defaults to what the folder looks like;
+        `param_count` is the figure recorded when its files were checked (the host never
+        reads a weights header)."""
         folder = Path(path)
         kind = kind or detect_kind(folder)
         if kind not in MODEL_KINDS:
             raise UnsupportedModel(f"unknown model kind {kind!r} (one of {', '.join(MODEL_KINDS)})")
-        spec = ModelSpec(name, kind, folder)
+        spec = ModelSpec(name, kind, folder, estimate_bytes(kind, folder, param_count))
         # Refused now rather than on every request: its files alone overflow the budget.
-        self._check_fits(spec, estimate_bytes(kind, folder))
+        self._check_fits(spec, spec.estimate)
         with self._lock:
             self._specs[name] = spec
             self._load_locks.setdefault(name, threading.Lock())
@@ -218,7 +223,7 @@ class ModelHost:
             if loaded is not None:
                 return loaded
             evictions = self.evictions
-            estimate = estimate_bytes(spec.kind, spec.path)
+            estimate = spec.estimate
             self._check_fits(spec, estimate)
             with self._lock:
                 self._make_room(spec, estimate)

@@ -1,11 +1,10 @@
 """From a folder to a served encoder: which kind it is, about how much memory it will take before
-it is loaded, the loaded model, and the batch function its batcher runs."""
+it is loaded (from its recorded parameter count), the loaded model, and the batch function its
+batcher runs."""
 
 from __future__ import annotations
 
 import json
-import math
-import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -38,16 +37,10 @@ def detect_kind(folder: Path) -> ModelKind:
     return "embedding"
 
 
-def safetensors_numel(path: Path) -> int:
-    """How many numbers the file's tensors hold (read from its header, not its data)."""
-    with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-
-
-def estimate_bytes(kind: ModelKind, folder: Path) -> int:
-    """Memory the model will take once loaded, from its files alone (0 when unknown)."""
+def estimate_bytes(kind: ModelKind, folder: Path, param_count: int) -> int:
+    """Memory the model will take once loaded: an ONNX model's file sizes; else its parameter
+    count as recorded when it was pushed (`core/model_files.py`, never read from a header
+    here), loaded as float32; a folder of pytorch `.bin` files only, their size."""
     if kind == "onnx-classifier":
         path = onnx_file(folder)
         if path is None:
@@ -55,9 +48,8 @@ def estimate_bytes(kind: ModelKind, folder: Path) -> int:
         return sum(f.stat().st_size for f in path.parent.glob(path.name + "*") if f.is_file())
     if kind == "embedding":
         folder = EmbeddingConfig.read(folder).network_dir
-    weights = sorted(folder.glob("*.safetensors"))
-    if weights:
-        return sum(safetensors_numel(w) * 4 for w in weights)  # loaded as float32
+    if any(folder.glob("*.safetensors")):
+        return param_count * 4  # loaded as float32
     return sum(w.stat().st_size for w in folder.glob("pytorch_model*.bin"))
 
 

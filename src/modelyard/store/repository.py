@@ -182,7 +182,12 @@ def version_by_id(s: Session, version_id: str) -> ModelVersion | None:
 
 
 def add_version(
-    s: Session, model_id: str, fmt: str, manifest: dict[str, Any], total_size: int
+    s: Session,
+    model_id: str,
+    fmt: str,
+    manifest: dict[str, Any],
+    total_size: int,
+    param_count: int | None = None,
 ) -> ModelVersion:
     last = s.scalar(select(func.max(ModelVersion.version)).where(ModelVersion.model_id == model_id))
     version = ModelVersion(
@@ -192,6 +197,7 @@ def add_version(
         format=fmt,
         manifest=manifest,
         total_size=total_size,
+        param_count=param_count,
         created_at=now(),
     )
     s.add(version)

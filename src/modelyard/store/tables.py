@@ -111,6 +111,9 @@ class ModelVersion(Base):
     manifest: Mapped[dict[str, Any]]
     total_size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime]
+    # What sizing multiplies by the dtype width, recorded at push (`core/model_files.py`);
+    # NULL for versions pushed before it was recorded, filled in once when first needed.
+    param_count: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Endpoint(Base):

@@ -23,10 +23,10 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from modelyard import __version__
-from modelyard.core.errors import model_not_found
+from modelyard.core.errors import DomainError, model_not_found
 from modelyard.encoders.errors import ModelTooLarge, UnsupportedModel
 from modelyard.encoders.host import ModelHost
 from modelyard.encoders.loading import ModelKind
@@ -45,8 +45,19 @@ DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 
 
 class RegisterModel(BaseModel):
-    path: str
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(max_length=4096)
     kind: ModelKind | None = None
+    # Recorded when the platform checked the files; without it (an operator's own host), the
+    # folder is read once here, in a thread, with the same bounded parser.
+    param_count: int | None = Field(None, ge=0, le=1 << 50)
+
+
+def _param_count(path: Path) -> int:
+    from modelyard.core.model_files import inspect_local
+
+    return inspect_local(path).param_count
 
 
 def create_encoder_app(host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
@@ -80,8 +91,13 @@ def create_encoder_app(host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_B
     @app.put("/admin/models/{name}")
     async def register_model(name: str, body: RegisterModel) -> Response:
         try:
-            spec = await asyncio.to_thread(host.register, name, body.path, body.kind)
-        except (ModelTooLarge, UnsupportedModel) as exc:
+            params = body.param_count
+            if params is None:
+                params = await asyncio.to_thread(_param_count, Path(body.path))
+            spec = await asyncio.to_thread(
+                host.register, name, body.path, body.kind, param_count=params
+            )
+        except (ModelTooLarge, UnsupportedModel, DomainError) as exc:
             raise bad_request(str(exc), "path", "model_rejected") from exc
         return json_response({"name": name, "kind": spec.kind, "path": str(spec.path)})
 
@@ -156,7 +172,7 @@ def serve_encoders(
     die_with_parent()
     model_host = ModelHost(memory_budget, max_batch_size, max_wait_ms, device)
     for name, path in models.items():
-        spec = model_host.register(name, path)
+        spec = model_host.register(name, path, param_count=_param_count(Path(path)))
         log.info("model %r: %s at %s", name, spec.kind, path)
     app = create_encoder_app(model_host, max_body_bytes)
     log.info("serving %d encoder models on http://%s:%d", len(models), host, port)
