@@ -133,7 +133,8 @@ class LoopMonitor:
         self._pending = (0, 0.0)  # (heartbeat number, when it is due), set by the loop
         self._ran = (-1, 0.0)  # (heartbeat number, when it ran), set by the loop
         self._stop = threading.Event()
-        self._mark = (-1, 0)  # (heartbeat number, the loop thread's run-queue ns then)
+        self._mark = (-1, 0)  # (heartbeat number, the loop thread's run-queue ns before due)
+        self._last = (0.0, 0)  # (time of the last tick, the run-queue ns then)
         self._current: Stall | None = None
         self.thread: threading.Thread | None = None
 
@@ -146,6 +147,7 @@ class LoopMonitor:
         self._thread_id = threading.get_ident()
         self._native_id = threading.get_native_id()
         self._base = _base_frame(sys._getframe(1))
+        self._last = (time.monotonic(), _runqueue_ns(self._native_id))
         self._beat()
         self.thread = threading.Thread(target=self._watch, name="modelyard-loop-monitor")
         self.thread.daemon = True
@@ -185,13 +187,17 @@ class LoopMonitor:
 
     def _tick(self) -> None:
         number, due = self._pending
-        runqueue = _runqueue_ns(self._native_id)
+        now, runqueue = time.monotonic(), _runqueue_ns(self._native_id)
         if self._current is not None and self._ran[0] >= self._current.beat:
             self._ended(self._current, self._ran[1], runqueue)
             self._current = None
         if self._mark[0] != number:
-            self._mark = (number, runqueue)
-        overdue = time.monotonic() - due
+            # The loop thread's run-queue time from before the heartbeat was due: the last
+            # tick's if it was (a starved loop thread holding the GIL delays the ticks too).
+            before, then = self._last
+            self._mark = (number, then if before <= due else runqueue)
+        self._last = (now, runqueue)
+        overdue = now - due
         self.max_overdue_s = max(self.max_overdue_s, overdue)
         held = overdue - (runqueue - self._mark[1]) / 1e9  # minus the time it was not run
         if held <= self.threshold_s or self._current is not None:
