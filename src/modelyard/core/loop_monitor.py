@@ -63,13 +63,15 @@ def _is_machinery(frame: FrameType) -> bool:
     return folder == _ASYNCIO_DIR and (name, frame.f_code.co_name) in _MACHINERY
 
 
-def _format(frames: list[FrameType]) -> list[str]:
+_Where = tuple[str, int, str]  # file, line, function
+
+
+def _format(frames: list[_Where]) -> list[str]:
     """`frames` innermost first, as traceback lines outermost first (at most _MAX_FRAMES)."""
     lines = []
-    for f in reversed(frames[:_MAX_FRAMES]):
-        code = f.f_code
-        source = linecache.getline(code.co_filename, f.f_lineno).strip()
-        lines.append(f'File "{code.co_filename}", line {f.f_lineno}, in {code.co_name}')
+    for path, line, function in reversed(frames[:_MAX_FRAMES]):
+        source = linecache.getline(path, line).strip()
+        lines.append(f'File "{path}", line {line}, in {function}')
         if source:
             lines.append(f"    {source}")
     return lines
@@ -187,7 +189,14 @@ class LoopMonitor:
 
     def _tick(self) -> None:
         number, due = self._pending
-        now, runqueue = time.monotonic(), _runqueue_ns(self._native_id)
+        now = time.monotonic()
+        work: list[_Where] | None = None
+        if now - due > self.threshold_s and self._current is None:
+            # The stack first, before anything here gives up the GIL: work that held it (one
+            # long C call) has just let go, and would run on to its end meanwhile.
+            frame = sys._current_frames().get(self._thread_id)
+            work = self._work(frame) if frame is not None else None
+        runqueue = _runqueue_ns(self._native_id)
         if self._current is not None and self._ran[0] >= self._current.beat:
             self._ended(self._current, self._ran[1], runqueue)
             self._current = None
@@ -200,19 +209,14 @@ class LoopMonitor:
         overdue = now - due
         self.max_overdue_s = max(self.max_overdue_s, overdue)
         held = overdue - (runqueue - self._mark[1]) / 1e9  # minus the time it was not run
-        if held <= self.threshold_s or self._current is not None:
-            return
-        frame = sys._current_frames().get(self._thread_id)
-        work = self._work(frame) if frame is not None else None
-        if work:
-            shown = [x for x in work if not _is_machinery(x)]
-            stall = Stall(held, _format(shown), number, due, self._mark[1])
+        if held > self.threshold_s and work:
+            stall = Stall(held, _format(work), number, due, self._mark[1])
             self._current = stall
             self._found(stall)
 
-    def _work(self, top: FrameType) -> list[FrameType] | None:
-        """The loop thread's frames above the loop (innermost first) if it is running work
-        other than the heartbeat, else None (idle, or in the loop's own code)."""
+    def _work(self, top: FrameType) -> list[_Where] | None:
+        """Where the loop thread is (innermost first, the loop's own frames left out) if it is
+        running work other than the heartbeat, else None (idle, or in the loop's own code)."""
         frames: list[FrameType] = []
         f: FrameType | None = top
         while f is not None and f is not self._base:
@@ -221,9 +225,10 @@ class LoopMonitor:
         if f is None:  # the loop is no longer running under the frame it started in
             return None
         own = self._beat.__code__
-        if all(_is_machinery(x) or x.f_code is own for x in frames):
+        work = [x for x in frames if not _is_machinery(x)]
+        if all(x.f_code is own for x in work):
             return None
-        return frames
+        return [(x.f_code.co_filename, x.f_lineno, x.f_code.co_name) for x in work]
 
     def _found(self, stall: Stall) -> None:
         self.count.inc()
