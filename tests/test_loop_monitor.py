@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import subprocess
@@ -87,6 +88,32 @@ def test_a_blocked_loop_is_recorded_with_the_blocking_functions_stack(
     assert any("in hog_the_loop" in x for x in line["stack"])
     ends = [json.loads(x) for x in log.read_text().splitlines() if '"stall_end"' in x]
     assert len(ends) == 1 and ends[0]["duration_ms"] >= line["stalled_ms"]
+
+
+HUGE = [int("9" * 4300)] * 60  # their product: one C call that never gives up the GIL
+
+
+def multiply_huge_numbers() -> int:
+    return math.prod(HUGE)  # as issue 27's safetensors header did on the platform's loop
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_a_loop_held_by_one_long_c_call_is_recorded_with_its_stack(loop: str) -> None:
+    """The watchdog cannot run while a C call holds the GIL; it reads the stack the moment the
+    call lets go, before the rest of the work runs on."""
+    monitor = LoopMonitor(0.03)
+
+    async def main() -> None:
+        monitor.start()
+        try:
+            multiply_huge_numbers()
+            await until(lambda: bool(monitor.stalls) and monitor.stalls[-1].duration_s is not None)
+        finally:
+            monitor.stop()
+
+    run(main, loop)
+    assert len(monitor.stalls) == 1
+    assert "in multiply_huge_numbers" in "\n".join(monitor.stalls[0].stack), monitor.stalls
 
 
 @pytest.mark.parametrize("loop", sorted(LOOPS))
