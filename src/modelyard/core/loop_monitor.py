@@ -9,7 +9,9 @@ then executing a callback or a task's code. A loop thread found in the loop's ow
 the OS did not schedule it, or it waits for the GIL. Time the loop thread spent runnable
 but not running (its run-queue wait, `/proc/self/task/<tid>/schedstat` on Linux) is
 taken off the overdue time too, so work descheduled by a loaded machine is not blamed for the
-machine's load.
+machine's load. Work that holds the GIL (one long C call) keeps the watchdog from running at all:
+the watchdog reads the stack first thing when it gets the GIL back, while that work is still on
+the stack.
 
 A stall is logged (WARNING, with the stack), counted (`modelyard_event_loop_stalls_total`, and
 its length once it ends in `modelyard_event_loop_stall_seconds`) and, with a log file, appended
