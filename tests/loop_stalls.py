@@ -51,9 +51,14 @@ def read_stalls(log: Path) -> list[dict[str, Any]]:
 
 
 def describe(stall: dict[str, Any]) -> str:
+    others = "".join(
+        "\n  another thread at that moment (not parked on a lock, queue or selector):\n    "
+        + "\n    ".join(x)
+        for x in stall.get("other_threads", [])
+    )
     return (
         f"pid {stall['pid']} ({stall['process']}): loop held {stall['stalled_ms']} ms "
-        f"(threshold {stall['threshold_ms']} ms) by:\n  " + "\n  ".join(stall["stack"])
+        f"(threshold {stall['threshold_ms']} ms) by:\n  " + "\n  ".join(stall["stack"]) + others
     )
 
 

@@ -79,6 +79,25 @@ def _format(frames: list[_Where]) -> list[str]:
     return lines
 
 
+_WAITS = ("threading.py", "queue.py", "selectors.py", "concurrent/futures/thread.py")
+
+
+def _running_threads(frames: dict[int, FrameType], loop_thread: int) -> list[list[_Where]]:
+    """The innermost frames (at most 8) of the threads other than the loop's and this one
+    that are not waiting on a lock, queue or selector; at most 4 threads."""
+    found = []
+    for ident, top in frames.items():
+        if ident in (loop_thread, threading.get_ident()) or top.f_code.co_filename.endswith(_WAITS):
+            continue
+        where: list[_Where] = []
+        f: FrameType | None = top
+        while f is not None and len(where) < 8:
+            where.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
+            f = f.f_back
+        found.append(where)
+    return found[:4]
+
+
 def _runqueue_ns(native_id: int) -> int:
     """Nanoseconds the thread has spent runnable but not running (0 where not known)."""
     try:
@@ -96,6 +115,9 @@ class Stall:
     stalled_s: float
     stack: list[str]
     beat: int = 0
+    # Other threads not parked at that moment (innermost frames): one that held the GIL in a long
+    # C call kept the loop waiting, wherever the loop's own stack was.
+    others: list[list[str]] = field(default_factory=list)
     due: float = 0.0
     runqueue_mark: int = 0
     duration_s: float | None = None
@@ -196,8 +218,10 @@ class LoopMonitor:
         if now - due > self.threshold_s and self._current is None:
             # The stack first, before anything here gives up the GIL: work that held it (one
             # long C call) has just let go, and would run on to its end meanwhile.
-            frame = sys._current_frames().get(self._thread_id)
+            frames = sys._current_frames()
+            frame = frames.get(self._thread_id)
             work = self._work(frame) if frame is not None else None
+            others = _running_threads(frames, self._thread_id) if work else []
         runqueue = _runqueue_ns(self._native_id)
         if self._current is not None and self._ran[0] >= self._current.beat:
             self._ended(self._current, self._ran[1], runqueue)
@@ -213,6 +237,7 @@ class LoopMonitor:
         held = overdue - (runqueue - self._mark[1]) / 1e9  # minus the time it was not run
         if held > self.threshold_s and work:
             stall = Stall(held, _format(work), number, due, self._mark[1])
+            stall.others = [_format(x) for x in others]
             self._current = stall
             self._found(stall)
 
@@ -235,12 +260,17 @@ class LoopMonitor:
     def _found(self, stall: Stall) -> None:
         self.count.inc()
         self.stalls = [*self.stalls[-99:], stall]
+        others = "".join(
+            "\nanother thread at that moment (not parked on a lock, queue or selector):\n"
+            + "\n".join(x)
+            for x in stall.others
+        )
         log.warning(
-            "event loop stalled: held for %.0f ms so far (threshold %.0f ms) by:\n%s",
-            stall.stalled_s * 1000, self.threshold_s * 1000, "\n".join(stall.stack),
+            "event loop stalled: held for %.0f ms so far (threshold %.0f ms) by:\n%s%s",
+            stall.stalled_s * 1000, self.threshold_s * 1000, "\n".join(stall.stack), others,
         )  # fmt: skip
         self._append({"event": "stall", "stalled_ms": round(stall.stalled_s * 1000, 1),
-                      "stack": stall.stack})  # fmt: skip
+                      "stack": stall.stack, "other_threads": stall.others})  # fmt: skip
 
     def _ended(self, stall: Stall, ran: float, runqueue: int) -> None:
         duration = max(ran - stall.due - (runqueue - stall.runqueue_mark) / 1e9, stall.stalled_s)
