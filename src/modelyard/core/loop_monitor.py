@@ -215,6 +215,7 @@ class LoopMonitor:
         number, due = self._pending
         now = time.monotonic()
         work: list[_Where] | None = None
+        others: list[list[_Where]] = []
         if now - due > self.threshold_s and self._current is None:
             # The stack first, before anything here gives up the GIL: work that held it (one
             # long C call) has just let go, and would run on to its end meanwhile.
