@@ -18,6 +18,7 @@ import httpx
 import redis
 
 from tests.conftest import free_port
+from tests.loop_stalls import stall_log_env
 
 LEADER_KEY = "modelyard:controller:leader"
 
@@ -26,6 +27,7 @@ class RoleProcess:
     def __init__(self, role: str, data_dir: Path, env: dict[str, str]) -> None:
         self.role = role
         self.data_dir = data_dir
+        self.stall_log, env = stall_log_env(env)  # the loop-stall guard: tests/loop_stalls.py
         self.env = {**os.environ, **env}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -23,6 +23,7 @@ from tests.databases import (
     redis_unreachable,
     services_required,
 )
+from tests.loop_stalls import stall_log_env
 from tests.tiny_models import build_model
 
 
@@ -120,8 +121,10 @@ class WorkerProcess:
         cmd = [sys.executable, "-m", "modelyard.cli", "worker", "--model", model]
         cmd += ["--port", str(self.port), "--log-level", "warning", *extra]
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the worker
+        # The loop-stall guard on (`tests/loop_stalls.py`).
+        self.stall_log, env = stall_log_env(env)
         self.proc = subprocess.Popen(
-            cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT
+            cmd, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT
         )
 
     def wait_ready(self, timeout: float = 180.0) -> None:

@@ -17,6 +17,7 @@ import httpx
 import openai
 
 from tests.conftest import free_port
+from tests.loop_stalls import assert_no_loop_stalls, stall_log_env
 
 
 class PlatformProcess:
@@ -29,7 +30,10 @@ class PlatformProcess:
         self.data_dir = data_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, **(env or {})}
+        # The loop-stall guard on, in serve and in every replica it starts (their environment
+        # is serve's): `tests/loop_stalls.py`.
+        self.stall_log, env = stall_log_env(env)
+        self.env = {**os.environ, **env}
         self.default_models = default_models
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the process
         self.proc: subprocess.Popen[bytes] | None = None
@@ -83,6 +87,10 @@ class PlatformProcess:
         return openai.OpenAI(
             base_url=f"{self.url}/v1", api_key=key or self.admin_key, max_retries=0, timeout=60
         )
+
+    def assert_no_loop_stalls(self) -> None:
+        """Neither serve nor a replica it started had its event loop stalled."""
+        assert_no_loop_stalls(self)
 
     def worker_pids(self) -> list[int]:
         """Worker replicas are the serve process's children."""

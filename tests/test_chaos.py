@@ -2,7 +2,8 @@
 free ports, never the machine's shared ones), a worker killed with SIGKILL under streaming and
 non-streaming load, and the whole platform killed with SIGKILL and restarted with a batch
 running. After each: no request hung, failures were clean errors, every answered request has
-exactly one usage row, and no batch item was lost or run twice.
+exactly one usage row, no batch item was lost or run twice, and no event loop of the platform
+or its replicas stalled (`tests/loop_stalls.py`).
 
 What the platform does while a dependency is down (asserted here, for docs/security.md):
 - Redis down: limits fail closed (as `gateway/accounting.py` documents). A request whose
@@ -46,6 +47,7 @@ from tests.chaos_harness import (
     check_usage,
     send,
 )
+from tests.loop_stalls import assert_no_loop_stalls, stall_counts, stall_log_env
 from tests.platform_harness import (
     PlatformProcess,
     batch_line,
@@ -90,8 +92,9 @@ class Chaos:
 
     def __init__(self, data_dir: Path, env: dict[str, str]) -> None:
         self.data_dir = data_dir
-        self.env = env
-        self.p = PlatformProcess(data_dir, env).start()
+        # One loop-stall log for every platform (and replica) of the module, restarts included.
+        self.stall_log, self.env = stall_log_env(env)
+        self.p = PlatformProcess(data_dir, self.env).start()
 
     def restart(self) -> None:
         self.p = PlatformProcess(self.data_dir, self.env).start()
@@ -130,6 +133,14 @@ def chaos(
     finally:
         c.p.stop()
         print(f"chaos tally: {dict(TALLY)}")
+
+
+@pytest.fixture(autouse=True)
+def no_loop_stalls(chaos: Chaos) -> Iterator[None]:
+    """Whatever the fault, no event loop of the platform or its replicas stalls over it."""
+    before = stall_counts(chaos)
+    yield
+    assert_no_loop_stalls(chaos, since=before)
 
 
 def recovered(c: Chaos, key: str, n: int = 4, timeout: float = 60.0) -> list[Outcome]:

@@ -170,6 +170,26 @@ class TelemetrySettings(_Settings):
     otel_service_name: str = Field(
         "modelyard", description="service.name of the spans (workers add '-worker')."
     )
+    loop_stall_ms: float = Field(
+        0,
+        ge=0,
+        description="> 0: a watchdog thread records every time this process's event loop is "
+        "held by one piece of work longer than this many ms (e.g. 250): a WARNING line with the "
+        "work's stack, and modelyard_event_loop_stalls_total / _stall_seconds on /metrics; "
+        "0 = off.",
+    )
+    loop_stall_log: Path | None = Field(
+        None,
+        description="With loop_stall_ms: also append each stall as one JSON line to this file "
+        "(every process of a platform may share it; the test suite reads it).",
+    )
+
+    @field_validator("loop_stall_ms")
+    @classmethod
+    def _stall_ms(cls, value: float) -> float:
+        if 0 < value < 10:
+            raise ValueError("loop_stall_ms must be 0 (off) or at least 10")
+        return value
 
     @field_validator("log_level")
     @classmethod

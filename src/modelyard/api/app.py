@@ -28,6 +28,7 @@ from modelyard.api.routes_metrics import install_metrics
 from modelyard.api.services import Lifecycle, Services
 from modelyard.api.text_guard import StorableText
 from modelyard.core.identity import Principal
+from modelyard.core.loop_monitor import watching_loop
 from modelyard.gateway.request_context import GatewayRequestContext
 from modelyard.protocol.errors import APIError
 from modelyard.protocol.middleware import BodySizeLimit
@@ -40,11 +41,12 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await lifecycle.start()
-        try:
-            yield
-        finally:
-            await lifecycle.stop()
+        with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
+            await lifecycle.start()
+            try:
+                yield
+            finally:
+                await lifecycle.stop()
 
     # /docs is installed by install_docs (assets served here, not from a CDN); no ReDoc.
     app = FastAPI(

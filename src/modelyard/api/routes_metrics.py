@@ -22,6 +22,7 @@ from modelyard.api.openapi_edge import BEARER_ONLY
 from modelyard.api.services import Services
 from modelyard.control.model_kind import LLM
 from modelyard.core.errors import DomainError
+from modelyard.core.loop_monitor import loop_stall_families
 from modelyard.core.status import ReplicaState
 from modelyard.gateway.federation import Federation, ScrapeTarget, SeriesOwner
 from modelyard.gateway.metrics import Audience, EndpointSnapshot, PlatformState, view
@@ -48,7 +49,7 @@ async def metrics(request: Request, services: Services = Depends(get_services)) 
     """Prometheus metrics: everything for the platform admin key or the scrape token; a key
     with the `metrics` scope gets its own tenant's series."""
     audience = await _audience(request, services)
-    families = services.metrics.families(platform_state(services))
+    families = services.metrics.families(platform_state(services)) + loop_stall_families()
     families += await _federation(request, services).collect(scrape_targets(services))
     # Rendering (and a tenant's filtering) is CPU work: off the event loop.
     text = await asyncio.to_thread(view, families, audience, services.settings.metrics_names)

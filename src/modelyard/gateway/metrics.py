@@ -230,8 +230,8 @@ def view(families: Iterable[Metric], audience: Audience, names: str = "both") ->
     A tenant sees a series only if it is its own: its `tenant` label is the tenant, or it has
     none and its `endpoint` is one of the tenant's; series of no endpoint (the platform's, the
     shared encoder host's) are the platform admin's."""
-    kept: list[Metric] = []
-    for family in families:
+    kept: dict[str, Metric] = {}  # one family per name: the gateway's own series and the
+    for family in families:  # replicas' of the same name (e.g. loop stalls) are merged
         if names == "vllm" and family.name in _VLLM_TWINS:
             continue
         if names == "modelyard" and family.name.startswith("vllm:"):
@@ -245,10 +245,11 @@ def view(families: Iterable[Metric], audience: Audience, names: str = "both") ->
         ]
         if not samples and audience.tenant is not None:
             continue  # an empty family still tells the admin what exists; a tenant, nothing
-        copy = Metric(family.name, family.documentation, family.type)
-        copy.samples = samples
-        kept.append(copy)
-    return generate_latest(_Families(kept))
+        copy = kept.get(family.name)
+        if copy is None:
+            copy = kept[family.name] = Metric(family.name, family.documentation, family.type)
+        copy.samples.extend(samples)
+    return generate_latest(_Families(list(kept.values())))
 
 
 # modelyard's engine series that have a vLLM twin (dropped under metrics_names=vllm).

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
+from modelyard.core.loop_monitor import LoopStallCollector, watching_loop
 from modelyard.engine.async_engine import AsyncEngine
 from modelyard.protocol.errors import install_error_handlers
 from modelyard.protocol.middleware import BodySizeLimit
@@ -34,15 +35,17 @@ def create_app(
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        yield
-        engine.shutdown()
+        with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
+            engine.start()
+            yield
+            engine.shutdown()
 
     app = FastAPI(title="modelyard worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(WorkerRequestContext)  # outermost: the gateway's request id and trace
     metrics = WorkerMetrics(engine.engine, model_name)
+    metrics.registry.register(LoopStallCollector())  # this process's loop stalls, if watched
     serving = OpenAIServing(traced(engine), model_name, metrics)
     app.state.serving = serving
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from modelyard import __version__
 from modelyard.core.errors import DomainError, model_not_found
+from modelyard.core.loop_monitor import LoopStallCollector, watching_loop
 from modelyard.encoders.errors import ModelTooLarge, UnsupportedModel
 from modelyard.encoders.host import ModelHost
 from modelyard.encoders.loading import ModelKind
@@ -63,7 +64,8 @@ def _param_count(path: Path) -> int:
 def create_encoder_app(host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
+        with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
+            yield
         host.close()
 
     app = FastAPI(
@@ -74,6 +76,7 @@ def create_encoder_app(host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_B
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(WorkerRequestContext)  # the gateway's request id and trace
     metrics = EncoderMetrics(host)
+    metrics.registry.register(LoopStallCollector())  # this process's loop stalls, if watched
     serving = EncoderServing(host, metrics)
     app.state.serving = serving
 

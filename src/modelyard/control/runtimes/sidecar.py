@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
 
 from modelyard.control.runtimes import llama_cpp, vllm
+from modelyard.core.loop_monitor import watching_loop
 
 log = logging.getLogger(__name__)
 
@@ -213,4 +214,9 @@ def serve_runtime(opts: argparse.Namespace) -> None:
         _die_with(signal.SIGTERM)
         if os.getppid() != int(parent):
             sys.exit(0)
-    sys.exit(asyncio.run(Sidecar(opts).run()))
+    sys.exit(asyncio.run(_watched(Sidecar(opts))))
+
+
+async def _watched(sidecar: Sidecar) -> int:
+    with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
+        return await sidecar.run()
