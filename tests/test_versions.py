@@ -356,7 +356,8 @@ def test_versions_and_weights_survive_a_restart(
         for seed in (0, 1):
             registry.push(build_model(models / f"v{seed + 1}", "llama", seed=seed), "kept")
         api = p.api()
-        endpoint = deploy(api, "kept", "kept:1", wait=False, hardware={"max_replicas": 2})  # no need to wait for replicas
+        # No need to wait for replicas.
+        endpoint = deploy(api, "kept", "kept:1", wait=False, hardware={"max_replicas": 2})
         r = api.post(
             f"/v1/endpoints/{endpoint}/versions",
             json={"model_artifact": "kept:2", "weight": 25, "slo": {"min_samples": 999}},
