@@ -408,6 +408,17 @@ class PlatformSettings(_Settings):
         1.0, gt=0, description="Predicted requests in an hour that make an idle endpoint warm."
     )
     max_file_bytes: int = Field(parse_size("512MiB"), description="Largest Files API upload.")
+    batch_max_line_bytes: int = Field(
+        parse_size("1MiB"),
+        ge=1024,
+        description="Longest line of a batch input file (one request); a longer one refuses "
+        "the upload (400 line_too_large), checked while it is copied.",
+    )
+    batch_max_file_bytes: int = Field(
+        parse_size("100MiB"),
+        ge=1,
+        description="Largest batch input file (purpose batch), checked while it is copied.",
+    )
     batch_concurrency: int = Field(
         8, ge=1, description="Batch items in flight per tenant (unless the tenant's own ceiling)."
     )
@@ -450,6 +461,8 @@ class PlatformSettings(_Settings):
         "max_body_bytes",
         "max_artifact_bytes",
         "max_file_bytes",
+        "batch_max_line_bytes",
+        "batch_max_file_bytes",
         "encoder_host_memory",
         "node_cache_bytes",
         "replica_overhead_bytes",

@@ -124,7 +124,13 @@ class Platform:
         )
         # The canary's SLO gate reads each version's outcomes through this verb of the gateway's.
         self.endpoints.versions.read_stats = self.gateway.upstream.stats.window
-        self.files = FileService(self.db, self.store, settings.max_file_bytes)
+        self.files = FileService(
+            self.db,
+            self.store,
+            settings.max_file_bytes,
+            settings.batch_max_line_bytes,
+            settings.batch_max_file_bytes,
+        )
         self.batches = BatchService(
             self.db, self.files, WebhookPolicy(settings.batch_webhook_hosts)
         )

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from modelyard.batch.validation import copy_batch_upload
 from modelyard.core.errors import Invalid, NotFound, TooLarge
 from modelyard.store import repository as repo
 from modelyard.store.artifacts import ArtifactStore
@@ -37,10 +39,28 @@ def _not_found(file_id: str) -> NotFound:
 
 
 class FileService:
-    def __init__(self, db: Database, store: ArtifactStore, max_bytes: int) -> None:
+    def __init__(
+        self,
+        db: Database,
+        store: ArtifactStore,
+        max_bytes: int,
+        max_line_bytes: int = 1 << 20,
+        max_batch_bytes: int = 100 << 20,
+    ) -> None:
         self.db = db
         self.store = store
         self.max_bytes = max_bytes
+        # A batch input file's bounds: each line (one request) and the whole file.
+        self.max_line_bytes = max_line_bytes
+        self.max_batch_bytes = max_batch_bytes
+
+    def spool(self, purpose: str, source: IO[bytes], out: IO[bytes]) -> None:
+        """Copy an upload to `out` in chunks; a batch input file is checked on the way, each
+        line and the whole (`validation.copy_batch_upload`)."""
+        if purpose == "batch":
+            copy_batch_upload(source, out, self.max_line_bytes, self.max_batch_bytes)
+        else:
+            shutil.copyfileobj(source, out, 1 << 20)
 
     def create_from_path(
         self, tenant_id: str, source: Path, filename: str, purpose: str
