@@ -121,7 +121,10 @@ async def delete_file(
     principal: Principal = Depends(get_inference),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(services.files.delete, principal.tenant_id, file_id)
+    deleted = await asyncio.to_thread(services.files.delete, principal.tenant_id, file_id)
+    if services.reclaimer is not None:
+        services.reclaimer.soon()  # its bytes go once no tenant holds them
+    return deleted
 
 
 @router.post("/v1/batches", response_model=None, responses=ok(BatchObject))

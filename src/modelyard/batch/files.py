@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from modelyard.batch.validation import copy_batch_upload
 from modelyard.core.errors import Invalid, NotFound, TooLarge
 from modelyard.store import repository as repo
+from modelyard.store import storage
 from modelyard.store.artifacts import ArtifactStore
 from modelyard.store.db import Database
 from modelyard.store.tables import File
@@ -46,6 +47,7 @@ class FileService:
         max_bytes: int,
         max_line_bytes: int = 1 << 20,
         max_batch_bytes: int = 100 << 20,
+        storage_bytes: int | None = None,
     ) -> None:
         self.db = db
         self.store = store
@@ -53,6 +55,8 @@ class FileService:
         # A batch input file's bounds: each line (one request) and the whole file.
         self.max_line_bytes = max_line_bytes
         self.max_batch_bytes = max_batch_bytes
+        # A tenant's storage quota unless it has its own (`store/storage.py`); None: none.
+        self.storage_bytes = storage_bytes
 
     def spool(self, purpose: str, source: IO[bytes], out: IO[bytes]) -> None:
         """Copy an upload to `out` in chunks; a batch input file is checked on the way, each
@@ -80,8 +84,13 @@ class FileService:
             )
         if size == 0:
             raise Invalid("the file is empty", param="file", code="empty_file")
+        with self.db.session() as s:  # refused before it is stored, when it cannot fit
+            storage.check_room(s, tenant_id, size, self.storage_bytes)
         blob = self.store.put_file(source)
-        return self._record(tenant_id, blob.sha256, blob.size, filename, purpose)
+        with self.db.session() as s:
+            storage.hold(s, tenant_id, blob.sha256, blob.size, self.storage_bytes)
+            row = self.add_record(s, tenant_id, blob.sha256, blob.size, filename, purpose)
+            return file_view(row)
 
     def store_bytes(self, data: bytes) -> tuple[str, int]:
         """Put bytes the platform wrote itself (batch outputs) into the store: (sha256, size)."""
@@ -109,12 +118,6 @@ class FileService:
         s.add(row)
         s.flush()
         return row
-
-    def _record(
-        self, tenant_id: str, sha256: str, size: int, filename: str, purpose: str
-    ) -> dict[str, Any]:
-        with self.db.session() as s:
-            return file_view(self.add_record(s, tenant_id, sha256, size, filename, purpose))
 
     def get_row(self, tenant_id: str, file_id: str) -> File:
         with self.db.session() as s:
@@ -173,4 +176,5 @@ class FileService:
             if f is None or f.tenant_id != tenant_id or f.deleted_at is not None:
                 raise _not_found(file_id)
             f.deleted_at = repo.now()
+            storage.release(s, tenant_id, [f.sha256])  # unless another of its files has it
         return {"id": file_id, "object": "file", "deleted": True}
