@@ -131,8 +131,8 @@ def test_a_canary_does_not_push_an_endpoint_past_max_replicas(
     # max_replicas 1: the stable replica is all there may be, so no canary fits (it ran 3).
     single = deploy(admin, "cap-one", "cap:1", hardware={"max_replicas": 1})
     for replicas in (2, 1):
-        r = admin.post(f"/v1/endpoints/{single}/versions",
-                       json={"model_artifact": "cap:2", "weight": 50, "replicas": replicas})  # fmt: skip
+        body = {"model_artifact": "cap:2", "weight": 50, "replicas": replicas}
+        r = admin.post(f"/v1/endpoints/{single}/versions", json=body)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["code"] == "above_max_replicas" and error["param"] == "replicas"
