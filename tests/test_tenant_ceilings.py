@@ -152,11 +152,12 @@ def test_a_canary_does_not_push_an_endpoint_past_max_replicas(
         deadline = time.monotonic() + 90
         # Until the canary's autoscaler has wanted 2+ for three decisions in a row.
         while wanted < 3:
-            assert time.monotonic() < deadline, admin.get(f"/v1/endpoints/{endpoint}").json()
             view = admin.get(f"/v1/endpoints/{endpoint}").json()
+            assert time.monotonic() < deadline, str(view["versions"])
             most = max(most, len(running(admin, endpoint)))
             assert most <= 2, running(admin, endpoint)
-            decision = (view["versions"]["canary"] or {}).get("autoscaling") or {}
+            canary = next(i for i in view["versions"]["items"] if i["role"] == "canary")
+            decision = canary["autoscaling"] or {}
             numbers = re.findall(r"(?:wants|averages to) (\d+)", decision.get("reason", ""))
             if numbers and int(numbers[0]) >= 2 and decision["at"] not in decisions:
                 decisions.add(decision["at"])
