@@ -131,7 +131,7 @@ def _lines(f: IO[bytes], max_line_bytes: int) -> Iterator[tuple[bytes, bool]]:
 
 
 def validate_file(
-    path: Path, endpoint: str, max_line_bytes: int, max_file_bytes: int
+    path: Path, endpoint: str, max_line_bytes: int = 1 << 20, max_file_bytes: int = 100 << 20
 ) -> tuple[list[GoodLine], list[BadLine]]:
     if path.stat().st_size > max_file_bytes:
         raise BatchFileInvalid(
