@@ -92,6 +92,8 @@ def hold(s: Session, tenant_id: str, sha256: str, size: int, default: int | None
     if repo.owns_blob(s, tenant_id, sha256):
         return
     tenant = s.get(Tenant, tenant_id, with_for_update=True)  # one hold at a time per tenant
+    if repo.owns_blob(s, tenant_id, sha256):  # a concurrent upload of the same content won
+        return
     quota = quota_of(tenant, default)
     if quota is not None:
         used = used_bytes(s, tenant_id)
