@@ -258,3 +258,21 @@ def test_a_stored_file_is_read_one_bounded_line_at_a_time(tmp_path: Path) -> Non
     good, bad = validate_file(path, "/v1/completions", 1 << 20, 100 << 20)
     assert [g.custom_id for g in good] == ["a", "c"]
     assert [(b.line, b.code) for b in bad] == [(2, "line_too_large")]
+
+
+def test_a_sweep_never_takes_bytes_a_push_just_wrote(tmp_path: Path) -> None:
+    """An upload writes its bytes before it records its hold: bytes younger than the grace
+    stay, however unheld they look; older ones go."""
+    from modelyard.store.artifacts import LocalArtifactStore
+
+    store = LocalArtifactStore(tmp_path / "artifacts")
+    source = tmp_path / "blob"
+    source.write_bytes(os.urandom(4096))
+    sha = store.put_file(source).sha256
+    assert not store.delete_unless_fresh(sha, grace_s=60)  # just pushed: kept
+    assert store.has(sha)
+    old = time.time() - 120
+    os.utime(store.path(sha), (old, old))
+    assert store.delete_unless_fresh(sha, grace_s=60)
+    assert not store.has(sha) and list(store.tmp.iterdir()) == []
+    assert store.put_file(source).sha256 == sha and store.has(sha)  # pushed again later: fine
