@@ -98,7 +98,7 @@ def history(platform: PlatformProcess, models_dir: Path) -> History:
     model = f"reg-{ns}"
     registry = RegistryClient(platform.url, admin_key["key"])
     pushed = [registry.push(models_dir / "tiny", model) for _ in range(2)]
-    endpoint_id = deploy(api, f"ep-{ns}", f"{model}:1")
+    endpoint_id = deploy(api, f"ep-{ns}", f"{model}:1", hardware={"max_replicas": 2})
     # The versions verbs: a canary (not waited for: traffic and rollback need no replica of it).
     r = api.post(f"/v1/endpoints/{endpoint_id}/versions",
                  json={"model_artifact": f"{model}:2", "weight": 10})  # fmt: skip

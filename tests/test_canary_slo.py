@@ -140,7 +140,7 @@ def test_slow_and_failing_canaries_are_rolled_back_on_their_own(
     platform: PlatformProcess,
 ) -> None:
     api = platform.api()
-    endpoint = deploy(api, "slo-a", "slo:1")
+    endpoint = deploy(api, "slo-a", "slo:1", hardware={"max_replicas": 2})
     v1 = api.get(f"/v1/endpoints/{endpoint}").json()["version_id"]
     slo = {"min_samples": 10, "window_s": 30, "max_p95_ratio": 1.5, "max_error_rate_delta": 0.2}
 
@@ -169,7 +169,7 @@ def test_slow_and_failing_canaries_are_rolled_back_on_their_own(
 
 def test_a_clean_canary_with_steps_is_promoted_on_its_own(platform: PlatformProcess) -> None:
     api = platform.api()
-    endpoint = deploy(api, "slo-b", "slo:1")
+    endpoint = deploy(api, "slo-b", "slo:1", hardware={"max_replicas": 2})
     lax = {"min_samples": 5, "window_s": 2, "max_p95_ratio": 100, "max_error_rate_delta": 0.5}
     add(api, endpoint, model_artifact="slo:2", weight=20, slo=lax, steps=[20, 60, 100])
     stop = threading.Event()

@@ -77,7 +77,7 @@ def versions(platform: PlatformProcess, models_dir: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def endpoint(platform: PlatformProcess, versions: list[str]) -> str:
-    out = ok(platform, "deploy", "demo", "demo:1")
+    out = ok(platform, "deploy", "demo", "demo:1", "--max-replicas", "2")
     assert "demo: ready · replicas 1/1" in out.splitlines()[-1], out
     [listed] = as_json(platform, "endpoints", "list")
     return str(listed["endpoint_id"])

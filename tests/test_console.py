@@ -306,6 +306,7 @@ def test_deploy_from_the_registry_with_progress_and_api_errors_shown(
     page.get_by_role("link", name="Endpoints").click()
     page.get_by_label("Registry model").select_option("tiny-reg:1")
     assert page.get_by_label("Endpoint model name").input_value() == "tiny-reg"
+    page.locator("#deploy-max").fill("2")  # room for the canary added below beside the stable
     page.get_by_role("button", name="Deploy").click()
     progress = page.locator("#deploy-progress")
     progress.get_by_text("tiny-reg: ready").wait_for(timeout=90_000)

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from modelyard.api.errors import install_error_handlers, status_of, to_api_error
 from modelyard.core.errors import Conflict, Forbidden, NotFound, TooLarge, Unavailable
-from modelyard.core.identity import Limits, Principal, Tier
+from modelyard.core.identity import Limits, Principal, TenantLimits, Tier
 from modelyard.core.routing import EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.protocol.oip import install_oip_error_handlers
 
@@ -42,7 +42,8 @@ class _Key:
 def test_principal_constructors() -> None:
     key = Principal.for_key(_Key(), _Tenant())
     # A key may be tighter than its tenant's ceiling, never looser.
-    assert key.limits == Limits(rpm=100, tpm=50)
+    # ... and the tenant's ceilings are buckets all its keys share.
+    assert key.limits == Limits(rpm=100, tpm=50, tenant=TenantLimits("t-1", 100, None))
     assert key.tier is Tier.PRIORITY and not key.platform_admin
     assert Principal.for_key(_Key(), _Tenant(is_system=True)).platform_admin
     system = Principal.system(_Tenant(is_system=True))

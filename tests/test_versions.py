@@ -103,11 +103,12 @@ def test_a_canarys_load_is_its_own_replicas_and_its_share_of_the_queue() -> None
     endpoint = ScalingPolicy(metric="concurrency", target=1, min_replicas=0, max_replicas=4,
                              scale_to_zero=True)  # fmt: skip
     scaler = canary_autoscaler(endpoint, 2)
-    assert (scaler.policy.min_replicas, scaler.policy.max_replicas) == (2, 4)
+    # The endpoint's max_replicas bounds its versions together: one stays the stable's.
+    assert (scaler.policy.min_replicas, scaler.policy.max_replicas) == (2, 3)
     assert not scaler.policy.scale_to_zero  # a canary with no replica has nothing to judge
     scaler.observe(obs)
-    assert scaler.decide(1.0, 1).desired == 4  # 5 wanted, capped at the endpoint's max
-    assert canary_autoscaler(endpoint, 6).policy.max_replicas == 6  # its floor wins over max
+    assert scaler.decide(1.0, 1).desired == 3  # 5 wanted, capped at the endpoint's max - 1
+    assert canary_autoscaler(endpoint, 6).policy.max_replicas == 6  # a restored floor stays
 
 
 # ----- a real platform ------------------------------------------------------------------------
@@ -197,7 +198,7 @@ class Load:
 
 def test_header_usage_stickiness_and_a_rollback_under_load(platform: PlatformProcess) -> None:
     api = platform.api()
-    endpoint = deploy(api, "ver-a", "ver:1")
+    endpoint = deploy(api, "ver-a", "ver:1", hardware={"max_replicas": 2})
     v1 = api.get(f"/v1/endpoints/{endpoint}").json()["version_id"]
     body = add_canary(api, endpoint, "ver:2", 30, slo=NO_GATE)
     v2 = body["versions"]["canary"]["version_id"]
@@ -265,7 +266,7 @@ def test_promote_keeps_the_previous_version_warm_and_rollback_loads_nothing(
     platform: PlatformProcess,
 ) -> None:
     api = platform.api()
-    endpoint = deploy(api, "ver-b", "ver:1")
+    endpoint = deploy(api, "ver-b", "ver:1", hardware={"max_replicas": 2})
     v1 = api.get(f"/v1/endpoints/{endpoint}").json()["version_id"]
     v2 = add_canary(api, endpoint, "ver:2", 10, slo=NO_GATE)["versions"]["canary"]["version_id"]
     warm = replica_ids(api, endpoint)[v1]
@@ -297,7 +298,7 @@ def test_a_rollback_races_streams_in_flight_and_a_dying_canary_is_retried(
     platform: PlatformProcess,
 ) -> None:
     api = platform.api()
-    endpoint = deploy(api, "ver-c", "ver:1")
+    endpoint = deploy(api, "ver-c", "ver:1", hardware={"max_replicas": 2})
     v1 = api.get(f"/v1/endpoints/{endpoint}").json()["version_id"]
     add_canary(api, endpoint, "ver:2", 50, slo=NO_GATE)
     results: list[str] = []
@@ -355,7 +356,8 @@ def test_versions_and_weights_survive_a_restart(
         for seed in (0, 1):
             registry.push(build_model(models / f"v{seed + 1}", "llama", seed=seed), "kept")
         api = p.api()
-        endpoint = deploy(api, "kept", "kept:1", wait=False)  # no need to wait for replicas
+        # No need to wait for replicas.
+        endpoint = deploy(api, "kept", "kept:1", wait=False, hardware={"max_replicas": 2})
         r = api.post(
             f"/v1/endpoints/{endpoint}/versions",
             json={"model_artifact": "kept:2", "weight": 25, "slo": {"min_samples": 999}},
@@ -412,7 +414,7 @@ def test_a_model_in_use_by_a_live_endpoint_is_a_409_and_free_once_its_endpoints_
     assert r.status_code == 409 and r.json()["error"]["code"] == "model_in_use", r.text
     assert "doomed-ep" in r.json()["error"]["message"]
 
-    stable = deploy(api, "doomed-host", "ver:1", wait=False)
+    stable = deploy(api, "doomed-host", "ver:1", wait=False, hardware={"max_replicas": 2})
     r = api.post(f"/v1/endpoints/{stable}/versions",
                  json={"model_artifact": "doomed-canary:1", "weight": 10})  # fmt: skip
     assert r.status_code == 201, r.text
@@ -435,11 +437,12 @@ def test_a_canary_scales_by_its_own_load_between_its_count_and_the_endpoints_max
     platform: PlatformProcess,
 ) -> None:
     """Its own autoscaler (the endpoint's policy, floored at the canary's replicas, capped at
-    the endpoint's max_replicas) on its own replicas' load: up under load, back down after."""
+    what the endpoint's max_replicas leaves beside the stable replica) on its own replicas'
+    load: up under load, back down after."""
     api = platform.api()
     quick = {"metric": "concurrency", "target_value": 1, "stable_window_seconds": 2,
              "panic_window_seconds": 1, "scale_down_delay_seconds": 1}  # fmt: skip
-    endpoint = deploy(api, "ver-s", "ver:1", hardware={"max_replicas": 2}, scaling=quick)
+    endpoint = deploy(api, "ver-s", "ver:1", hardware={"max_replicas": 3}, scaling=quick)
     v2 = add_canary(api, endpoint, "ver:2", 100, slo=NO_GATE)["versions"]["canary"]["version_id"]
 
     def canary_replicas() -> dict[str, Any]:

@@ -425,6 +425,32 @@ class PlatformSettings(_Settings):
         1.0, gt=0, description="Predicted requests in an hour that make an idle endpoint warm."
     )
     max_file_bytes: int = Field(parse_size("512MiB"), description="Largest Files API upload.")
+    tenant_storage_bytes: int = Field(
+        parse_size("100GiB"),
+        ge=0,
+        description="Bytes of registry blobs and files a tenant may hold unless the platform "
+        "admin sets its own max_storage_bytes (the system tenant has no quota).",
+    )
+    blob_reclaim_grace_s: float = Field(
+        300.0,
+        ge=0,
+        description="Blobs no tenant holds any more are deleted once their bytes are this old "
+        "(an upload of the same content in flight is never swept).",
+    )
+    blob_reclaim_interval_s: float = Field(
+        600.0, gt=0, description="How often the controller sweeps blobs no tenant holds."
+    )
+    batch_max_line_bytes: int = Field(
+        parse_size("1MiB"),
+        ge=1024,
+        description="Longest line of a batch input file (one request); a longer one refuses "
+        "the upload (400 line_too_large), checked while it is copied.",
+    )
+    batch_max_file_bytes: int = Field(
+        parse_size("100MiB"),
+        ge=1,
+        description="Largest batch input file (purpose batch), checked while it is copied.",
+    )
     batch_concurrency: int = Field(
         8, ge=1, description="Batch items in flight per tenant (unless the tenant's own ceiling)."
     )
@@ -467,6 +493,9 @@ class PlatformSettings(_Settings):
         "max_body_bytes",
         "max_artifact_bytes",
         "max_file_bytes",
+        "batch_max_line_bytes",
+        "batch_max_file_bytes",
+        "tenant_storage_bytes",
         "encoder_host_memory",
         "node_cache_bytes",
         "replica_overhead_bytes",

@@ -54,6 +54,7 @@ from modelyard.store import repository as repo
 from modelyard.store.artifact_store import open_artifact_store
 from modelyard.store.artifacts import ArtifactStore, make_owner_only
 from modelyard.store.db import Database
+from modelyard.store.storage import Reclaimer
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,16 @@ class Platform:
         self.audit = AuditLog(self.db)
         self.store = ArtifactStore(settings.data_dir / "artifacts")  # the Files API's files
         # Model blobs: this store too, or an S3 bucket every node shares (artifact_store = s3).
-        self.registry = Registry(self.db, open_artifact_store(settings, self.store))
+        self.registry = Registry(
+            self.db, open_artifact_store(settings, self.store), settings.tenant_storage_bytes
+        )
+        # Blobs no tenant holds any more (deleted files and models) leave both stores.
+        self.reclaimer = Reclaimer(
+            self.db,
+            [self.store, self.registry.store],
+            settings.blob_reclaim_grace_s,
+            settings.blob_reclaim_interval_s,
+        )
         self.routing = RoutingTable()
         self.limiter: RateLimiter
         self.quota: QuotaCounter
@@ -124,7 +134,14 @@ class Platform:
         )
         # The canary's SLO gate reads each version's outcomes through this verb of the gateway's.
         self.endpoints.versions.read_stats = self.gateway.upstream.stats.window
-        self.files = FileService(self.db, self.store, settings.max_file_bytes)
+        self.files = FileService(
+            self.db,
+            self.store,
+            settings.max_file_bytes,
+            settings.batch_max_line_bytes,
+            settings.batch_max_file_bytes,
+            settings.tenant_storage_bytes,
+        )
         self.batches = BatchService(
             self.db, self.files, WebhookPolicy(settings.batch_webhook_hosts)
         )
@@ -149,6 +166,7 @@ class Platform:
             files=self.files,
             batches=self.batches,
             audit=self.audit,
+            reclaimer=self.reclaimer,
         )
         self.bootstrap: Bootstrap | None = None
         self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's banner
@@ -164,6 +182,7 @@ class Platform:
         await self.gateway.start()
         await self.endpoints.start()
         self.batch_runner.start()
+        self.reclaimer.start()
         if self.settings.default_models:
             self._loading = asyncio.create_task(self._load_in_background())
         else:
@@ -196,6 +215,7 @@ class Platform:
                 await self._loading
         # Items in flight are not recorded: they are pending again on the next start.
         await self.batch_runner.stop()
+        await self.reclaimer.stop()
         await self.endpoints.stop()
         await self.recorder.stop()
         await self.gateway.stop()

@@ -241,6 +241,7 @@ class ControllerRole(_Role):
         await self.publisher.start()
         self.aggregator.start()
         p.batch_runner.start()
+        p.reclaimer.start()
         self.leading = True
         await self._advertise()
         log.info(
@@ -276,6 +277,7 @@ class ControllerRole(_Role):
             if p._loading is not None:
                 p._loading.cancel()
             await p.batch_runner.stop()
+            await p.reclaimer.stop()
             await self.aggregator.stop()
             await self.publisher.stop()
             await p.endpoints.stop()  # its replicas keep running for the next leader

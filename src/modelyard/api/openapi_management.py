@@ -26,6 +26,7 @@ class Tenant(BaseModel):
     max_concurrent_batch_items: int | None
     max_endpoints: int | None
     max_replicas: int | None
+    max_storage_bytes: int | None = None
     system: bool = Field(description="The platform's own tenant (its admin is platform admin).")
     created_at: int
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
@@ -55,9 +54,10 @@ async def upload_file(
             "file",
             "invalid_text",
         )
-    # The upload is spooled to a local temp file, then copied (and hashed) into the store.
+    # The upload is spooled to a local temp file (a batch input file checked line by line on
+    # the way), then copied (and hashed) into the store.
     with tempfile.NamedTemporaryFile(dir=services.store.tmp, prefix="file-") as tmp:
-        await asyncio.to_thread(shutil.copyfileobj, file.file, tmp, 1 << 20)
+        await asyncio.to_thread(services.files.spool, purpose, file.file, tmp)
         tmp.flush()
         return await asyncio.to_thread(
             services.files.create_from_path,
@@ -121,7 +121,10 @@ async def delete_file(
     principal: Principal = Depends(get_inference),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return await asyncio.to_thread(services.files.delete, principal.tenant_id, file_id)
+    deleted = await asyncio.to_thread(services.files.delete, principal.tenant_id, file_id)
+    if services.reclaimer is not None:
+        services.reclaimer.soon()  # its bytes go once no tenant holds them
+    return deleted
 
 
 @router.post("/v1/batches", response_model=None, responses=ok(BatchObject))

@@ -39,6 +39,17 @@ def _sha(value: str) -> str:
         raise APIError(400, str(exc), param="sha256", code="invalid_digest") from exc
 
 
+def _over_quota(size: int | None, room: int) -> APIError:
+    what = "This upload" if size is None else f"This upload of {size} bytes"
+    return APIError(
+        413,
+        f"{what} does not fit your organization's storage quota: {room} bytes are left. "
+        "Delete models or files you no longer need (their space is freed), or ask the platform "
+        "administrator to raise the quota.",
+        code="storage_quota_exceeded",
+    )
+
+
 @router.head("/v1/blobs/{sha256}")
 async def blob_exists(
     sha256: str,
@@ -57,14 +68,26 @@ async def upload_blob(
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     expected = _sha(sha256)
+    registry = services.registry
     limit = services.settings.max_artifact_bytes
+    # Within the tenant's storage quota: refused before a byte is read when its length says so,
+    # cut off while streaming otherwise (a blob it holds already costs nothing more).
+    owned = await asyncio.to_thread(registry.has_blob, principal.tenant_id, expected)
+    room = None if owned else await asyncio.to_thread(registry.room, principal.tenant_id)
+    if room is not None:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > room:
+            raise _over_quota(int(declared), room)
     try:
-        blob = await services.registry.store.put_stream(request.stream(), expected, limit)
+        bound = limit if room is None else min(limit, room)
+        blob = await registry.store.put_stream(request.stream(), expected, bound)
     except IntegrityError as exc:
         raise APIError(400, f"upload rejected: {exc}", code="digest_mismatch") from exc
     except ArtifactError as exc:
+        if room is not None and room < limit:
+            raise _over_quota(None, room) from exc
         raise APIError(413, str(exc), code="artifact_too_large") from exc
-    await asyncio.to_thread(services.registry.add_blob, principal.tenant_id, blob.sha256, blob.size)
+    await asyncio.to_thread(registry.add_blob, principal.tenant_id, blob.sha256, blob.size)
     return {"sha256": blob.sha256, "size": blob.size}
 
 
@@ -128,6 +151,8 @@ async def delete_registry_model(
 ) -> dict[str, Any]:
     models = await asyncio.to_thread(services.registry.list_models, principal.tenant_id)
     await asyncio.to_thread(services.registry.delete_model, principal.tenant_id, name)
+    if services.reclaimer is not None:
+        services.reclaimer.soon()  # its blobs go once no tenant holds them
     before = next((m for m in models if m["name"] == name), None)
     await services.audit.record(principal, "model.delete", "model", name, before, None)
     return {"name": name, "deleted": True}

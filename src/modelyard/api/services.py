@@ -23,6 +23,7 @@ from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.proxy import Gateway
 from modelyard.store.artifacts import ArtifactStore
 from modelyard.store.db import Database
+from modelyard.store.storage import Reclaimer
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Services:
     files: FileService
     batches: BatchService
     audit: AuditLog
+    # Sweeps blobs no tenant holds; told after a delete (None: nothing sweeps here).
+    reclaimer: Reclaimer | None = None
 
 
 class Lifecycle(Protocol):

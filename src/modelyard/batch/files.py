@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import re
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from modelyard.batch.validation import copy_batch_upload
 from modelyard.core.errors import Invalid, NotFound, TooLarge
 from modelyard.store import repository as repo
+from modelyard.store import storage
 from modelyard.store.artifacts import ArtifactStore
 from modelyard.store.db import Database
 from modelyard.store.tables import File
@@ -37,10 +40,31 @@ def _not_found(file_id: str) -> NotFound:
 
 
 class FileService:
-    def __init__(self, db: Database, store: ArtifactStore, max_bytes: int) -> None:
+    def __init__(
+        self,
+        db: Database,
+        store: ArtifactStore,
+        max_bytes: int,
+        max_line_bytes: int = 1 << 20,
+        max_batch_bytes: int = 100 << 20,
+        storage_bytes: int | None = None,
+    ) -> None:
         self.db = db
         self.store = store
         self.max_bytes = max_bytes
+        # A batch input file's bounds: each line (one request) and the whole file.
+        self.max_line_bytes = max_line_bytes
+        self.max_batch_bytes = max_batch_bytes
+        # A tenant's storage quota unless it has its own (`store/storage.py`); None: none.
+        self.storage_bytes = storage_bytes
+
+    def spool(self, purpose: str, source: IO[bytes], out: IO[bytes]) -> None:
+        """Copy an upload to `out` in chunks; a batch input file is checked on the way, each
+        line and the whole (`validation.copy_batch_upload`)."""
+        if purpose == "batch":
+            copy_batch_upload(source, out, self.max_line_bytes, self.max_batch_bytes)
+        else:
+            shutil.copyfileobj(source, out, 1 << 20)
 
     def create_from_path(
         self, tenant_id: str, source: Path, filename: str, purpose: str
@@ -60,8 +84,13 @@ class FileService:
             )
         if size == 0:
             raise Invalid("the file is empty", param="file", code="empty_file")
+        with self.db.session() as s:  # refused before it is stored, when it cannot fit
+            storage.check_room(s, tenant_id, size, self.storage_bytes)
         blob = self.store.put_file(source)
-        return self._record(tenant_id, blob.sha256, blob.size, filename, purpose)
+        with self.db.session() as s:
+            storage.hold(s, tenant_id, blob.sha256, blob.size, self.storage_bytes)
+            row = self.add_record(s, tenant_id, blob.sha256, blob.size, filename, purpose)
+            return file_view(row)
 
     def store_bytes(self, data: bytes) -> tuple[str, int]:
         """Put bytes the platform wrote itself (batch outputs) into the store: (sha256, size)."""
@@ -89,12 +118,6 @@ class FileService:
         s.add(row)
         s.flush()
         return row
-
-    def _record(
-        self, tenant_id: str, sha256: str, size: int, filename: str, purpose: str
-    ) -> dict[str, Any]:
-        with self.db.session() as s:
-            return file_view(self.add_record(s, tenant_id, sha256, size, filename, purpose))
 
     def get_row(self, tenant_id: str, file_id: str) -> File:
         with self.db.session() as s:
@@ -153,4 +176,5 @@ class FileService:
             if f is None or f.tenant_id != tenant_id or f.deleted_at is not None:
                 raise _not_found(file_id)
             f.deleted_at = repo.now()
+            storage.release(s, tenant_id, [f.sha256])  # unless another of its files has it
         return {"id": file_id, "object": "file", "deleted": True}

@@ -29,7 +29,7 @@ def validate_batch(db: Database, files: FileService, batch: Batch) -> Batch:
     try:
         if path is None:
             raise FileNotFoundError(batch.input_file_id)
-        good, bad = validate_file(path, batch.endpoint)
+        good, bad = validate_file(path, batch.endpoint, files.max_line_bytes, files.max_batch_bytes)
     except FileNotFoundError:
         missing = {
             "code": "input_file_missing",

@@ -169,6 +169,9 @@ class Reconciler:
             await self.statuses.apply(state, rolled_back)
         await self._versions(state)
         self.scaler.autoscale(state, self.activate)
+        # A canary or a version kept warm takes its room out of max_replicas: the stable
+        # version runs within what they leave.
+        state.desired = min(state.desired, self.versions.stable_cap(state))
         for replica in self.replicas.converge(state, self.versions.kept(state)):
             spawn(state, self.start_replica(state, replica))
         await self.statuses.refresh(state)

@@ -17,6 +17,7 @@ from typing import Any
 from modelyard.core.errors import Conflict, Invalid, NotFound
 from modelyard.core.model_files import ModelFacts, inspect_files
 from modelyard.store import repository as repo
+from modelyard.store import storage
 from modelyard.store.artifact_store import BlobStore
 from modelyard.store.artifacts import ArtifactError, check_relative_path, scan_folder
 from modelyard.store.db import Database
@@ -83,13 +84,21 @@ def _resolved(model_name: str, v: ModelVersion) -> ResolvedVersion:
 
 
 class Registry:
-    def __init__(self, db: Database, store: BlobStore) -> None:
+    def __init__(self, db: Database, store: BlobStore, storage_bytes: int | None = None) -> None:
         self.db = db
         self.store = store
+        # A tenant's storage quota unless it has its own (`store/storage.py`); None: none.
+        self.storage_bytes = storage_bytes
 
     def add_blob(self, tenant_id: str, sha256: str, size: int) -> None:
+        """Record that the tenant holds the blob it uploaded, within its storage quota."""
         with self.db.session() as s:
-            repo.add_blob(s, tenant_id, sha256, size)
+            storage.hold(s, tenant_id, sha256, size, self.storage_bytes)
+
+    def room(self, tenant_id: str) -> int | None:
+        """The bytes the tenant may still upload (None: no quota)."""
+        with self.db.session() as s:
+            return storage.room(s, tenant_id, self.storage_bytes)
 
     def has_blob(self, tenant_id: str, sha256: str) -> bool:
         """True if this tenant uploaded the blob (and it is still on disk)."""
@@ -283,9 +292,12 @@ class Registry:
                     code="model_in_use",
                 )
             repo.release_deleted_endpoints(s, model.id)
-            for v in repo.list_versions(s, model.id):
+            versions = repo.list_versions(s, model.id)
+            shas = storage.shas_of_versions(versions)
+            for v in versions:
                 s.delete(v)
             s.delete(model)
+            storage.release(s, tenant_id, shas)  # what nothing else of the tenant's uses
 
 
 def version_dict(model_name: str, v: ModelVersion) -> dict[str, Any]:

@@ -27,7 +27,13 @@ from modelyard.control.canary import SloPolicy, judge, next_step
 from modelyard.control.registry import ResolvedVersion
 from modelyard.control.replicas import ReplicaController
 from modelyard.control.state import EndpointState, Replica, engine_env
-from modelyard.control.version_scaling import VersionLoad, canary_autoscaler, size
+from modelyard.control.version_scaling import (
+    VersionLoad,
+    canary_autoscaler,
+    max_replicas,
+    size,
+    stable_cap,
+)
 from modelyard.control.version_tracks import (
     Track,
     TrackState,
@@ -70,6 +76,16 @@ class Versions:
             if track.role is role and track.state is TrackState.SERVING:
                 return track
         return None
+
+    def stable_cap(self, state: EndpointState) -> int:
+        """The most replicas the stable version may run beside the kept versions, so that the
+        endpoint's versions together stay within its max_replicas."""
+        kept = [
+            t
+            for t in self.tracks.get(state.row.id, {}).values()
+            if t.role is not VersionRole.STABLE and t.state is TrackState.SERVING
+        ]
+        return stable_cap(state, kept) if kept else max_replicas(state)
 
     def kept(self, state: EndpointState) -> frozenset[str]:
         """Versions besides the stable one whose replicas stay (a canary, a warm previous)."""
@@ -140,6 +156,16 @@ class Versions:
             raise Conflict("a rollout is in progress", code="rollout_in_progress")
         if version.version_id == state.row.version_id:
             raise Invalid("that version is the stable one already", param="model_artifact")
+        ceiling = max_replicas(state)
+        if replicas > ceiling - 1:
+            raise Invalid(
+                f"replicas {replicas} does not fit this endpoint's hardware.max_replicas="
+                f"{ceiling}: its versions together run at most that many, and the stable version "
+                f"keeps one, so a canary may have at most {ceiling - 1}; raise max_replicas "
+                "(PATCH hardware) or ask for fewer",
+                param="replicas",
+                code="above_max_replicas",
+            )
         options = {**state.row.engine_options, **engine}
         engine_env(options)  # a bad option is a 400 now
         tracks = self.tracks.setdefault(state.row.id, {})

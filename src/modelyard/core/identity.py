@@ -33,17 +33,42 @@ _TIER_RANK = {Tier.PRIORITY: 0, Tier.STANDARD: 1, Tier.FREE: 2}
 
 
 @dataclass(frozen=True)
-class Limits:
-    """A key's limits per minute; None means unlimited."""
+class TenantLimits:
+    """A tenant's ceilings per minute, one pair of buckets shared by all its keys (so minting
+    keys does not multiply them); None means no ceiling."""
 
+    tenant_id: str
     rpm: int | None
     tpm: int | None
 
+
+@dataclass(frozen=True)
+class Limits:
+    """A key's limits per minute; None means unlimited. `tenant`: its tenant's shared ceilings,
+    checked and taken with the key's own buckets (None: none)."""
+
+    rpm: int | None
+    tpm: int | None
+    tenant: TenantLimits | None = None
+
     def __post_init__(self) -> None:
-        for name in ("rpm", "tpm"):
-            value = getattr(self, name)
+        pairs = [("rpm", self.rpm), ("tpm", self.tpm)]
+        if self.tenant is not None:
+            pairs += [("tenant rpm", self.tenant.rpm), ("tenant tpm", self.tenant.tpm)]
+        for name, value in pairs:
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+    def buckets(self, key_id: str) -> list[tuple[str, str, int | None]]:
+        """(owner, kind, capacity) of the four buckets a request takes from: the key's requests
+        and tokens, then its tenant's (capacity None: that bucket is not limited)."""
+        t = self.tenant
+        return [
+            (key_id, "requests", self.rpm),
+            (key_id, "tokens", self.tpm),
+            (f"tenant:{t.tenant_id}" if t else key_id, "requests", t.rpm if t else None),
+            (f"tenant:{t.tenant_id}" if t else key_id, "tokens", t.tpm if t else None),
+        ]
 
 
 class TenantRow(Protocol):
@@ -71,6 +96,13 @@ def _capped(key_limit: int | None, ceiling: int | None) -> int | None:
     if ceiling is None:
         return key_limit
     return ceiling if key_limit is None else min(key_limit, ceiling)
+
+
+def _shared(tenant: TenantRow) -> TenantLimits | None:
+    """The tenant's ceilings as buckets all its keys share (None: it has neither)."""
+    if tenant.max_rpm is None and tenant.max_tpm is None:
+        return None
+    return TenantLimits(tenant.id, tenant.max_rpm, tenant.max_tpm)
 
 
 @dataclass(frozen=True)
@@ -101,6 +133,7 @@ class Principal:
             limits=Limits(
                 rpm=_capped(key.rpm_limit, tenant.max_rpm),
                 tpm=_capped(key.tpm_limit, tenant.max_tpm),
+                tenant=_shared(tenant),
             ),
             monthly_token_quota=tenant.monthly_token_quota,
             platform_admin=tenant.is_system and "admin" in scopes,

@@ -5,6 +5,7 @@ stores (`ratelimit.py` in memory, `ratelimit_redis.py` shared) implement."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,12 +68,13 @@ def format_reset(seconds: float) -> str:
 
 class RateLimiter(Protocol):
     async def acquire(self, key_id: str, limits: Limits, tokens: int) -> Decision:
-        """Take one request and `tokens` tokens from the key's buckets, both or neither."""
+        """Take one request and `tokens` tokens from the key's buckets and its tenant's shared
+        ones (`Limits.tenant`), all or none."""
         ...
 
     async def reconcile(self, key_id: str, limits: Limits, reserved: int, actual: int) -> None:
-        """Correct the token bucket once the real usage of a request that reserved
-        `reserved` tokens is known."""
+        """Correct the token buckets (the key's and its tenant's) once the real usage of a
+        request that reserved `reserved` tokens is known."""
         ...
 
     async def close(self) -> None: ...
@@ -82,28 +84,39 @@ def decision(
     limits: Limits,
     refused: str | None,
     retry_after_s: float,
-    requests_level: float | None,
-    tokens_level: float | None,
+    levels: Sequence[float | None],
 ) -> Decision:
-    def remaining(level: float | None) -> int | None:
+    """The headers' view of the buckets after an acquire: `levels` are those of
+    `Limits.buckets` (the key's requests and tokens, then its tenant's; None: not limited).
+    Each kind reports its tightest bucket: the smallest remainder, the longest reset."""
+    caps = [cap for _, _, cap in limits.buckets("")]
+
+    def kind(first: int) -> tuple[int | None, int | None, float]:
+        pairs = [
+            (caps[i], levels[i])
+            for i in (first, first + 2)
+            if caps[i] is not None and levels[i] is not None
+        ]
+        if not pairs:
+            return None, None, 0.0
+        limit = next(cap for cap in (caps[first], caps[first + 2]) if cap is not None)
         # A debt left by reconcile is internal; clients are told there is nothing left.
-        return None if level is None else max(0, math.floor(level + EPS))
+        remaining = min(max(0, math.floor(level + EPS)) for _, level in pairs)  # type: ignore[operator]
+        reset = max(max(0.0, (cap - level) * 60.0 / cap) for cap, level in pairs)  # type: ignore[operator]
+        return limit, remaining, reset
 
-    def reset(limit: int | None, level: float | None) -> float:
-        if limit is None or level is None:
-            return 0.0
-        return max(0.0, (limit - level) * 60.0 / limit)
-
+    limit_requests, remaining_requests, reset_requests = kind(0)
+    limit_tokens, remaining_tokens, reset_tokens = kind(1)
     return Decision(
         allowed=refused is None,
         reason=refused,
         retry_after_s=retry_after_s,
-        limit_requests=limits.rpm,
-        remaining_requests=remaining(requests_level),
-        reset_requests_s=reset(limits.rpm, requests_level),
-        limit_tokens=limits.tpm,
-        remaining_tokens=remaining(tokens_level),
-        reset_tokens_s=reset(limits.tpm, tokens_level),
+        limit_requests=limit_requests,
+        remaining_requests=remaining_requests,
+        reset_requests_s=reset_requests,
+        limit_tokens=limit_tokens,
+        remaining_tokens=remaining_tokens,
+        reset_tokens_s=reset_tokens,
     )
 
 

@@ -1,7 +1,8 @@
-"""Admission control for the gateway: per-API-key requests-per-minute and tokens-per-minute limits
-kept as token buckets (in process memory for one gateway here, or in Redis so that several
-gateways share them: `ratelimit_redis.py`), and the OpenAI-style rate-limit headers that report
-them (`rate_decision.py`). (Monthly quotas and concurrency ceilings are in `quota.py`.)"""
+"""Admission control for the gateway: per-API-key requests-per-minute and tokens-per-minute
+limits, and the tenant's ceilings as buckets all its keys share, kept as token buckets (in
+process memory for one gateway here, or in Redis so that several gateways share them:
+`ratelimit_redis.py`), and the OpenAI-style rate-limit headers that report them
+(`rate_decision.py`). (Monthly quotas and concurrency ceilings are in `quota.py`.)"""
 
 from __future__ import annotations
 
@@ -72,36 +73,40 @@ class MemoryRateLimiter:
         self._acquires += 1
         if self._acquires % _SWEEP_EVERY == 0:
             self._sweep(now)
-        requests_key, tokens_key = (key_id, "requests"), (key_id, "tokens")
-        requests = None if limits.rpm is None else self._level(requests_key, limits.rpm, now)
-        available = None if limits.tpm is None else self._level(tokens_key, limits.tpm, now)
-
+        buckets = limits.buckets(key_id)
+        needs = [1, tokens, 1, tokens]
+        levels = [
+            None if cap is None else self._level((owner, kind), cap, now)
+            for owner, kind, cap in buckets
+        ]
         refused: str | None = None
         retry = 0.0
-        if limits.tpm is not None and tokens > limits.tpm:
+        if any(cap is not None and tokens > cap for _, kind, cap in buckets if kind == "tokens"):
             refused, retry = "tokens", 60.0
-        elif limits.rpm is not None and requests is not None and requests < 1 - EPS:
-            refused, retry = "requests", (1 - requests) * 60.0 / limits.rpm
-        elif limits.tpm is not None and available is not None and available < tokens - EPS:
-            refused, retry = "tokens", (tokens - available) * 60.0 / limits.tpm
-
+        else:
+            # The key's requests, then its tokens, then the tenant's: the first short one says.
+            for (_, kind, cap), level, need in zip(buckets, levels, needs, strict=True):
+                if cap is not None and level is not None and level < need - EPS:
+                    refused, retry = kind, (need - level) * 60.0 / cap
+                    break
         if refused is None:
-            if limits.rpm is not None and requests is not None:
-                requests -= 1
-                self._buckets[requests_key] = _Bucket(requests, now, limits.rpm)
-            if limits.tpm is not None and available is not None:
-                available -= tokens
-                self._buckets[tokens_key] = _Bucket(available, now, limits.tpm)
-        return decision(limits, refused, retry, requests, available)
+            for i, ((owner, kind, cap), level) in enumerate(zip(buckets, levels, strict=True)):
+                if cap is not None and level is not None:
+                    levels[i] = level - needs[i]
+                    self._buckets[(owner, kind)] = _Bucket(level - needs[i], now, cap)
+        return decision(limits, refused, retry, levels)
 
     async def reconcile(self, key_id: str, limits: Limits, reserved: int, actual: int) -> None:
         delta = reserved - actual
-        if limits.tpm is None or delta == 0:
+        if delta == 0:
             return
         now = self._clock()
-        key = (key_id, "tokens")
-        level = self._level(key, limits.tpm, now) + delta
-        self._buckets[key] = _Bucket(min(float(limits.tpm), level), now, limits.tpm)
+        for owner, kind, cap in limits.buckets(key_id):
+            if kind != "tokens" or cap is None:
+                continue
+            key = (owner, kind)
+            level = self._level(key, cap, now) + delta
+            self._buckets[key] = _Bucket(min(float(cap), level), now, cap)
 
     async def close(self) -> None:
         self._buckets.clear()

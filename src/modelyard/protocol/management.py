@@ -97,6 +97,7 @@ TENANT_CEILINGS = (
     "max_concurrent_batch_items",
     "max_endpoints",
     "max_replicas",
+    "max_storage_bytes",
 )
 
 
@@ -105,10 +106,18 @@ class TenantCeilings(BaseModel):
     what it may deploy. Its own admins can only tighten within them."""
 
     max_rpm: int | None = Field(
-        None, ge=1, le=INT32_MAX, description="Ceiling on each key's rpm_limit."
+        None,
+        ge=1,
+        le=INT32_MAX,
+        description="Requests per minute of all the tenant's keys together (and a ceiling on "
+        "each key's rpm_limit).",
     )
     max_tpm: int | None = Field(
-        None, ge=1, le=INT32_MAX, description="Ceiling on each key's tpm_limit."
+        None,
+        ge=1,
+        le=INT32_MAX,
+        description="Tokens per minute of all the tenant's keys together (and a ceiling on "
+        "each key's tpm_limit).",
     )
     max_concurrent_requests: int | None = Field(
         None, ge=1, le=INT32_MAX, description="Interactive requests in flight for the whole tenant."
@@ -118,7 +127,18 @@ class TenantCeilings(BaseModel):
     )
     max_endpoints: int | None = Field(None, ge=0, le=INT32_MAX, description="Live endpoints.")
     max_replicas: int | None = Field(
-        None, ge=0, le=INT32_MAX, description="Sum of the live endpoints' hardware.max_replicas."
+        None,
+        ge=0,
+        le=INT32_MAX,
+        description="Sum of the live endpoints' hardware.max_replicas (each endpoint's versions, "
+        "canaries included, run within its own).",
+    )
+    max_storage_bytes: int | None = Field(
+        None,
+        ge=0,
+        le=INT64_MAX,
+        description="Bytes of registry blobs and files the tenant may hold; unset: the "
+        "platform's tenant_storage_bytes.",
     )
 
 

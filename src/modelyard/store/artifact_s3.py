@@ -18,6 +18,7 @@ import hashlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import suppress
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -195,6 +196,20 @@ class S3ArtifactStore:
 
     def delete(self, sha256: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self.key(sha256))
+
+    def delete_unless_fresh(self, sha256: str, grace_s: float) -> bool:
+        """Delete the blob unless it was written in the last `grace_s` seconds; True if it
+        went. (S3 has no move-aside: a push of the same content landing between the check
+        and the delete, a window of one round trip, finds its blob missing when it registers
+        the version, and uploads it again.)"""
+        head = self._head(sha256)
+        if head is None:
+            return False
+        modified = head.get("LastModified")
+        if modified is not None and (datetime.now(UTC) - modified).total_seconds() < grace_s:
+            return False
+        self.delete(sha256)
+        return True
 
     def _start(self, expected_sha256: str | None) -> _Upload:
         if expected_sha256 is not None:

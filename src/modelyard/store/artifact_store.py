@@ -58,6 +58,10 @@ class BlobStore(Protocol):
 
     def delete(self, sha256: str) -> None: ...
 
+    def delete_unless_fresh(self, sha256: str, grace_s: float) -> bool:
+        """Delete the blob unless written in the last `grace_s` seconds; True if it went."""
+        ...
+
     def list(self) -> Iterator[StoredBlob]: ...
 
     def verify(self, sha256: str) -> None:

@@ -10,10 +10,13 @@ here, model blobs here or in S3.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import tempfile
+import time
+import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -161,6 +164,28 @@ class LocalArtifactStore:
 
     def delete(self, sha256: str) -> None:
         self.path(sha256).unlink(missing_ok=True)
+
+    def delete_unless_fresh(self, sha256: str, grace_s: float) -> bool:
+        """Delete the blob unless it was written in the last `grace_s` seconds (an upload of
+        the same content, whose hold is not recorded yet); True if it went. The bytes are moved
+        aside first and their age checked again there, so an upload that landed between the
+        check and the move is put back, and one that lands after it is left alone."""
+        path = self.path(sha256)
+        try:
+            if time.time() - path.stat().st_mtime < grace_s:
+                return False
+            aside = self.tmp / f"reclaim-{sha256}-{uuid.uuid4().hex}"
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            if time.time() - aside.stat().st_mtime < grace_s:
+                with contextlib.suppress(FileExistsError):  # a newer copy is in place
+                    os.link(aside, path)
+                return False
+            return True
+        finally:
+            aside.unlink(missing_ok=True)
 
     def list(self) -> Iterator[StoredBlob]:
         for path in sorted(self.blobs.glob("*/*")):

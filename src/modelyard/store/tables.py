@@ -46,6 +46,8 @@ class Tenant(Base):
     max_concurrent_batch_items: Mapped[int | None] = mapped_column(Integer)
     max_endpoints: Mapped[int | None] = mapped_column(Integer)
     max_replicas: Mapped[int | None] = mapped_column(Integer)
+    # Bytes of blobs (models, files) it may hold; None: the platform's tenant_storage_bytes.
+    max_storage_bytes: Mapped[int | None] = mapped_column(BigInteger)
     # The tenant's own webhook signing secret (Standard Webhooks `whsec_…`), made on first use.
     webhook_secret: Mapped[str | None] = mapped_column(String(100))
 
