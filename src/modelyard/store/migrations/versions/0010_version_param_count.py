@@ -3,7 +3,7 @@
 NULL for versions pushed before this revision: the platform computes it once, off its event
 loop with the bounded parser (`core/model_files.py`), and stores it.
 
-Revision ID: h1_0010
+Revision ID: 0010
 Revises: 0009
 Create Date: 2026-12-04 21:00:00.000000
 """
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "h1_0010"
+revision: str = "0010"
 down_revision: str | None = "0009"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None

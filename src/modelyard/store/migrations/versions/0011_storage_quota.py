@@ -1,7 +1,7 @@
 """a tenant's storage quota (owner: h6a, tenant-wide ceilings)
 
-Revision ID: 0010_h6a
-Revises: 0009
+Revision ID: 0011
+Revises: 0010
 Create Date: 2026-12-04 21:00:00.000000
 """
 
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0010_h6a"
-down_revision: str | None = "0009"
+revision: str = "0011"
+down_revision: str | None = "0010"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
