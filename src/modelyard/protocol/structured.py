@@ -9,9 +9,11 @@ the worker (`modelyard.worker.structured`); whether a schema compiles, by the gr
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from modelyard.protocol.bounds import MAX_GUIDED_CHOICES, JSONObject, SpecText, Text
 
 # OpenAI's rule for a json_schema name.
 SCHEMA_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -30,9 +32,9 @@ class ResponseFormatJSONObject(BaseModel):
 class JSONSchemaSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = Field(pattern=SCHEMA_NAME_PATTERN)
-    description: str | None = None
+    description: Text | None = None
     # `schema` would shadow a BaseModel attribute: schema_ here, `schema` on the wire.
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: JSONObject | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -53,7 +55,7 @@ class StructuredFields(BaseModel):
 
     response_format: ResponseFormat | None = None
     # vLLM's extras: a JSON schema (object or JSON text), a regex, a list of choices, an EBNF.
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_json: JSONObject | SpecText | None = None
+    guided_regex: SpecText | None = None
+    guided_choice: Annotated[list[SpecText], Field(max_length=MAX_GUIDED_CHOICES)] | None = None
+    guided_grammar: SpecText | None = None
