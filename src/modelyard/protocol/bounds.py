@@ -70,11 +70,35 @@ def bounded_json(value: Any) -> Any:
     return value
 
 
-Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
-Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
-Word = Annotated[str, Field(max_length=MAX_WORD_CHARS)]
-SpecText = Annotated[str, Field(max_length=MAX_SPEC_CHARS)]
+def at_most(value: Any, limit: int, what: str = "characters") -> Any:
+    """`value` (a text or a list) if it holds at most `limit` characters or items."""
+    if value is not None and len(value) > limit:
+        raise ValueError(f"at most {limit} {what} are allowed here, got {len(value)}")
+    return value
+
+
+def _chars(limit: int) -> AfterValidator:
+    # Checked after the plain `str` schema: a length constraint inside pydantic-core would
+    # refuse a lone surrogate with its own message, before the schemas' own check names it.
+    return AfterValidator(lambda value: at_most(value, limit))
+
+
+# Plain-typed fields only: in a union, an error's location would carry pydantic's member tag
+# (`content.function-after[...]`), so union fields check `at_most` in their own validator.
+Text = Annotated[str, _chars(MAX_TEXT_CHARS)]
+Name = Annotated[str, _chars(MAX_NAME_CHARS)]
+Word = Annotated[str, _chars(MAX_WORD_CHARS)]
+SpecText = Annotated[str, _chars(MAX_SPEC_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD)]
 JSONObject = Annotated[dict[str, Any], AfterValidator(bounded_json)]
 EchoedList = Annotated[list[Any], Field(max_length=MAX_ECHOED_ITEMS), AfterValidator(bounded_json)]
+
+
+def check_token_ids(ids: list[int], where: str) -> None:
+    """Token ids given as a prompt or input: within a plausible vocabulary (the model's own is
+    checked by the worker)."""
+    at_most(ids, MAX_TOKENS_FIELD, "token ids")
+    for token in ids:
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise ValueError(f"{where} holds {token}, not a token id")

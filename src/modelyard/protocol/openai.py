@@ -27,8 +27,8 @@ from modelyard.protocol.bounds import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEXT_CHARS,
     MAX_TOKEN_ID,
-    MAX_TOKENS_FIELD,
     MAX_TOOL_CALLS,
     EchoedList,
     Name,
@@ -36,6 +36,8 @@ from modelyard.protocol.bounds import (
     TokenCount,
     TokenId,
     Word,
+    at_most,
+    check_token_ids,
 )
 from modelyard.protocol.structured import StructuredFields
 from modelyard.protocol.tools import FunctionCall, ToolCall, ToolFields
@@ -50,7 +52,6 @@ MAX_CACHE_SALT_CHARS = 256
 MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI
 # Prompts of one completions request (each a sequence of its own).
 MAX_PROMPTS = 64
-TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKENS_FIELD)]
 
 
 def _check_text(value: str, where: str) -> str:
@@ -119,7 +120,7 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Text | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    content: str | list[ContentPart] | None = None
     name: Name | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: Name | None = None
@@ -135,8 +136,10 @@ class ChatMessage(BaseModel):
         cls, value: str | list[ContentPart] | None
     ) -> str | list[ContentPart] | None:
         if isinstance(value, str):
+            at_most(value, MAX_TEXT_CHARS)
             _check_text(value, "content")
         elif value is not None:
+            at_most(value, MAX_CONTENT_PARTS, "content parts")
             for i, part in enumerate(value):
                 text = part.text if isinstance(part, TextPart) else part.refusal
                 _check_text(text, f"content[{i}]")
@@ -316,7 +319,7 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: TokenCount | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -332,11 +335,17 @@ class CompletionRequest(SamplingFields):
         if batched and len(value) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         if isinstance(value, str):
+            at_most(value, MAX_TEXT_CHARS)
             _check_text(value, "prompt")
+        elif not batched:
+            check_token_ids(value, "prompt")  # type: ignore[arg-type]
         else:
             for i, item in enumerate(value):
                 if isinstance(item, str):
+                    at_most(item, MAX_TEXT_CHARS)
                     _check_text(item, f"prompt[{i}]")
+                else:
+                    check_token_ids(item, f"prompt[{i}]")
         return value
 
     def unsupported(self) -> str | None:

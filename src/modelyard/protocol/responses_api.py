@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 from modelyard.protocol.bounds import (
     MAX_CONTENT_PARTS,
     MAX_MESSAGES,
+    MAX_TEXT_CHARS,
     MAX_TOKEN_ID,
     EchoedList,
     JSONObject,
@@ -28,6 +29,7 @@ from modelyard.protocol.bounds import (
     Text,
     TokenCount,
     Word,
+    at_most,
 )
 from modelyard.protocol.openai import MAX_CACHE_SALT_CHARS, StreamOptions, StrictRequest, refused
 from modelyard.protocol.structured import JSONSchemaSpec
@@ -55,9 +57,16 @@ class MessageItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Text | Annotated[list[Part], Field(max_length=MAX_CONTENT_PARTS)]
+    content: str | list[Part]
     id: Name | None = None
     status: Word | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _bounded(cls, value: str | list[Part]) -> str | list[Part]:
+        if isinstance(value, str):
+            return at_most(value, MAX_TEXT_CHARS)
+        return at_most(value, MAX_CONTENT_PARTS, "content parts")
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -184,7 +193,7 @@ def _check_kinds(data: dict[str, Any]) -> None:
 
 class ResponsesRequest(StrictRequest):
     model: Name = Field(min_length=1)
-    input: Text | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES)]
+    input: str | list[InputItem]
     instructions: Text | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
@@ -229,6 +238,13 @@ class ResponsesRequest(StrictRequest):
         if isinstance(data, dict):
             _check_kinds(data)
         return data
+
+    @field_validator("input")
+    @classmethod
+    def _bounded_input(cls, value: str | list[InputItem]) -> str | list[InputItem]:
+        if isinstance(value, str):
+            return at_most(value, MAX_TEXT_CHARS)
+        return at_most(value, MAX_MESSAGES, "input items")
 
     @field_validator("store")
     @classmethod
