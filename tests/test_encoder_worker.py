@@ -156,6 +156,17 @@ def test_embedding_errors_are_openai_shaped(url: str, client: openai.OpenAI) -> 
     assert {m.id for m in client.models.list()} == {"minilm", "clf", "clf-onnx"}
 
 
+def test_a_huge_input_is_refused_by_its_characters_before_tokenizing(url: str) -> None:
+    # Issue 27: 7.5 MB of text, under the body cap, tokenized in the shared encoder thread for
+    # seconds (every tenant's embeddings waiting) only to be refused for its token count.
+    status, error = _openai_error(url, {"model": "minilm", "input": ["ok", "word " * 1_500_000]})
+    assert status == 400 and error["param"] == "input", error
+    assert "input 1 has 7500000 characters" in str(error["message"]), error
+    assert httpx.post(
+        f"{url}/v1/embeddings", json={"model": "minilm", "input": "ok"}, timeout=60
+    ).is_success
+
+
 # ----- Open Inference Protocol v2 ----------------------------------------------------------------
 
 

@@ -37,6 +37,21 @@ class InputTooLong(EncoderInputError):
         self.limit = limit
 
 
+class InputTooManyChars(EncoderInputError):
+    """A text longer in characters than the model's token limit can hold, refused before it
+    is tokenized (`modelyard.encoders.tokens.InputTokenizer.max_chars`)."""
+
+    def __init__(self, index: int, n_chars: int, max_chars: int, limit: int) -> None:
+        super().__init__(
+            index,
+            f"has {n_chars} characters, more than the {max_chars} that the model's limit of "
+            f"{limit} tokens can hold (inputs are not truncated: shorten it)",
+        )
+        self.n_chars = n_chars
+        self.max_chars = max_chars
+        self.limit = limit
+
+
 class InvalidTokenId(EncoderInputError):
     def __init__(self, index: int, token: int, vocab_size: int) -> None:
         super().__init__(index, f"holds token id {token}, outside the vocabulary [0, {vocab_size})")

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from modelyard.encoders.errors import InputTooLong, InvalidTokenId
+from modelyard.encoders.errors import InputTooLong, InputTooManyChars, InvalidTokenId
 
 # Tokenizers without a real limit report a huge sentinel as their model_max_length.
 _NO_LIMIT = 10**6
@@ -47,6 +47,19 @@ def config_max_length(config: Any, tokenizer: Any) -> int:
     return min(limits) if limits else 512
 
 
+def max_chars_per_token(tokenizer: Any) -> int:
+    """An upper bound on the characters one token of a transformers tokenizer spells: its
+    longest vocabulary entry plus one (a decoder's joining space), times 4 where a normalizer
+    composes Unicode (as `modelyard.engine.tokenizer.Tokenizer.max_chars_per_token`). Text a
+    tokenizer would drop (whitespace, accents) still counts."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = backend.normalizer if backend is not None else None
+    state = normalizer.__getstate__().decode() if normalizer is not None else ""
+    composes = any(f'"{kind}"' in state for kind in ("NFC", "NFKC", "Precompiled"))
+    return (longest + 1) * (4 if composes else 1)
+
+
 def _special_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
     """The special tokens the tokenizer puts before and after a single text's tokens."""
     probe = "hello"
@@ -69,10 +82,20 @@ class InputTokenizer:
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
         self.vocab_size = len(self.tokenizer)
         self.prefix, self.suffix = _special_frame(self.tokenizer)
+        self.chars_per_token = max_chars_per_token(self.tokenizer)
+
+    @property
+    def max_chars(self) -> int:
+        """The most characters an input of `max_length` tokens can spell: a longer text is
+        refused before the tokenizer spends time on it."""
+        return self.max_length * self.chars_per_token
 
     def ids(self, inputs: Inputs) -> list[list[int]]:
         """Token ids of each input, special tokens included; long inputs are refused."""
         texts = [i for i, x in enumerate(inputs) if isinstance(x, str)]
+        for i in texts:
+            if len(inputs[i]) > self.max_chars:
+                raise InputTooManyChars(i, len(inputs[i]), self.max_chars, self.max_length)
         out: list[list[int]] = [[] for _ in inputs]
         if texts:
             # truncation/padding off overrides what a tokenizer.json may configure (MiniLM's

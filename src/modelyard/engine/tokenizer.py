@@ -21,6 +21,8 @@ _CLEAN_UP = (
     (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
 )  # fmt: skip
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+# Normalizers that compose Unicode (SentencePiece's precompiled charsmap is NFKC-based).
+_COMPOSING = ("NFC", "NFKC", "Precompiled")
 
 
 class ChatTemplateError(ValueError):
@@ -152,6 +154,26 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text, with the GIL released while the tokenizer runs (its
+        `encode_batch` releases it, `encode` does not): for a thread off an event loop."""
+        encodings = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [list(e.ids) for e in encodings]
+
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters of text one token stands for: the longest entry of
+        the vocabulary (byte-level entries spell a byte per character, SentencePiece's `▁` one
+        space, byte-fallback `<0x41>` one byte, WordPiece's `##` nothing), plus one for a
+        decoder that joins words with a space, times 4 where a normalizer composes Unicode
+        (NFC/NFKC join at most 4 code points into one: Unicode's longest canonical
+        decompositions, such as U+1F82, are 4 long)."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        longest = max((len(token) for token in vocab), default=1)
+        normalizer = self.backend.normalizer
+        state = normalizer.__getstate__().decode() if normalizer is not None else ""
+        composes = any(f'"{kind}"' in state for kind in _COMPOSING)
+        return (longest + 1) * (4 if composes else 1)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         text = str(self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens))

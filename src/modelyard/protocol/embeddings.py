@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import Field, StrictInt, StrictStr, field_validator
 
+from modelyard.protocol.bounds import MAX_TEXT_CHARS, Name, at_most, check_token_ids
 from modelyard.protocol.errors import bad_request
 from modelyard.protocol.openai import StrictRequest
 
@@ -23,10 +24,26 @@ MAX_INPUTS = 2048  # OpenAI's own limit on the inputs of one request
 
 class EmbeddingRequest(StrictRequest):
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    model: str = Field(min_length=1)
+    model: Name = Field(min_length=1)
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
+    dimensions: int | None = Field(None, ge=1, le=2**16)
+    user: Name | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        # Each text or token list as the bounds say (its length against the model's own limit
+        # is the encoder's check); the count of inputs is `inputs()`'s, with OpenAI's message.
+        items = (
+            [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
+        )
+        at_most(items, 32 * MAX_INPUTS, "inputs")
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                at_most(item, MAX_TEXT_CHARS)
+            else:
+                check_token_ids(item, f"input[{i}]")
+        return value
 
     def inputs(self) -> list[str] | list[list[int]]:
         """The inputs as a list, checked against OpenAI's limits (400 naming `input`)."""

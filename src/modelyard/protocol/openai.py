@@ -21,6 +21,24 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from modelyard.protocol.bounds import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEXT_CHARS,
+    MAX_TOKEN_ID,
+    MAX_TOOL_CALLS,
+    EchoedList,
+    Name,
+    Text,
+    TokenCount,
+    TokenId,
+    Word,
+    at_most,
+    check_token_ids,
+)
 from modelyard.protocol.structured import StructuredFields
 from modelyard.protocol.tools import FunctionCall, ToolCall, ToolFields
 
@@ -32,6 +50,8 @@ MAX_CACHE_SALT_CHARS = 256
 
 
 MAX_LOGIT_BIAS_TOKENS = 300  # as OpenAI
+# Prompts of one completions request (each a sequence of its own).
+MAX_PROMPTS = 64
 
 
 def _check_text(value: str, where: str) -> str:
@@ -82,13 +102,13 @@ class StreamOptions(BaseModel):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class RefusalPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["refusal"]
-    refusal: str
+    refusal: Text
 
 
 ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
@@ -101,13 +121,13 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+    name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Name | None = None
     function_call: FunctionCall | None = None
-    refusal: str | None = None
+    refusal: Text | None = None
     # Output-only fields an SDK may echo back with an assistant message: null or ignored.
-    annotations: list[Any] | None = None
+    annotations: EchoedList | None = None
     audio: dict[str, Any] | None = None
 
     @field_validator("content")
@@ -116,8 +136,10 @@ class ChatMessage(BaseModel):
         cls, value: str | list[ContentPart] | None
     ) -> str | list[ContentPart] | None:
         if isinstance(value, str):
+            at_most(value, MAX_TEXT_CHARS)
             _check_text(value, "content")
         elif value is not None:
+            at_most(value, MAX_CONTENT_PARTS, "content parts")
             for i, part in enumerate(value):
                 text = part.text if isinstance(part, TextPart) else part.refusal
                 _check_text(text, f"content[{i}]")
@@ -156,23 +178,25 @@ class ChatMessage(BaseModel):
 
 
 class SamplingFields(StructuredFields, StrictRequest):
-    model: str = Field(min_length=1)
+    model: Name = Field(min_length=1)
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(
+        None, description=f"At most {MAX_STOP_SEQUENCES} strings of {MAX_STOP_CHARS} characters."
+    )
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # Accepted, not used for generation (OpenAI uses it for abuse monitoring only).
-    user: str | None = None
+    user: Name | None = None
     # Beyond OpenAI, as in vLLM.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_ID)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=0, le=9, description="0 interactive (first), higher is later.")
@@ -194,7 +218,11 @@ class SamplingFields(StructuredFields, StrictRequest):
     def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
         if isinstance(value, str):
             value = [value]
+        if len(value or ()) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
         for i, stop in enumerate(value or ()):
+            if len(stop) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters")
             _check_text(stop, f"stop[{i}]")
         return value
 
@@ -210,7 +238,7 @@ class SamplingFields(StructuredFields, StrictRequest):
         if len(value or ()) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} tokens")
         for key, bias in (value or {}).items():
-            if not key.isdigit() or not key.isascii():
+            if not key.isdigit() or not key.isascii() or len(key) > 10:
                 raise ValueError(f"logit_bias keys must be token ids, got {key[:20]!r}")
             if not -100.0 <= bias <= 100.0:  # NaN fails too
                 raise ValueError(f"logit_bias values must be between -100 and 100, got {bias}")
@@ -224,27 +252,27 @@ class SamplingFields(StructuredFields, StrictRequest):
 
 
 class ChatCompletionRequest(ToolFields, SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # OpenAI's fields that ask for what this server does not do: refused unless left at the
     # value that asks for nothing (see docs/api.md).
-    modalities: list[str] | None = None
+    modalities: Annotated[list[Word], Field(max_length=8)] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
-    service_tier: str | None = None
+    reasoning_effort: Word | None = None
+    verbosity: Word | None = None
+    service_tier: Word | None = None
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     web_search_options: dict[str, Any] | None = None
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: Word | None = None
     # Accepted, no effect on the answer: identifiers for abuse monitoring and cache routing
     # (the prefix cache here is automatic).
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    safety_identifier: Name | None = None
+    prompt_cache_key: Name | None = None
 
     @field_validator("modalities")
     @classmethod
@@ -292,23 +320,32 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: TokenCount | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=128)
+    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
     def _prompt_is_text(
         cls, value: str | list[str] | list[int] | list[list[int]]
     ) -> str | list[str] | list[int] | list[list[int]]:
+        batched = not isinstance(value, str) and value and not isinstance(value[0], int)
+        if batched and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         if isinstance(value, str):
+            at_most(value, MAX_TEXT_CHARS)
             _check_text(value, "prompt")
+        elif not batched:
+            check_token_ids(value, "prompt")  # type: ignore[arg-type]
         else:
             for i, item in enumerate(value):
                 if isinstance(item, str):
+                    at_most(item, MAX_TEXT_CHARS)
                     _check_text(item, f"prompt[{i}]")
+                else:
+                    check_token_ids(item, f"prompt[{i}]")
         return value
 
     def unsupported(self) -> str | None:

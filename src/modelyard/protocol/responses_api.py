@@ -18,23 +18,36 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from modelyard.protocol.bounds import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_TEXT_CHARS,
+    MAX_TOKEN_ID,
+    EchoedList,
+    JSONObject,
+    Name,
+    Text,
+    TokenCount,
+    Word,
+    at_most,
+)
 from modelyard.protocol.openai import MAX_CACHE_SALT_CHARS, StreamOptions, StrictRequest, refused
 from modelyard.protocol.structured import JSONSchemaSpec
-from modelyard.protocol.tools import NAME_PATTERN, check_parameters
+from modelyard.protocol.tools import MAX_TOOLS, NAME_PATTERN, check_parameters
 
 
 class InputText(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["input_text", "output_text", "text"]
-    text: str
-    annotations: list[Any] | None = None  # output-only, echoed back by clients: ignored
-    logprobs: list[Any] | None = None  # idem
+    text: Text
+    annotations: EchoedList | None = None  # output-only, echoed back by clients: ignored
+    logprobs: EchoedList | None = None  # idem
 
 
 class Refusal(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["refusal"]
-    refusal: str
+    refusal: Text
 
 
 Part = Annotated[InputText | Refusal, Field(discriminator="type")]
@@ -45,8 +58,15 @@ class MessageItem(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Part]
-    id: str | None = None
-    status: str | None = None
+    id: Name | None = None
+    status: Word | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _bounded(cls, value: str | list[Part]) -> str | list[Part]:
+        if isinstance(value, str):
+            return at_most(value, MAX_TEXT_CHARS)
+        return at_most(value, MAX_CONTENT_PARTS, "content parts")
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -58,19 +78,19 @@ class FunctionCallItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=256)
-    name: str
-    arguments: str
-    id: str | None = None
-    status: str | None = None
+    name: Name
+    arguments: Text
+    id: Name | None = None
+    status: Word | None = None
 
 
 class FunctionCallOutputItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=256)
-    output: str
-    id: str | None = None
-    status: str | None = None
+    output: Text
+    id: Name | None = None
+    status: Word | None = None
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
@@ -82,8 +102,8 @@ class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     name: str = Field(pattern=NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
+    description: Text | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
     @field_validator("parameters")
@@ -112,8 +132,8 @@ class TextFormatJSONSchema(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["json_schema"]
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
+    description: Text | None = None
+    schema_: JSONObject = Field(alias="schema")
     strict: bool | None = None
 
     def spec(self) -> JSONSchemaSpec:
@@ -130,7 +150,7 @@ TextFormat = Annotated[
 class TextConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: TextFormat | None = None
-    verbosity: str | None = None
+    verbosity: Word | None = None
 
     @field_validator("verbosity")
     @classmethod
@@ -172,38 +192,38 @@ def _check_kinds(data: dict[str, Any]) -> None:
 
 
 class ResponsesRequest(StrictRequest):
-    model: str = Field(min_length=1)
+    model: Name = Field(min_length=1)
     input: str | list[InputItem]
-    instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    instructions: Text | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: TokenCount | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted, no effect on the answer (abuse monitoring, cache routing).
-    user: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    service_tier: str | None = None
+    user: Name | None = None
+    safety_identifier: Name | None = None
+    prompt_cache_key: Name | None = None
+    service_tier: Word | None = None
     truncation: Literal["disabled"] | None = None
     # Stateless: refused unless they ask for nothing.
     store: bool | None = None
-    previous_response_id: str | None = None
+    previous_response_id: Name | None = None
     conversation: Any = None
     background: bool | None = None
-    metadata: dict[str, str] | None = None
-    include: list[str] | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    include: Annotated[list[Name], Field(max_length=64)] | None = None
     reasoning: dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: Word | None = None
     # Beyond OpenAI, as on chat (endpoint sampling defaults arrive as these).
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_ID)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -218,6 +238,13 @@ class ResponsesRequest(StrictRequest):
         if isinstance(data, dict):
             _check_kinds(data)
         return data
+
+    @field_validator("input")
+    @classmethod
+    def _bounded_input(cls, value: str | list[InputItem]) -> str | list[InputItem]:
+        if isinstance(value, str):
+            return at_most(value, MAX_TEXT_CHARS)
+        return at_most(value, MAX_MESSAGES, "input items")
 
     @field_validator("store")
     @classmethod

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from modelyard.protocol.bounds import (
+    MAX_GUIDED_CHOICES,
+    MAX_SPEC_CHARS,
+    JSONObject,
+    SpecText,
+    Text,
+    at_most,
+    bounded_json,
+)
 
 # OpenAI's rule for a json_schema name.
 SCHEMA_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -30,9 +40,9 @@ class ResponseFormatJSONObject(BaseModel):
 class JSONSchemaSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = Field(pattern=SCHEMA_NAME_PATTERN)
-    description: str | None = None
+    description: Text | None = None
     # `schema` would shadow a BaseModel attribute: schema_ here, `schema` on the wire.
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: JSONObject | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -54,6 +64,13 @@ class StructuredFields(BaseModel):
     response_format: ResponseFormat | None = None
     # vLLM's extras: a JSON schema (object or JSON text), a regex, a list of choices, an EBNF.
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: SpecText | None = None
+    guided_choice: Annotated[list[SpecText], Field(max_length=MAX_GUIDED_CHOICES)] | None = None
+    guided_grammar: SpecText | None = None
+
+    @field_validator("guided_json")
+    @classmethod
+    def _bounded_json(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        if isinstance(value, str):
+            return at_most(value, MAX_SPEC_CHARS)
+        return bounded_json(value)

@@ -9,9 +9,11 @@ OpenAI's rule (`^[a-zA-Z0-9_-]{1,64}$`), so a name can be quoted in a prompt and
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from modelyard.protocol.bounds import JSONObject, Name, Text
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_TOOLS = 128  # OpenAI's own limit
@@ -22,8 +24,8 @@ class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=NAME_PATTERN)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
+    description: Text | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
     @field_validator("parameters")
@@ -81,8 +83,8 @@ class FunctionCall(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    arguments: str = ""
+    name: Name
+    arguments: Text = ""
 
 
 class ToolCall(BaseModel):
@@ -106,10 +108,12 @@ def check_tools(tools: list[ChatTool]) -> list[ChatTool]:
 class ToolFields(BaseModel):
     """The tool-calling fields of a chat request, legacy ones included."""
 
-    tools: list[ChatTool] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[FunctionDefinition] | None = Field(None, description="Deprecated: tools.")
+    functions: Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="Deprecated: tools."
+    )
     function_call: FunctionCallChoice | None = Field(None, description="Deprecated: tool_choice.")
 
     @field_validator("tools")

@@ -10,10 +10,13 @@ constraint, parsing) `modelyard.worker.tools`'s, and a stream with tools
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -24,12 +27,18 @@ from modelyard.engine.structured import StructuredOutput
 from modelyard.engine.tokenizer import ChatTemplateError
 from modelyard.protocol.disconnect import run_until_disconnect
 from modelyard.protocol.errors import APIError, bad_request
-from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from modelyard.protocol.openai import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from modelyard.protocol.responses import JSONResponse
 from modelyard.worker.admission import admit, check_choices
 from modelyard.worker.fanout import FanOut, streaming_response
 from modelyard.worker.logprobs import chat_logprobs, completion_logprobs
 from modelyard.worker.metrics import WorkerMetrics
+from modelyard.worker.prompt_bounds import PromptBudget
 from modelyard.worker.structured import (
     compile_structured,
     structured_field,
@@ -48,7 +57,11 @@ from modelyard.worker.tools import (
     tool_constraint,
 )
 
-MAX_PROMPTS = 64
+T = TypeVar("T")
+# Threads that render chat templates and tokenize prompts, off the event loop that also answers
+# /health. The tokenizer releases the GIL while it runs (`Tokenizer.encode_many`); a template
+# renders in Python, bounded by the prompt's character budget (`PromptBudget`).
+PROMPT_THREADS = 4
 
 
 class OpenAIServing:
@@ -60,6 +73,16 @@ class OpenAIServing:
         self.model_type = engine.engine.model_config.model_type
         self.fanout = FanOut(engine, metrics)
         self.created = int(time.time())
+        self.budget = PromptBudget(
+            engine.engine.max_model_len, self.tokenizer.max_chars_per_token()
+        )
+        self._prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, "modelyard-prompt")
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on a prompt thread (with this request's context: its logs' request id)."""
+        context = contextvars.copy_context()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prompt_threads, context.run, fn, *args)
 
     # ----- shared ----------------------------------------------------------------------------
 
@@ -98,11 +121,7 @@ class OpenAIServing:
         lora = self._check_model(req, None)
         plan = plan_tools(req)
         renders_tools = self.tokenizer.template_supports_tools
-        messages, tools = template_messages(req.messages, plan, renders_tools)
-        try:
-            prompt = self.tokenizer.encode_chat(messages, tools)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages", "invalid_messages") from exc
+        prompt = await self._off_loop(self._chat_prompt, req, plan, renders_tools)
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -113,6 +132,22 @@ class OpenAIServing:
         params = admit(self.engine.engine, req, prompt, max_tokens, k, "messages", structured, lora)
         parser = parser_for(self.model_type, self.tokenizer.chat_template, renders_tools)
         return ChatJob(prompt, params, plan, parser, k)
+
+    def _chat_prompt(
+        self, req: ChatCompletionRequest, plan: ToolPlan, renders_tools: bool
+    ) -> list[int]:
+        """On a prompt thread: the messages and tools bounded against the context, then
+        rendered by the chat template and tokenized."""
+        self.budget.check_chat(req)
+        messages, tools = template_messages(req.messages, plan, renders_tools)
+        try:
+            text = self.tokenizer.render_chat(messages, tools=tools)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages", "invalid_messages") from exc
+        # The rendered template already holds the special tokens (BOS included) it wants.
+        prompt = self.tokenizer.encode_many([text], add_special_tokens=False)[0]
+        self.budget.check_tokens(len(prompt), "messages")
+        return prompt
 
     async def _chat_constraint(
         self, req: ChatCompletionRequest, plan: ToolPlan
@@ -214,23 +249,31 @@ class OpenAIServing:
     # ----- completions -----------------------------------------------------------------------
 
     def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        """On a prompt thread: the prompts' token ids, each text bounded against the context
+        before it is tokenized."""
         if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt)]
-        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompt = [prompt]
+        if prompt and all(isinstance(p, int) for p in prompt):
             prompts = [list(prompt)]  # type: ignore[arg-type]
         elif prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [self.tokenizer.encode(p) for p in prompt]  # type: ignore[arg-type]
+            if len(prompt) > MAX_PROMPTS:
+                raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+            for text in prompt:
+                self.budget.check_text(text)  # type: ignore[arg-type]
+            prompts = self.tokenizer.encode_many(prompt)  # type: ignore[arg-type]
         elif prompt and all(isinstance(p, list) for p in prompt):
             prompts = [list(p) for p in prompt]  # type: ignore[arg-type]
         else:
             raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")
         if len(prompts) > MAX_PROMPTS:
             raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+        for ids in prompts:
+            self.budget.check_tokens(len(ids), "prompt")
         return prompts
 
     async def completion(self, req: CompletionRequest, request: Request) -> Any:
         lora = self._check_model(req, req.unsupported())
-        prompts = self._prompts(req.prompt)
+        prompts = await self._off_loop(self._prompts, req.prompt)
         check_choices(len(prompts), req.n)
         engine = self.engine.engine
         structured = await structured_for(engine, req)
