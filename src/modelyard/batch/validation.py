@@ -14,6 +14,8 @@ from typing import Any
 
 import orjson
 
+from modelyard.protocol.json_depth import too_deep
+
 MAX_LINES = 50_000
 MAX_CUSTOM_ID = 500
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
@@ -93,6 +95,10 @@ def validate_file(path: Path, endpoint: str) -> tuple[list[GoodLine], list[BadLi
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError as exc:
                 bad.append(BadLine(n, None, "invalid_json_line", f"not valid JSON: {exc}"))
+                continue
+            deep = too_deep(raw)
+            if deep is not None:
+                bad.append(BadLine(n, None, "json_too_deep", deep))
                 continue
             result = _check(obj, n, endpoint, seen)
             (good if isinstance(result, GoodLine) else bad).append(result)  # type: ignore[arg-type]

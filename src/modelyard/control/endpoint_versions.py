@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from modelyard.config import PlatformSettings
 from modelyard.control import deploy as validation
-from modelyard.control.autoscaler import Autoscaler, ScalingPolicy
+from modelyard.control import endpoint_config
+from modelyard.control.autoscaler import Autoscaler
 from modelyard.control.canary import SloPolicy
 from modelyard.control.model_kind import LLM
 from modelyard.control.scaling import LoadTracker
@@ -141,12 +142,13 @@ class VersionVerbs:
         principal.require("admin")
         state = self._get(principal, endpoint_id)
         row = state.row
+        # The new policy is built before anything changes: a bad one changes nothing.
+        policy = None if scaling is None else endpoint_config.parse_scaling(row.hardware, scaling)
         if sampling is not None:
             row.sampling_defaults = sampling.model_dump(exclude_none=True)
             state.route.sampling_defaults = dict(row.sampling_defaults)
-        if scaling is not None:
+        if scaling is not None and policy is not None:
             row.scaling = scaling.model_dump()
-            policy = ScalingPolicy.from_deploy(row.hardware, row.scaling)
             state.autoscaler = Autoscaler(policy)
             state.load = LoadTracker(policy.metric)
 
