@@ -85,13 +85,15 @@ class Provisioning:
             model_name=row.model_name,
             public=row.public,
             version_id=row.version_id,
-            max_tokens_cap=1,
+            max_tokens_cap=2**31 - 1,  # never served: no request should fail on it first
         )
         state = EndpointState(row=row, route=route, desired=0)
         self.endpoints[row.id] = state
         self.refused.add(row.id)
         self.routing.publish(route)
-        message = f"its stored configuration is invalid ({reason}); delete it and deploy again"
+        message = (
+            f"its stored configuration is invalid ({reason[:500]}); delete it and deploy again"
+        )
         await self.statuses.set(state, EndpointStatus.FAILED, message, StatusTrigger.CONFIG_INVALID)
 
     async def _provision(self, state: EndpointState) -> None:
