@@ -1,0 +1,112 @@
+"""Hypothesis strategies for the management API's request bodies, from the pydantic models'
+own JSON schemas: valid bodies (every field within its bounds) and hostile ones (values at and
+past the bounds, unknown fields at any level, arbitrary JSON in place of a field, deep nesting).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+# Arbitrary JSON, a little of it nested.
+JSON: st.SearchStrategy[Any] = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def _nested(depth: int) -> Any:
+    value: Any = "x"
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+# Junk in place of a field: any JSON, a long string, a very deep object.
+JUNK = st.one_of(JSON, st.just("x" * 5000), st.sampled_from([_nested(70), _nested(300)]))
+
+
+def body(model: type[BaseModel], hostile: bool) -> st.SearchStrategy[dict[str, Any]]:
+    schema = model.model_json_schema()
+    return _value(schema, schema.get("$defs", {}), hostile)  # type: ignore[no-any-return]
+
+
+def _value(s: dict[str, Any], defs: dict[str, Any], hostile: bool) -> st.SearchStrategy[Any]:
+    plain = _plain(s, defs, hostile)
+    return st.one_of(plain, plain, plain, JUNK) if hostile else plain
+
+
+def _plain(s: dict[str, Any], defs: dict[str, Any], hostile: bool) -> st.SearchStrategy[Any]:
+    if "$ref" in s:
+        return _value(defs[s["$ref"].rsplit("/", 1)[1]], defs, hostile)
+    if "anyOf" in s:
+        return st.one_of([_value(x, defs, hostile) for x in s["anyOf"]])
+    if "enum" in s:
+        return st.sampled_from(s["enum"])
+    kind = s.get("type")
+    if kind == "null":
+        return st.none()
+    if kind == "boolean":
+        return st.booleans()
+    if kind in ("integer", "number"):
+        return _number(s, kind == "integer", hostile)
+    if kind == "string":
+        most = s.get("maxLength", 40)
+        text = st.text(min_size=s.get("minLength", 0), max_size=min(most, 40))
+        if "pattern" in s:
+            text = st.from_regex(s["pattern"], fullmatch=True)
+        return st.one_of(text, st.just("y" * (most + 1))) if hostile else text
+    if kind == "array":
+        items = _value(s.get("items", {}), defs, hostile) if s.get("items") else JSON
+        most = s.get("maxItems", 4)
+        lists = st.lists(items, min_size=s.get("minItems", 0), max_size=min(most, 4))
+        return (
+            st.one_of(lists, st.lists(items, min_size=most + 1, max_size=most + 1))
+            if hostile
+            else lists
+        )
+    if kind == "object" and "properties" in s:
+        required = set(s.get("required", ()))
+        props = {k: _value(v, defs, hostile) for k, v in s["properties"].items()}
+        optional = {k: v for k, v in props.items() if k not in required}
+        if hostile:  # unknown fields, at every level
+            optional["unknown_field"] = JSON
+        return st.fixed_dictionaries({k: props[k] for k in required}, optional=optional)
+    if kind == "object":
+        extra = s.get("additionalProperties")
+        values = _value(extra, defs, hostile) if isinstance(extra, dict) else JSON
+        keys = _plain(s.get("propertyNames", {"type": "string", "maxLength": 20}), defs, hostile)
+        most = s.get("maxProperties", 4)
+        return st.dictionaries(
+            keys, values, min_size=s.get("minProperties", 0), max_size=min(most, 4)
+        )
+    return JSON
+
+
+def _number(s: dict[str, Any], integer: bool, hostile: bool) -> st.SearchStrategy[Any]:
+    lo = s.get("minimum", s.get("exclusiveMinimum"))
+    hi = s.get("maximum", s.get("exclusiveMaximum"))
+    if integer:
+        inside: st.SearchStrategy[Any] = st.integers(
+            None if lo is None else int(lo) + ("exclusiveMinimum" in s),
+            None if hi is None else int(hi) - ("exclusiveMaximum" in s),
+        )
+    else:
+        inside = st.floats(
+            lo, hi, allow_nan=False, allow_infinity=False,
+            exclude_min="exclusiveMinimum" in s, exclude_max="exclusiveMaximum" in s,
+        )  # fmt: skip
+    if not hostile:
+        return inside
+    edges = [x for x in (lo, hi) if x is not None]
+    past = [x - 1 for x in edges] + [x + 1 for x in edges] + [x * 1e6 for x in edges if x]
+    return st.one_of(inside, st.sampled_from(edges + past + [2**63, -(2**63) - 1, 1e308]))
