@@ -32,7 +32,9 @@ def _nested(depth: int) -> Any:
 
 
 # Junk in place of a field: any JSON, a long string, a very deep object.
-JUNK = st.one_of(JSON, st.just("x" * 5000), st.sampled_from([_nested(70), _nested(300)]))
+JUNK = st.one_of(
+    JSON, st.integers(4000, 6000).map(lambda n: "x" * n), st.sampled_from([70, 300]).map(_nested)
+)
 
 
 def body(model: type[BaseModel], hostile: bool) -> st.SearchStrategy[dict[str, Any]]:
@@ -84,7 +86,8 @@ def _plain(s: dict[str, Any], defs: dict[str, Any], hostile: bool) -> st.SearchS
     if kind == "object":
         extra = s.get("additionalProperties")
         values = _value(extra, defs, hostile) if isinstance(extra, dict) else JSON
-        keys = _plain(s.get("propertyNames", {"type": "string", "maxLength": 20}), defs, hostile)
+        names = {"type": "string", "maxLength": 20, **s.get("propertyNames", {})}
+        keys = _plain(names, defs, hostile)  # strings, some past their bound
         most = s.get("maxProperties", 4)
         return st.dictionaries(
             keys, values, min_size=s.get("minProperties", 0), max_size=min(most, 4)
