@@ -10,6 +10,8 @@ JSON bodies nested deeper than the bound are a 400 on every kind of route.
 from __future__ import annotations
 
 import json
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from sqlalchemy.orm import Session
 
 from modelyard.store import repository as repo
 from modelyard.store.tables import Endpoint
+from tests.cluster_harness import RoleProcess, wait_leader
+from tests.databases import fresh_postgres, fresh_redis, postgres_unreachable, skip_or_fail
 from tests.platform_harness import (
     PlatformProcess,
     create_key,
@@ -60,6 +64,30 @@ def _endpoint_rows(p: PlatformProcess) -> int:
     try:
         with Session(engine) as s:
             return int(s.scalar(select(func.count()).select_from(Endpoint)) or 0)
+    finally:
+        engine.dispose()
+
+
+def _insert_bad_rows(database_url: str, tenant_id: str, artifact: str) -> None:
+    """Rows written straight to the database, as an older version or a hand edit could leave."""
+    engine = create_engine(database_url)
+    try:
+        with Session(engine) as s, s.begin():
+            for name, fields in BAD_ROWS.items():
+                row = {
+                    "hardware": {"min_replicas": 1, "max_replicas": 1},
+                    "scaling": {"metric": "concurrency"},
+                    "engine_options": {},
+                    **fields,
+                }
+                s.add(
+                    Endpoint(
+                        id=f"ep-stored-{name}", tenant_id=tenant_id, model_name=name,
+                        public=False, artifact=artifact, version_id=None, framework="native",
+                        sampling_defaults={}, status="ready", status_message=None,
+                        created_at=repo.now(), deleted_at=None, **row,
+                    )
+                )  # fmt: skip
     finally:
         engine.dispose()
 
@@ -121,28 +149,7 @@ def test_serve_starts_over_stored_endpoints_that_no_longer_parse(
     tenant_id = create_tenant(api, "stored-tenant")
     key = create_key(api, tenant_id, scopes=["admin", "inference"])["key"]
     good = deploy(platform.api(key), "good", str(models_dir / MODEL))
-    # Rows written straight to the database, as an older version or a hand edit could leave.
-    engine = create_engine(_database_url(platform))
-    try:
-        with Session(engine) as s, s.begin():
-            for name, fields in BAD_ROWS.items():
-                row = {
-                    "hardware": {"min_replicas": 1, "max_replicas": 1},
-                    "scaling": {"metric": "concurrency"},
-                    "engine_options": {},
-                    **fields,
-                }
-                s.add(
-                    Endpoint(
-                        id=f"ep-stored-{name}", tenant_id=tenant_id, model_name=name,
-                        public=False, artifact=str(models_dir / MODEL), version_id=None,
-                        framework="native", sampling_defaults={}, status="ready",
-                        status_message=None, created_at=repo.now(), deleted_at=None,
-                        **row,
-                    )
-                )  # fmt: skip
-    finally:
-        engine.dispose()
+    _insert_bad_rows(_database_url(platform), tenant_id, str(models_dir / MODEL))
 
     _restart(platform)  # raised "Application startup failed" on the first of them
     admin = platform.api(key)
@@ -172,6 +179,57 @@ def test_serve_starts_over_stored_endpoints_that_no_longer_parse(
     _restart(platform)
     left = {e["endpoint_id"] for e in platform.api(key).get("/v1/endpoints").json()["data"]}
     assert left == {good}
+
+
+def test_a_standby_controller_takes_over_over_stored_endpoints_that_no_longer_parse(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    """Cluster mode: the leader adopts the rows at its takeover; before, every standby died on
+    the first bad one in turn."""
+    reason = postgres_unreachable()
+    if reason:
+        skip_or_fail(reason)
+    with fresh_postgres() as database_url, fresh_redis() as redis_url:
+        env = {
+            **tiny_models_env(models_dir),
+            "MODELYARD_DATABASE_URL": database_url,
+            "MODELYARD_REDIS_URL": redis_url,
+            "MODELYARD_DEFAULT_MODELS": "false",
+            "MODELYARD_CONTROLLER_LEASE_S": "3",
+        }
+        first, second = (RoleProcess("controller", tmp_path / "control", env) for _ in "ab")
+        try:
+            first.start()
+            assert wait_leader(redis_url, [first]) is first
+            engine = create_engine(database_url)
+            try:
+                with Session(engine) as s, s.begin():
+                    tenant_id = repo.create_tenant(s, "stored-cluster", None).id
+            finally:
+                engine.dispose()
+            _insert_bad_rows(database_url, tenant_id, str(models_dir / MODEL))
+            second.start()
+            first.kill()  # the standby takes over, and adopts the rows
+            assert wait_leader(redis_url, [second]) is second
+            deadline = time.monotonic() + 60
+            while (failed := _statuses(database_url)) != {n: "failed" for n in BAD_ROWS}:
+                assert second.proc is not None and second.proc.poll() is None, second.output()
+                assert time.monotonic() < deadline, (failed, second.output()[-4000:])
+                time.sleep(0.2)
+            assert httpx.get(f"{second.url}/health", timeout=10).status_code == 200
+        finally:
+            for p in (first, second):
+                p.kill(signal.SIGTERM)
+
+
+def _statuses(database_url: str) -> dict[str, str]:
+    engine = create_engine(database_url)
+    try:
+        with Session(engine) as s:
+            rows = s.scalars(select(Endpoint).where(Endpoint.id.like("ep-stored-%")))
+            return {r.model_name: r.status for r in rows}
+    finally:
+        engine.dispose()
 
 
 def _nested(depth: int, leaf: object) -> object:
