@@ -5,6 +5,7 @@ past the bounds, unknown fields at any level, arbitrary JSON in place of a field
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from hypothesis import strategies as st
@@ -37,9 +38,31 @@ JUNK = st.one_of(
 )
 
 
+def _misplaced_names() -> list[str]:
+    """Names the platform knows, to put where they are not declared: every field of the
+    management models and of what the control plane builds from them (the scaling policy, the
+    engine settings)."""
+    from modelyard.api.routes_batch import BatchCreate
+    from modelyard.api.routes_endpoints import EndpointUpdate
+    from modelyard.api.routes_versions import VersionAdd
+    from modelyard.config import EngineSettings
+    from modelyard.control.autoscaler import ScalingPolicy
+    from modelyard.protocol import management
+
+    names = {f.name for f in fields(ScalingPolicy)} | set(EngineSettings.model_fields)
+    for model in (
+        management.DeployRequest, management.Hardware, management.Scaling,
+        management.SamplingDefaults, management.TenantCreate, management.TenantUpdate,
+        management.KeyCreate, management.KeyUpdate, management.VersionCreate, EndpointUpdate,
+        VersionAdd, BatchCreate,
+    ):  # fmt: skip
+        names |= set(model.model_fields)
+    return sorted(names)
+
+
 def body(model: type[BaseModel], hostile: bool) -> st.SearchStrategy[dict[str, Any]]:
     schema = model.model_json_schema()
-    return _value(schema, schema.get("$defs", {}), hostile)  # type: ignore[no-any-return]
+    return _plain(schema, schema.get("$defs", {}), hostile)  # type: ignore[no-any-return]
 
 
 def _value(s: dict[str, Any], defs: dict[str, Any], hostile: bool) -> st.SearchStrategy[Any]:
@@ -80,9 +103,13 @@ def _plain(s: dict[str, Any], defs: dict[str, Any], hostile: bool) -> st.SearchS
         required = set(s.get("required", ()))
         props = {k: _value(v, defs, hostile) for k, v in s["properties"].items()}
         optional = {k: v for k, v in props.items() if k not in required}
-        if hostile:  # unknown fields, at every level
-            optional["unknown_field"] = JSON
-        return st.fixed_dictionaries({k: props[k] for k in required}, optional=optional)
+        fixed = st.fixed_dictionaries({k: props[k] for k in required}, optional=optional)
+        if not hostile:
+            return fixed
+        # Unknown fields at every level: new names, and names declared elsewhere.
+        names = st.sampled_from(["unknown_field", *MISPLACED])
+        extra = st.dictionaries(names.filter(lambda n: n not in props), JUNK, max_size=2)
+        return st.tuples(fixed, extra).map(lambda both: {**both[1], **both[0]})
     if kind == "object":
         extra = s.get("additionalProperties")
         values = _value(extra, defs, hostile) if isinstance(extra, dict) else JSON
@@ -113,3 +140,6 @@ def _number(s: dict[str, Any], integer: bool, hostile: bool) -> st.SearchStrateg
     edges = [x for x in (lo, hi) if x is not None]
     past = [x - 1 for x in edges] + [x + 1 for x in edges] + [x * 1e6 for x in edges if x]
     return st.one_of(inside, st.sampled_from(edges + past + [2**63, -(2**63) - 1, 1e308]))
+
+
+MISPLACED = _misplaced_names()

@@ -172,6 +172,9 @@ def test_serve_starts_over_stored_endpoints_that_no_longer_parse(
         json={"model": "good", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     )
     assert r.status_code == 200, r.text
+    # Nothing changes them but a delete: a PATCH names why they were not started.
+    r = admin.patch("/v1/endpoints/ep-stored-boom", json={"scaling": {"metric": "concurrency"}})
+    assert r.status_code == 400 and "not started" in r.text, r.text
     # Their owner deletes them like any endpoint; the next start is clean.
     for name in BAD_ROWS:
         assert admin.delete(f"/v1/endpoints/ep-stored-{name}").status_code == 202
