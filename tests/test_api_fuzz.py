@@ -8,6 +8,12 @@ shape under /v1, the protocol's under /v2), and must come back within the per-re
 (no hang); afterwards the platform still answers a plain request. A tiny random model is
 deployed and most generated inference requests name it, so generated sampling fields reach a
 real engine.
+
+Then hypothesis over the management schemas themselves (`tests/management_bodies.py`): valid
+and hostile bodies for deploy, endpoint PATCH, canary versions, tenants, keys, batches and
+registry manifests, as the role each route is for and as an inference key, again with no 5xx;
+valid deploys name a real model, so some are stored. Last, `modelyard serve` is restarted on the
+database the run left behind, and must start and serve.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
@@ -33,6 +39,18 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from modelyard.api.routes_batch import BatchCreate
+from modelyard.api.routes_endpoints import EndpointUpdate
+from modelyard.api.routes_versions import VersionAdd
+from modelyard.protocol.management import (
+    DeployRequest,
+    KeyCreate,
+    KeyUpdate,
+    TenantCreate,
+    TenantUpdate,
+    VersionCreate,
+)
+from tests.management_bodies import body
 from tests.platform_harness import PlatformProcess, create_key, create_tenant, deploy
 from tests.tiny_models import build_model
 
@@ -53,11 +71,19 @@ MODEL_IN_BODY = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 @pytest.fixture(scope="module")
-def platform(
-    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path, platform_env: dict[str, str]
-) -> Iterator[PlatformProcess]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     models = tmp_path_factory.mktemp("fuzz-models")
     build_model(models / MODEL, "llama")
+    return models
+
+
+@pytest.fixture(scope="module")
+def platform(
+    tmp_path_factory: pytest.TempPathFactory,
+    cache_dir: Path,
+    platform_env: dict[str, str],
+    models: Path,
+) -> Iterator[PlatformProcess]:
     env = {
         **platform_env,
         "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models)]),
@@ -169,4 +195,145 @@ def test_every_operation_survives_generated_requests(
     print(f"\nfuzzed {counter[0]} requests over {operations} operations as {who}")
     print("\n".join(f"{n:4} {what}" for what, n in sorted(statuses.items())))
     assert not failures, "\n\n".join(failures)
+    assert r.status_code == 200, r.text
+
+
+# ----- hypothesis over the management schemas --------------------------------------------------
+
+MANAGEMENT_EXAMPLES = 30  # per route and role: about 20 s per platform mode on 2 busy cores
+
+
+@pytest.fixture(scope="module")
+def mgmt(platform: PlatformProcess, models: Path) -> dict[str, Any]:
+    """A tenant whose ceilings keep what valid deploys start small (2 endpoints, 2 replicas), a
+    deployed endpoint of it to PATCH, and a tenant and a key to update."""
+    admin = platform.api()
+    r = admin.post("/v1/tenants", json={"name": "mgmt-fuzz", "max_endpoints": 2, "max_replicas": 2})
+    assert r.status_code == 201, r.text
+    tenant_id = r.json()["id"]
+    tenant_admin = create_key(admin, tenant_id, scopes=["admin", "inference"])["key"]
+    endpoint_id = deploy(platform.api(tenant_admin), "mgmt-target", str(models / MODEL), wait=False)
+    return {
+        "tenant-admin": tenant_admin,
+        "tenant": create_key(admin, tenant_id, scopes=["inference"])["key"],
+        "endpoint_id": endpoint_id,
+        "other_tenant": create_tenant(admin, "mgmt-fuzz-other"),
+        "key_id": create_key(admin, tenant_id, scopes=["inference"])["id"],
+        "artifact": str(models / MODEL),
+    }
+
+
+def _deploy_body(artifact: str) -> st.SearchStrategy[dict[str, Any]]:
+    """Valid deploy bodies naming the real model (stored, and started within the ceilings)."""
+
+    def real(b: dict[str, Any]) -> dict[str, Any]:
+        return {**b, "model_artifact": artifact, "framework": "native", "engine": {},
+                "public": False}  # fmt: skip
+
+    return body(DeployRequest, hostile=False).map(real)
+
+
+def _known_crashers(path: str, artifact: str) -> list[dict[str, Any]]:
+    """Bodies that broke the platform before (issue 27), tried first on every run: a scaling
+    key the schema let through and the autoscaler could not read (a 500, and a stored row that
+    stopped every later start)."""
+    boom = {"panic_threshold": "boom"}
+    if path == "/v1/models/deploy":
+        return [{"model_name": "boom", "model_artifact": artifact, "scaling": boom}]
+    if path == "/v1/endpoints/{endpoint_id}":
+        return [{"scaling": boom}, {"sampling_defaults": {"temperature": 0.5}}]
+    return []
+
+
+# (method, path, body strategy, role); {endpoint_id}, {tenant_id}, {key_id} filled in.
+def _management_cases(m: dict[str, Any]) -> list[tuple[str, str, Any, str]]:
+    cases: list[tuple[str, str, Any, str]] = []
+    for path, method, model, role in (
+        ("/v1/models/deploy", "POST", DeployRequest, "tenant-admin"),
+        ("/v1/endpoints/{endpoint_id}", "PATCH", EndpointUpdate, "tenant-admin"),
+        ("/v1/endpoints/{endpoint_id}/versions", "POST", VersionAdd, "tenant-admin"),
+        ("/v1/tenants", "POST", TenantCreate, "platform-admin"),
+        ("/v1/tenants/{tenant_id}", "PATCH", TenantUpdate, "platform-admin"),
+        ("/v1/keys", "POST", KeyCreate, "tenant-admin"),
+        ("/v1/keys/{key_id}", "PATCH", KeyUpdate, "tenant-admin"),
+        ("/v1/batches", "POST", BatchCreate, "tenant"),
+        ("/v1/registry/models/fuzzed/versions", "POST", VersionCreate, "tenant-admin"),
+    ):
+        strategy = st.one_of(body(model, hostile=True), body(model, hostile=False))
+        if model is DeployRequest:
+            strategy = st.one_of(strategy, _deploy_body(m["artifact"]))
+        cases.append((method, path, strategy, role))
+        if role != "tenant":  # and as a key without the scope: refused, never a 5xx
+            cases.append((method, path, strategy, "tenant"))
+    return cases
+
+
+def _fuzz_route(
+    http: httpx.Client, method: str, url: str, strategy: Any, key: str, label: str,
+    seen: Counter[str], explicit: list[dict[str, Any]],
+) -> None:  # fmt: skip
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+
+    @settings(
+        max_examples=MANAGEMENT_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(payload=strategy)
+    def run(payload: Any) -> None:
+        content = json.dumps(payload)
+        r = http.request(method, url, content=content, headers=headers)
+        seen[f"{label}: {r.status_code}"] += 1
+        assert r.status_code < 500, f"{method} {url} {content[:2000]}\n{r.text}"
+
+    for payload in explicit:
+        run = example(payload=payload)(run)
+    run()
+
+
+def test_management_schemas_survive_hypothesis(
+    platform: PlatformProcess, mgmt: dict[str, Any]
+) -> None:
+    keys = {**mgmt, "platform-admin": platform.admin_key}
+    ids = {"endpoint_id": mgmt["endpoint_id"], "tenant_id": mgmt["other_tenant"],
+           "key_id": mgmt["key_id"]}  # fmt: skip
+    seen: Counter[str] = Counter()
+    failures: list[str] = []
+    with httpx.Client(base_url=platform.url, timeout=REQUEST_TIMEOUT_S) as http:
+        for method, path, strategy, role in _management_cases(mgmt):
+            label = f"{method} {path} as {role}"
+            try:
+                explicit = _known_crashers(path, mgmt["artifact"])
+                url = path.format(**ids)
+                _fuzz_route(http, method, url, strategy, keys[role], label, seen, explicit)
+            except (Exception, BaseExceptionGroup) as exc:
+                failures.append(f"{label}: {exc}")
+    print("\n".join(f"{n:4} {what}" for what, n in sorted(seen.items())))
+    assert not failures, "\n\n".join(failures)
+    # Some generated deploys were valid, and stored.
+    assert seen["POST /v1/models/deploy as tenant-admin: 202"], seen
+
+
+def test_serve_restarts_on_what_the_fuzzing_left(
+    platform: PlatformProcess, keys: dict[str, str]
+) -> None:
+    """Runs after the fuzzing above: whatever it stored, the platform starts again and serves."""
+    platform.stop()
+    platform.start(timeout=120)
+    listed = platform.api().get("/v1/endpoints")
+    assert listed.status_code == 200, listed.text
+    deadline = time.monotonic() + 120
+    while True:
+        r = httpx.post(
+            f"{platform.url}/v1/chat/completions",
+            headers={"authorization": f"Bearer {keys['tenant']}"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        assert r.status_code == 503, r.text  # its replica is starting again
     assert r.status_code == 200, r.text

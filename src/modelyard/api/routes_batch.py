@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from modelyard.api.deps import get_inference, get_services
 from modelyard.api.openapi_responses import (
@@ -29,13 +29,18 @@ from modelyard.protocol.responses import JSONResponse
 router = APIRouter()
 
 
+# OpenAI's bounds on batch metadata: 16 pairs, keys of 64 characters, values of 512.
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+
+
 class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    input_file_id: str = Field(min_length=1)
-    endpoint: str
-    completion_window: str = "24h"
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: str = Field(max_length=64)
+    completion_window: str = Field("24h", max_length=16)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
 
 
 @router.post("/v1/files", response_model=None, responses=ok(FileObject))

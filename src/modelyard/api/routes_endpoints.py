@@ -15,7 +15,12 @@ from modelyard.api.services import Services
 from modelyard.control.audit import endpoint_snapshot
 from modelyard.core.identity import Principal
 from modelyard.protocol.errors import APIError
-from modelyard.protocol.management import DeployRequest, SamplingDefaults, Scaling
+from modelyard.protocol.management import (
+    ARTIFACT_MAX,
+    DeployRequest,
+    SamplingDefaults,
+    Scaling,
+)
 from modelyard.protocol.responses import JSONResponse
 from modelyard.store import repository as repo
 
@@ -97,7 +102,10 @@ class EndpointUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_artifact: str | None = Field(
-        None, min_length=1, description="Registry reference NAME[:VERSION]: a rollout."
+        None,
+        min_length=1,
+        max_length=ARTIFACT_MAX,
+        description="Registry reference NAME[:VERSION]: a rollout.",
     )
     sampling_defaults: SamplingDefaults | None = None
     scaling: Scaling | None = None

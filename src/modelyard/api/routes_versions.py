@@ -7,15 +7,16 @@ Every change is recorded in the audit log with the endpoint before and after. In
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from modelyard.api.deps import get_admin, get_services
 from modelyard.api.services import Services
 from modelyard.control.audit import AuditAction, endpoint_snapshot
 from modelyard.core.identity import Principal
+from modelyard.protocol.management import ARTIFACT_MAX, ENGINE_OPTIONS_MAX, ID_MAX
 from modelyard.protocol.responses import JSONResponse
 
 router = APIRouter()
@@ -31,9 +32,11 @@ class SloThresholds(BaseModel):
         None, ge=0, le=1, description="Canary error rate minus the stable's above this: rollback."
     )
     max_p95_ratio: float | None = Field(
-        None, gt=0, description="Canary p95 latency (TTFT for streams) over the stable's above "
-        "this: rollback.",
-    )  # fmt: skip
+        None,
+        gt=0,
+        le=1_000,
+        description="Canary p95 latency (TTFT for streams) over the stable's above this: rollback.",
+    )
     min_samples: int | None = Field(
         None, ge=1, le=1_000_000, description="Requests in the window before judging."
     )
@@ -43,14 +46,18 @@ class SloThresholds(BaseModel):
 class VersionAdd(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_artifact: str = Field(min_length=1, description="Registry reference NAME:VERSION.")
+    model_artifact: str = Field(
+        min_length=1, max_length=ARTIFACT_MAX, description="Registry reference NAME:VERSION."
+    )
     weight: int = Field(ge=0, le=100, description="Percent of the endpoint's requests.")
     replicas: int = Field(1, ge=1, le=64, description="Replicas the canary runs.")
     engine: dict[str, Any] = Field(
-        default_factory=dict, description="Engine settings over the endpoint's, for the canary."
+        default_factory=dict,
+        max_length=ENGINE_OPTIONS_MAX,
+        description="Engine settings over the endpoint's, for the canary.",
     )
     slo: SloThresholds = Field(default_factory=SloThresholds)
-    steps: list[int] | None = Field(
+    steps: list[Annotated[int, Field(ge=0, le=100)]] | None = Field(
         None,
         max_length=20,
         description="Progressive weights, e.g. [5, 25, 50, 100]: after each clean window the "
@@ -61,10 +68,13 @@ class VersionAdd(BaseModel):
 class TrafficUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    weights: dict[str, int] = Field(
-        min_length=1, description="Version id → percent; the stable version and the canary, "
-        "summing to 100.",
-    )  # fmt: skip
+    weights: dict[
+        Annotated[str, StringConstraints(max_length=ID_MAX)], Annotated[int, Field(ge=0, le=100)]
+    ] = Field(
+        min_length=1,
+        max_length=8,
+        description="Version id → percent; the stable version and the canary, summing to 100.",
+    )
 
 
 class RollbackRequest(BaseModel):

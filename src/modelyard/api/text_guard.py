@@ -1,16 +1,20 @@
-"""Refuse typed JSON bodies whose text cannot be stored: NUL characters and lone surrogates.
+"""Refuse typed JSON bodies whose text cannot be stored (NUL characters and lone surrogates)
+or that nest deeper than `MAX_JSON_DEPTH` (`protocol/json_depth.py`).
 
 Valid JSON may carry `"\\u0000"` and unpaired surrogates (`"\\udcff"`); Python keeps them, but
 PostgreSQL refuses NUL in text and no database can encode a lone surrogate as UTF-8, so a
 tenant name or batch metadata holding one was a 500 from deep in the store. This ASGI
 middleware checks the bodies of the routes FastAPI parses itself (the control plane's typed
 JSON routes: tenants, keys, deploys, batches…) as they are read, and answers a 400 naming the
-field instead. The gateway's inference routes parse their raw bodies themselves and are not
-touched, so the hot path pays nothing here.
+field instead. A body nested deeper than the bound is a 400 too (it broke the writers of the
+audit log and the JSON responses that echo it). The gateway's inference routes parse their raw
+bodies themselves and are not touched, so the hot path pays nothing here (the gateway bounds
+their depth itself).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -19,6 +23,7 @@ from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelyard.protocol.errors import APIError, bad_request
+from modelyard.protocol.json_depth import SLOW_BYTES, too_deep
 
 
 def find_bad_text(value: Any, path: str = "") -> str | None:
@@ -94,6 +99,11 @@ class StorableText:
             if message.get("more_body", False):
                 return message
             body = b"".join(chunks)
+            large = len(body) >= SLOW_BYTES
+            deep = await asyncio.to_thread(too_deep, body) if large else too_deep(body)
+            if deep is not None:
+                refusal = bad_request(deep, None, "json_too_deep")
+                raise _Refused
             # orjson refuses lone surrogates, so a clean body costs one fast parse.
             try:
                 orjson.loads(body)

@@ -21,6 +21,7 @@ from typing import IO, Any
 import orjson
 
 from modelyard.core.errors import Invalid, TooLarge
+from modelyard.protocol.json_depth import too_deep
 
 MAX_LINES = 50_000
 MAX_CUSTOM_ID = 500
@@ -159,6 +160,10 @@ def validate_file(
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError as exc:
                 bad.append(BadLine(n, None, "invalid_json_line", f"not valid JSON: {exc}"))
+                continue
+            deep = too_deep(raw)
+            if deep is not None:
+                bad.append(BadLine(n, None, "json_too_deep", deep))
                 continue
             result = _check(obj, n, endpoint, seen)
             (good if isinstance(result, GoodLine) else bad).append(result)  # type: ignore[arg-type]

@@ -43,8 +43,11 @@ class ClusterEndpointManager(EndpointManager):
         # Held back from publishing before any entry could be written.
         self.adopting.update(self.recorded)
         await super().start()
-        # Recorded endpoints the database no longer has live: nothing adopts their replicas.
-        for endpoint_id in [e for e in self.recorded if e not in self.endpoints]:
+        # Recorded endpoints the database no longer has live, or whose stored configuration no
+        # longer parses: nothing adopts their replicas.
+        for endpoint_id in [
+            e for e in self.recorded if e not in self.endpoints or e in self.refused
+        ]:
             await self._stop_recorded(endpoint_id, self.recorded.pop(endpoint_id))
             self.adopting.discard(endpoint_id)
 

@@ -8,20 +8,24 @@ A mixin of `EndpointManager` (control/endpoints.py): it uses the manager's colla
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from modelyard.config import EngineSettings, PlatformSettings
-from modelyard.control.autoscaler import Autoscaler, ScalingPolicy
+from modelyard.config import PlatformSettings
+from modelyard.control.autoscaler import Autoscaler
+from modelyard.control.endpoint_config import EndpointConfig
 from modelyard.control.model_kind import LLM, detect
 from modelyard.control.scaling import LoadTracker
-from modelyard.control.state import EndpointState, Replica, engine_env, spawn
+from modelyard.control.state import EndpointState, Replica, spawn
 from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.core.status import EndpointStatus, ReplicaState, StatusTrigger
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from modelyard.control.backends.base import Backend
@@ -41,32 +45,56 @@ class Provisioning:
     encoders: EncoderPool
     statuses: EndpointStatuses
     reconciler: Reconciler
+    refused: set[str]  # ids of stored endpoints whose configuration did not parse at the start
 
-    def _adopt(self, row: Endpoint, path: Path | None = None) -> EndpointState:
-        env, _ = engine_env(row.engine_options)
-        # What the replicas will run with: the platform's worker defaults under the endpoint's.
-        engine = EngineSettings(**{**self.settings.worker_engine, **row.engine_options})
-        max_tokens_cap = engine.max_tokens_cap
+    def _adopt(
+        self, row: Endpoint, config: EndpointConfig, path: Path | None = None
+    ) -> EndpointState:
+        """Run `row` with its parsed configuration (`endpoint_config.parse`, already checked)."""
         route = EndpointRoute(
             endpoint_id=row.id,
             tenant_id=row.tenant_id,
             model_name=row.model_name,
             public=row.public,
             version_id=row.version_id,
-            max_tokens_cap=max_tokens_cap,
-            sampling_defaults=row.sampling_defaults or {},
+            max_tokens_cap=config.engine.max_tokens_cap,
+            sampling_defaults=config.sampling_defaults,
         )
-        desired = max(1, int(row.hardware.get("min_replicas", 1)))
         state = EndpointState(
-            row=row, route=route, model_path=path, engine_env=env, engine=engine, desired=desired
+            row=row,
+            route=route,
+            model_path=path,
+            engine_env=config.engine_env,
+            engine=config.engine,
+            desired=max(1, config.min_replicas),
         )
-        policy = ScalingPolicy.from_deploy(row.hardware, row.scaling)
-        state.autoscaler = Autoscaler(policy)
-        state.load = LoadTracker(policy.metric)
+        state.autoscaler = Autoscaler(config.policy)
+        state.load = LoadTracker(config.policy.metric)
         self.endpoints[row.id] = state
         self.routing.publish(route)
         spawn(state, self._provision(state))
         return state
+
+    async def _refuse_stored(self, row: Endpoint, reason: str) -> None:
+        """A stored row whose configuration no longer parses: listed as failed with why (its
+        owner can read and delete it), answered with a 503, never provisioned."""
+        log.error("endpoint %s is not started: %s", row.id, reason)
+        route = EndpointRoute(
+            endpoint_id=row.id,
+            tenant_id=row.tenant_id,
+            model_name=row.model_name,
+            public=row.public,
+            version_id=row.version_id,
+            max_tokens_cap=2**31 - 1,  # never served: no request should fail on it first
+        )
+        state = EndpointState(row=row, route=route, desired=0)
+        self.endpoints[row.id] = state
+        self.refused.add(row.id)
+        self.routing.publish(route)
+        message = (
+            f"its stored configuration is invalid ({reason[:500]}); delete it and deploy again"
+        )
+        await self.statuses.set(state, EndpointStatus.FAILED, message, StatusTrigger.CONFIG_INVALID)
 
     async def _provision(self, state: EndpointState) -> None:
         try:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from modelyard.config import PlatformSettings
 from modelyard.control import deploy as validation
-from modelyard.control.autoscaler import Autoscaler, ScalingPolicy
+from modelyard.control import endpoint_config
+from modelyard.control.autoscaler import Autoscaler
 from modelyard.control.canary import SloPolicy
 from modelyard.control.model_kind import LLM
 from modelyard.control.scaling import LoadTracker
@@ -47,12 +48,24 @@ class VersionVerbs:
     versions: Versions
     reconciler: Reconciler
     _get: Callable[[Principal, str], EndpointState]  # EndpointManager's
+    refused: set[str]  # stored endpoints whose configuration did not parse: delete only
+
+    def _changeable(self, principal: Principal, endpoint_id: str) -> EndpointState:
+        """The endpoint a verb changes; one refused at the start takes no change but delete."""
+        state = self._get(principal, endpoint_id)
+        if endpoint_id in self.refused:
+            raise Invalid(
+                f"endpoint {endpoint_id!r} was not started: {state.message}",
+                param="endpoint_id",
+                code="endpoint_config_invalid",
+            )
+        return state
 
     async def update(self, principal: Principal, endpoint_id: str, artifact: str) -> dict[str, Any]:
         """Roll the endpoint out to another registry version. Its replicas keep serving until
         the new version's are ready; if those fail to load, the endpoint falls back."""
         principal.require("admin")
-        state = self._get(principal, endpoint_id)
+        state = self._changeable(principal, endpoint_id)
         if state.kind not in (None, LLM):
             raise Invalid(
                 "encoder endpoints are updated by deploying again", param="model_artifact"
@@ -139,14 +152,15 @@ class VersionVerbs:
         """New sampling defaults (the next request gets them) or scaling policy (the next
         tick's decision follows it), without a rollout."""
         principal.require("admin")
-        state = self._get(principal, endpoint_id)
+        state = self._changeable(principal, endpoint_id)
         row = state.row
+        # The new policy is built before anything changes: a bad one changes nothing.
+        policy = None if scaling is None else endpoint_config.parse_scaling(row.hardware, scaling)
         if sampling is not None:
             row.sampling_defaults = sampling.model_dump(exclude_none=True)
             state.route.sampling_defaults = dict(row.sampling_defaults)
-        if scaling is not None:
+        if scaling is not None and policy is not None:
             row.scaling = scaling.model_dump()
-            policy = ScalingPolicy.from_deploy(row.hardware, row.scaling)
             state.autoscaler = Autoscaler(policy)
             state.load = LoadTracker(policy.metric)
 
@@ -159,7 +173,7 @@ class VersionVerbs:
         await asyncio.to_thread(write)
 
     def _llm(self, principal: Principal, endpoint_id: str) -> EndpointState:
-        state = self._get(principal, endpoint_id)
+        state = self._changeable(principal, endpoint_id)
         if state.kind not in (None, LLM) or state.status in (
             EndpointStatus.DRAINING,
             EndpointStatus.DELETED,

@@ -13,11 +13,12 @@ endpoint in the database, with its versions.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 from modelyard.config import PlatformSettings
-from modelyard.control import adapters
+from modelyard.control import adapters, endpoint_config
 from modelyard.control import deploy as validation
 from modelyard.control.audit import AuditLog
 from modelyard.control.backends.base import Backend
@@ -41,6 +42,8 @@ from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint, EndpointVersion
 
+log = logging.getLogger(__name__)
+
 
 class EndpointManager(Provisioning, VersionVerbs):
     def __init__(
@@ -58,6 +61,7 @@ class EndpointManager(Provisioning, VersionVerbs):
         self.backend = backend
         self.routing = routing
         self.endpoints: dict[str, EndpointState] = {}
+        self.refused: set[str] = set()
         self.replicas = ReplicaController(settings, backend, routing, registry, self.endpoints)
         self.encoders = EncoderPool(settings, backend, self.replicas.placement, routing)
         self.node_cache = self.replicas.node_cache
@@ -83,7 +87,21 @@ class EndpointManager(Provisioning, VersionVerbs):
             if row.status == EndpointStatus.DRAINING.value:  # interrupted delete: finish it
                 await asyncio.to_thread(self._mark_deleted, row.id)
                 continue
-            self.versions.restore(self._adopt(row), versions)
+            # Nothing stored may stop the start: a row that no longer parses is refused alone.
+            try:
+                config = endpoint_config.parse(
+                    self.settings, row.hardware, row.scaling, row.engine_options,
+                    row.sampling_defaults, stored=True,
+                )  # fmt: skip
+            except Exception as exc:
+                await self._refuse_stored(row, str(exc) or type(exc).__name__)
+                continue
+            state = self._adopt(row, config)
+            try:
+                self.versions.restore(state, versions)
+            except Exception:  # its canary's stored options: the stable version serves alone
+                log.exception("endpoint %s: its versions are not restored", row.id)
+                self.versions.forget(row.id)
         self.reconciler.start()
 
     async def stop(self) -> None:
@@ -101,6 +119,10 @@ class EndpointManager(Provisioning, VersionVerbs):
     async def deploy(self, principal: Principal, req: DeployRequest) -> dict[str, Any]:
         validation.check_request(principal, req, self.settings)
         validation.check_engine_paths(self.settings, principal, req.engine)
+        # Everything the endpoint will run with, before anything is written.
+        config = endpoint_config.parse(
+            self.settings, req.hardware, req.scaling, req.engine, req.sampling_defaults
+        )
         path, version = await asyncio.to_thread(
             validation.resolve_artifact, self.settings, self.registry, principal, req.model_artifact
         )
@@ -117,7 +139,7 @@ class EndpointManager(Provisioning, VersionVerbs):
                 s.add(row)
 
         await asyncio.to_thread(insert)
-        state = self._adopt(row, path)
+        state = self._adopt(row, config, path)
         return {
             "endpoint_id": row.id,
             "status": state.status,

@@ -99,6 +99,10 @@ class EndpointState:
         return [r for r in self.live if r.version_id == self.row.version_id]
 
 
+# The longest value an engine option may have (paths, device names).
+ENGINE_OPTION_CHARS = 4096
+
+
 def engine_env(options: dict[str, Any]) -> tuple[dict[str, str], EngineSettings]:
     """Validate engine options against `EngineSettings` and turn them into worker env vars."""
     unknown = sorted(set(options) - set(EngineSettings.model_fields))
@@ -111,6 +115,13 @@ def engine_env(options: dict[str, Any]) -> tuple[dict[str, str], EngineSettings]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise Invalid(f"engine.{where}: {first['msg']}", param=f"engine.{where}") from exc
     env = {f"MODELYARD_{k.upper()}": str(v) for k, v in options.items()}
+    for name, value in env.items():  # an environment string has limits of its own (execve)
+        if len(value) > ENGINE_OPTION_CHARS:
+            option = name.removeprefix("MODELYARD_").lower()
+            raise Invalid(
+                f"engine.{option}: at most {ENGINE_OPTION_CHARS} characters",
+                param=f"engine.{option}",
+            )
     return env, settings
 
 

@@ -38,6 +38,7 @@ class StatusTrigger(StrEnum):
 
     DEPLOYED = "deployed"  # created, or adopted again at a restart: its replicas are starting
     PREPARE_FAILED = "prepare_failed"  # its model files could not be fetched or recognised
+    CONFIG_INVALID = "config_invalid"  # its stored configuration no longer parses: not started
     REPLICA_START_FAILED = "replica_start_failed"
     NO_ROOM = "no_room"  # placement found no device with room for a replica
     REPLICAS_CHANGED = "replicas_changed"  # replicas came up, were lost or replaced

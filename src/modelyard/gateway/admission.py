@@ -21,6 +21,7 @@ from modelyard.gateway.cache_scope import scope_prefix_cache
 from modelyard.gateway.reservation import reservation_bound
 from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.errors import APIError, validation_error
+from modelyard.protocol.json_depth import too_deep
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 from modelyard.protocol.responses_api import ResponsesRequest
 
@@ -46,6 +47,9 @@ def parse(kind: str, body: bytes) -> tuple[dict[str, Any], Any]:
         ) from exc
     if not isinstance(payload, dict):
         raise Invalid("The request body must be a JSON object.", code="invalid_json")
+    deep = too_deep(body)  # before anything walks it (schemas, tools, the worker's copy)
+    if deep is not None:
+        raise Invalid(deep, code="json_too_deep")
     return payload, validate(kind, payload)
 
 

@@ -1,17 +1,32 @@
 """Request bodies of the platform's own APIs (deploy, tenants, keys, registry), validated by
-pydantic at the edge."""
+pydantic at the edge.
+
+Bound before trust: every body refuses unknown fields, and every number, string, list and map in
+it has a bound, so what a tenant admin stores is what the control plane can run (an endpoint's
+stored `hardware`, `scaling`, `engine` and `sampling_defaults` are parsed again by these models
+when it is adopted at a start: `control/endpoint_config.py`).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+# A registry reference or a server path (the endpoint row's `artifact` column holds 1000).
+ARTIFACT_MAX = 1000
+# Engine options per deploy or canary: `EngineSettings` has fewer fields than this.
+ENGINE_OPTIONS_MAX = 64
+# An id the platform made (`ep-…`, `tn-…`, a version id): anything longer names nothing.
+ID_MAX = 64
 
 
 class Hardware(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    gpu_type: str = Field("cpu", description="Accelerator kind; informational on CPU nodes.")
+    gpu_type: str = Field(
+        "cpu", max_length=64, description="Accelerator kind; informational on CPU nodes."
+    )
     gpu_count: int = Field(1, ge=1, le=64)
     min_replicas: int = Field(1, ge=0, le=1000)
     max_replicas: int = Field(1, ge=1, le=1000)
@@ -24,14 +39,26 @@ class Hardware(BaseModel):
 
 
 class Scaling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """The endpoint's autoscaling policy (`control/autoscaler.py`): the metric and its target per
+    replica, scale to zero, and the windows of the decision."""
+
+    model_config = ConfigDict(extra="forbid")
 
     metric: Literal["gpu_utilization", "concurrency", "queue_depth", "requests_per_second"] = (
         "concurrency"
     )
-    target_value: float = Field(70.0, gt=0)
+    target_value: float = Field(
+        70.0, gt=0, le=1_000_000, description="Per replica; gpu_utilization in percent."
+    )
     scale_to_zero: bool = False
-    scale_to_zero_after_idle_seconds: int = Field(300, ge=1)
+    scale_to_zero_after_idle_seconds: int = Field(300, ge=1, le=30 * 86_400)
+    stable_window_seconds: float = Field(60.0, gt=0, le=3_600)
+    panic_window_seconds: float = Field(6.0, gt=0, le=3_600)
+    panic_threshold: float = Field(
+        2.0, ge=1.0, le=1_000, description="Panic when the panic window asks for this many "
+        "times the current replicas.",
+    )  # fmt: skip
+    scale_down_delay_seconds: float = Field(30.0, ge=0, le=86_400)
 
 
 class SamplingDefaults(BaseModel):
@@ -42,11 +69,11 @@ class SamplingDefaults(BaseModel):
 
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=1_000_000)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
 
 
 class DeployRequest(BaseModel):
@@ -55,14 +82,16 @@ class DeployRequest(BaseModel):
     model_name: str = Field(min_length=1, max_length=128)
     model_artifact: str = Field(
         min_length=1,
+        max_length=ARTIFACT_MAX,
         description="A registry reference (NAME or NAME:VERSION) or a folder/file path on the "
         "server.",
     )
-    framework: str = "native"
+    framework: str = Field("native", min_length=1, max_length=40)
     hardware: Hardware = Field(default_factory=Hardware)
     scaling: Scaling = Field(default_factory=Scaling)
     engine: dict[str, Any] = Field(
         default_factory=dict,
+        max_length=ENGINE_OPTIONS_MAX,
         description="Engine settings for the replicas (dtype, kv_cache_memory, max_num_seqs, "
         "max_model_len, max_tokens_cap, ...).",
     )
@@ -163,10 +192,13 @@ class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field("default", min_length=1, max_length=200)
-    tenant_id: str | None = Field(None, description="Platform admin only: whose key this is.")
+    tenant_id: str | None = Field(
+        None, max_length=ID_MAX, description="Platform admin only: whose key this is."
+    )
     scopes: list[Literal["inference", "admin", "metrics"]] = Field(
         default_factory=lambda: ["inference"],
         min_length=1,
+        max_length=3,
         description="inference (the OpenAI API), admin (the tenant's management API), metrics "
         "(GET /metrics: the tenant's own series).",
     )
@@ -183,14 +215,20 @@ class KeyUpdate(BaseModel):
 
 
 class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    size: int | None = Field(None, ge=0)
+    size: int | None = Field(None, ge=0, le=INT64_MAX)
+
+
+# A path inside a model version (`model-00001-of-00030.safetensors`, `tokenizer/vocab.json`).
+FilePath = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 
 
 class VersionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    files: dict[str, FileEntry] = Field(min_length=1)
+    files: dict[FilePath, FileEntry] = Field(min_length=1, max_length=10_000)
     format: Literal["hf", "gguf", "lora"] | None = None
     # A lora adapter's base: a model of the same registry (required for lora, else refused).
-    base_model: str | None = None
+    base_model: str | None = Field(None, min_length=1, max_length=200)

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from modelyard.protocol.errors import INTERNAL_ERROR, APIError
+from modelyard.protocol.json_depth import too_deep
 from modelyard.protocol.responses import json_response
 
 VERSION = "1"  # every hosted model has one version
@@ -75,6 +76,9 @@ def parse_infer_request(raw: bytes) -> InferRequest:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise OIPError(400, f"invalid JSON body: {exc}") from None
+    deep = too_deep(raw)
+    if deep is not None:
+        raise OIPError(400, deep)
     try:
         return InferRequest.model_validate(body)
     except ValidationError as exc:
