@@ -134,7 +134,7 @@ class Platform:
             self.files,
             sender=self.gateway,
             routing=self.routing,
-            usage=self.recorder,
+            usage=self.gateway.accounting,  # the one settlement, as for every request
         )
         self.services = Services(
             settings=settings,

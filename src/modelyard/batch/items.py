@@ -2,8 +2,8 @@
 and usage written once, never under a revoked key.
 
 The runner hands in what an item needs, and nothing more: the gateway's `run_internal` (an
-`ItemSender`) and the usage recorder's `count` (a `UsageCounter`, which settles the tenant's
-quota once the usage row is committed)."""
+`ItemSender`) and the gateway accounting's `count` (a `UsageCounter`, which settles the
+tenant's quota once the usage row is committed)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class ItemSender(Protocol):
 
 
 class UsageCounter(Protocol):
-    """Settles a committed item's usage against the tenant's quota (`UsageRecorder.count`)."""
+    """Settles a committed item's usage against the tenant's quota (`Accounting.count`)."""
 
     async def count(self, event: UsageEvent, reserved: int = 0) -> bool: ...
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelyard.core.errors import RateLimited, Unavailable
-from modelyard.core.identity import Principal
+from modelyard.core.identity import Limits, Principal
 from modelyard.core.prefix_affinity import PrefixHint
 from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.access_log import logged
@@ -82,6 +82,7 @@ class Call:
     # The settlement (metering or refund), once started: runs to its end whatever the client does.
     closing: asyncio.Task[UsageEvent | None] | None = None
     relaying: bool = False  # the stream's relay has started (and will settle in its `finally`)
+    stamped: bool = False  # its stream's events carry the worker's token counts
     # Which version serves it (the replica picked: a canary or the stable one), and the key that
     # keeps a user or session on one version while the weights stay (its `user`, x-session-id).
     version_id: str | None = None
@@ -291,6 +292,15 @@ class Accounting:
             event, call.quota_reserved, call.quota_month or None
         )
         return event, first
+
+    async def count(self, event: UsageEvent, reserved: int = 0) -> bool:
+        """A batch item's settlement, once the runner has committed its usage row with its
+        result (its reservation went back when it was served): its tokens counted against
+        the tenant's quota. False if the request was counted before (a retried commit)."""
+        settlement = Settlement(event.key_id, Limits(None, None), event.tenant_id)
+        first, settlement.quota_moves = self.recorder.claim(event, reserved)
+        await self._apply(settlement)
+        return first
 
     async def _apply(self, s: Settlement) -> None:
         """One round trip when the three live in one Redis; else each through its own."""
