@@ -134,10 +134,14 @@ def leave_stream(
     return request_id, stamp, seen
 
 
-def test_a_path_in_a_name_is_refused_and_reaches_no_other_route(platform: PlatformProcess):
+def test_a_path_in_a_name_is_refused_at_deploy(platform: PlatformProcess) -> None:
     admin = platform.api()
-    r = admin.post("/v1/models/deploy", json={"model_name": HOSTILE, "model_artifact": "x"})
-    assert r.status_code in (400, 422) and "model_name" in r.text, r.text
+    for name in (HOSTILE, "..", "a/./b", "a?b", "a\x1b[31m", "a b"):
+        r = admin.post("/v1/models/deploy", json={"model_name": name, "model_artifact": "x"})
+        assert r.status_code in (400, 422) and "model_name" in r.text, (name, r.text)
+
+
+def test_a_name_reaches_no_other_route_than_its_own(platform: PlatformProcess) -> None:
     t = Tenant(platform)
     legacy = platform.legacy  # type: ignore[attr-defined]
     # A completions body to the OIP route of the endpoint named like a path: it used to reach
@@ -171,8 +175,9 @@ def test_a_client_leaving_a_tool_call_stream_is_billed_what_it_received(
     row = billed(t, request_id)
     assert row["status"] == "client_disconnected"
     assert int(row["prompt_tokens"]) > 0
-    # Used to be 0: only text deltas were counted. Billed now: the stamp of the last event that
-    # went to the client, at least what it read (events in the socket's buffers went to it too).
+    assert int(row["completion_tokens"]) > 0  # used to be 0: only text deltas were counted
+    # Billed: the stamp of the last event that went to the client, so at least what it read
+    # (events still in the socket's buffers went to it too).
     assert 0 < received <= int(row["completion_tokens"]) <= MAX_TOKENS
 
 
