@@ -1,7 +1,9 @@
 """Every token the client received is billed, through a real `modelyard serve` in both platform
 modes (issue 27, finding 5): an endpoint's name cannot turn the Open Inference Protocol into
 another route, a client that leaves a tool-call stream (chat or Responses) is billed what it got,
-and OIP inference on an embedding model is metered in tokens and held to the quota and TPM.
+OIP inference on an embedding model is metered in tokens and held to the quota and TPM, and a
+property over every route (streamed or not, tool calls, OIP, embeddings, clients that leave)
+holds: each usage row is the tokens its client received.
 
 Streamed events carry the worker's token stamp (`: tokens N`, a comment clients ignore); what a
 client received is the stamp of the last event it read."""
@@ -9,6 +11,7 @@ client received is the stamp of the last event it read."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import update
 
 from modelyard.store.db import Database
@@ -167,8 +172,8 @@ def test_a_client_leaving_a_tool_call_stream_is_billed_what_it_received(
         }  # fmt: skip
         path, marker = "/v1/chat/completions", '"arguments":"'
     else:
-        body = {"model": TINY, "input": "note", "tools": [NOTE_RESPONSES],
-                "tool_choice": "required", "max_output_tokens": MAX_TOKENS, "stream": True}  # fmt: skip
+        body = {"model": TINY, "input": "note", "tools": [NOTE_RESPONSES], "stream": True,
+                "tool_choice": "required", "max_output_tokens": MAX_TOKENS}  # fmt: skip
         path, marker = "/v1/responses", "response.function_call_arguments.delta"
     request_id, received, seen = leave_stream(platform, t.key, path, body, marker, 12)
     assert seen >= 12  # the stream was left in the middle of the call's arguments
@@ -211,3 +216,131 @@ def test_oip_embeddings_are_billed_in_tokens_against_quota_and_tpm(
         for _ in range(4)
     ]
     assert 429 in codes and codes[0] == 200
+
+
+# ----- the property: usage rows are the tokens the client received ---------------------------
+
+PICK = {
+    "type": "function",
+    "function": {
+        "name": "pick",
+        "parameters": {
+            "type": "object",
+            "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+            "required": ["color", "ok"],
+        },
+    },
+}
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[str, dict[str, Any], int | None]:
+    """A route, its body, and after how many events a streaming client leaves (None: never)."""
+    route = draw(st.sampled_from(["chat", "completions", "responses", "embeddings", "oip"]))
+    if route in ("embeddings", "oip"):
+        texts = draw(st.lists(st.text(min_size=1, max_size=40), min_size=1, max_size=3))
+        if route == "oip":
+            return route, oip_body(*texts), None
+        return route, {"model": "minilm", "input": texts}, None
+    stream = draw(st.booleans())
+    tool = draw(st.sampled_from([None, PICK, NOTE]))
+    max_tokens = draw(st.integers(1, 24))
+    leave = draw(st.one_of(st.none(), st.integers(1, 12))) if stream else None
+    prompt = draw(st.text(min_size=1, max_size=30))
+    if route == "completions":
+        body: dict[str, Any] = {"model": TINY, "prompt": prompt, "max_tokens": max_tokens}
+    elif route == "chat":
+        body = {"model": TINY, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens}  # fmt: skip
+        if tool is not None:
+            body |= {"tools": [tool], "tool_choice": "required"}
+    else:
+        body = {"model": TINY, "input": prompt, "max_output_tokens": max(max_tokens, 16)}
+        if tool is not None:
+            f = tool["function"]
+            flat = {"type": "function", "name": f["name"], "parameters": f["parameters"]}
+            body |= {"tools": [flat], "tool_choice": "required"}
+    if stream:
+        body["stream"] = True
+        if route != "responses" and leave is None:
+            body["stream_options"] = {"include_usage": True}
+    return route, body, leave
+
+
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+          "responses": "/v1/responses", "embeddings": "/v1/embeddings",
+          "oip": "/v2/models/minilm/infer"}  # fmt: skip
+
+
+def received(
+    platform: PlatformProcess, key: str, route: str, body: dict[str, Any], leave: int | None
+) -> tuple[str, int | None, int | None, int]:
+    """Send one request as a client would; its request id, the prompt and completion tokens it
+    was told of (None where a stream it left never told it), and the last token stamp read."""
+    headers = {"authorization": f"Bearer {key}"}
+    url = f"{platform.url}{_PATHS[route]}"
+    if not body.get("stream"):
+        r = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        usage = answer["parameters"]["usage"] if route == "oip" else answer["usage"]
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
+        return r.headers["x-request-id"], prompt, completion, completion
+    prompt = completion = None
+    stamp, stamps, events = 0, 0, 0
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        request_id = r.headers["x-request-id"]
+        for line in r.iter_lines():
+            if line.startswith(": tokens "):
+                stamp, stamps = int(line.removeprefix(": tokens ")), stamps + 1
+            if not line.startswith("data: "):
+                continue
+            events += 1
+            assert stamps == events, (route, body)  # every event says what it brings the bill to
+            data = line.removeprefix("data: ")
+            if data != "[DONE]":
+                obj = json.loads(data)
+                usage = obj.get("usage") or (obj.get("response") or {}).get("usage")
+                if usage:
+                    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+                    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            if leave is not None and events >= leave:
+                break
+    return request_id, prompt, completion, stamp
+
+
+# Derandomized (the same examples every run, as CI needs); `MODELYARD_HYPOTHESIS_PROFILE=explore`
+# for fresh random examples and more of them.
+EXPLORE = os.environ.get("MODELYARD_HYPOTHESIS_PROFILE") == "explore"
+
+
+@settings(
+    max_examples=30 * (5 if EXPLORE else 1),
+    derandomize=not EXPLORE,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(batch=st.lists(requests(), min_size=1, max_size=3))
+def test_usage_rows_are_the_tokens_the_client_received(
+    platform: PlatformProcess, batch: list[tuple[str, dict[str, Any], int | None]]
+) -> None:
+    t = Tenant(platform)
+    sent = [(route, body, leave, *received(platform, t.key, route, body, leave))
+            for route, body, leave in batch]  # fmt: skip
+    rows = {r["request_id"]: r for r in wait_request_ids(t.api, [s[3] for s in sent])}
+    assert len(rows) == len(sent)
+    for route, body, leave, request_id, prompt, completion, stamp in sent:
+        row = rows[request_id]
+        billed = (int(row["prompt_tokens"]), int(row["completion_tokens"]))
+        what = (route, body, leave, row)
+        if prompt is not None:  # the client was told the usage: exactly that is billed
+            assert billed == (prompt, completion), what
+            if body.get("stream"):
+                assert stamp == completion, what  # the last stamp is the final count
+        else:  # it left the stream: billed the stamp of the last event that went to it
+            assert billed[0] > 0, what
+            cap = body.get("max_tokens") or body.get("max_output_tokens")
+            assert stamp <= billed[1] <= cap, what
