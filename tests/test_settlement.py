@@ -27,12 +27,16 @@ from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint
 from tests.platform_harness import (
     PlatformProcess,
+    batch_line,
     create_key,
     create_tenant,
     deploy,
+    jsonl,
     tiny_models_env,
     usage_rows,
+    wait_batch,
     wait_request_ids,
+    wait_usage,
 )
 from tests.tiny_encoders import minilm_folder
 from tests.tiny_models import build_model
@@ -80,7 +84,7 @@ def platform(
     settings_file = models / TINY / "tokenizer_config.json"
     settings = json.loads(settings_file.read_text())
     settings_file.write_text(json.dumps({**settings, "chat_template": TOOLS_TEMPLATE}))
-    env = {**platform_env, **tiny_models_env(models)}
+    env = {**platform_env, **tiny_models_env(models), "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2"}
     data = tmp_path_factory.mktemp("settlement-data")
     p = PlatformProcess(data, env).start()
     try:
@@ -216,6 +220,27 @@ def test_oip_embeddings_are_billed_in_tokens_against_quota_and_tpm(
         for _ in range(4)
     ]
     assert 429 in codes and codes[0] == 200
+
+
+def test_batch_items_count_against_the_quota(platform: PlatformProcess) -> None:
+    """Batch items settle through the same accounting: their committed rows count against
+    the tenant's quota (they used to raise an AttributeError each and count nothing)."""
+    t = Tenant(platform, quota=60)
+    client = platform.openai(t.key)
+    lines = [batch_line(f"i{i}", max_tokens=20, model=TINY, ignore_eos=True) for i in range(3)]
+    file = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    batch = wait_batch(client, batch.id, {"completed", "failed"})
+    assert batch.status == "completed", batch
+    rows = wait_usage(t.api, lambda rows: len(rows) >= 1)
+    used = sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in rows)
+    assert used >= 60  # the items admitted before the quota was spent spent it
+    # What the items used is on the tenant's quota: the next request is refused.
+    body = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = t.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota", r.text
 
 
 # ----- the property: usage rows are the tokens the client received ---------------------------
