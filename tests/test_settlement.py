@@ -194,7 +194,7 @@ def test_oip_embeddings_are_billed_in_tokens_against_quota_and_tpm(
     platform: PlatformProcess,
 ) -> None:
     texts = ["The cat sat on the mat.", "Quantum computing uses qubits."]
-    t = Tenant(platform, quota=400)
+    t = Tenant(platform, quota=150)
     reference = platform.openai(t.key).embeddings.with_raw_response.create(
         model="minilm", input=texts
     )
@@ -206,7 +206,7 @@ def test_oip_embeddings_are_billed_in_tokens_against_quota_and_tpm(
     assert row["kind"] == "oip.infer" and int(row["prompt_tokens"]) == tokens > 0
     # The quota holds OIP calls too: they are refused once it is spent.
     statuses = []
-    for _ in range(400 // tokens + 2):
+    for _ in range(150 // tokens + 2):
         r = t.http.post("/v2/models/minilm/infer", json=oip_body(*texts))
         statuses.append(r.status_code)
         if r.status_code == 429:
