@@ -108,8 +108,9 @@ def test_open_inference_protocol_through_the_gateway(
     assert r.status_code == 200
     time.sleep(0.3)
     rows = [r for r in usage_rows(platform.api(), tenant_id=tenant_id) if r["kind"] == "oip.infer"]
-    assert len(rows) == 3  # one metered request each, no tokens
-    assert {r["prompt_tokens"] for r in rows} == {"0"}
+    assert len(rows) == 3  # one metered request each, billed the tokens its texts took
+    assert {r["prompt_tokens"] for r in rows} == {str(body["parameters"]["usage"]["prompt_tokens"])}
+    assert int(rows[0]["prompt_tokens"]) > 0
 
 
 def test_oip_errors_take_the_protocol_shape(platform: PlatformProcess, tenant: tuple[str, str]):

@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from rich.progress import (
@@ -80,7 +81,7 @@ class RegistryClient:
                     self._check(self.http.put(f"/v1/blobs/{sha}", content=body))
             return self._check(
                 self.http.post(
-                    f"/v1/registry/models/{name}/versions",
+                    f"/v1/registry/models/{quote(name, safe='')}/versions",
                     json={"files": manifest, **({"base_model": base} if base else {})},
                 )
             )

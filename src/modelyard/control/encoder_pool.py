@@ -16,6 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 
@@ -130,7 +131,9 @@ class EncoderPool:
     async def _put(self, name: str, path: Path, param_count: int) -> None:
         assert self.handle is not None
         body = {"path": str(path), "param_count": param_count}
-        r = await self._http.put(f"{self.handle.url}/admin/models/{name}", json=body)
+        r = await self._http.put(
+            f"{self.handle.url}/admin/models/{quote(name, safe='')}", json=body
+        )
         if r.status_code != 200:
             raise EncoderHostError(f"the encoder host refused {name}: {r.text[:300]}")
 
@@ -166,7 +169,7 @@ class EncoderPool:
             if model is None or not self.alive():
                 return
             assert self.handle is not None
-            await self._http.delete(f"{self.handle.url}/admin/models/{name}")
+            await self._http.delete(f"{self.handle.url}/admin/models/{quote(name, safe='')}")
             if not self._models:  # nothing left to serve: give the memory back
                 await self._stop()
 

@@ -60,11 +60,15 @@ class _Classifier:
 
     def classify(self, texts: Sequence[str]) -> list[Scores]:
         """Every label with its score, best first, for each text (one batch: callers batch)."""
+        return [scores for scores, _ in self.classify_counted(texts)]
+
+    def classify_counted(self, texts: Sequence[str]) -> list[tuple[Scores, int]]:
+        """`classify`, each text's scores with its token count (what it is billed)."""
         batch = self.tokenizer.batch(self.tokenizer.ids(texts))
         probabilities = _probabilities(self._logits(batch), self.multi_label)
         return [
-            sorted(zip(self.labels, map(float, row), strict=True), key=lambda p: -p[1])
-            for row in probabilities
+            (sorted(zip(self.labels, map(float, row), strict=True), key=lambda p: -p[1]), n)
+            for row, n in zip(probabilities, batch.lengths, strict=True)
         ]
 
 

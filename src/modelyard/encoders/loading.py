@@ -20,6 +20,8 @@ MODEL_KINDS: tuple[str, ...] = get_args(ModelKind)
 Encoder = EmbeddingModel | SequenceClassifier | OnnxClassifier
 # What one embedding item gives back: its vector (float32 [D]) and its token count.
 Embedded = tuple[np.ndarray, int]
+# What one classifier item gives back: every label's score, best first, and its token count.
+Classified = tuple[Scores, int]
 
 
 def detect_kind(folder: Path) -> ModelKind:
@@ -65,7 +67,7 @@ def load_encoder(kind: ModelKind, folder: Path, device: str = "cpu") -> Encoder:
 
 def batch_function(model: Encoder) -> Callable[[list[Any]], Sequence[Any]]:
     """What the model's batcher runs: one input per item (a text or a token-id list), giving
-    `Embedded` for an embedding model and `Scores` (every label, best first) for a classifier."""
+    `Embedded` for an embedding model and `Classified` for a classifier."""
     if isinstance(model, EmbeddingModel):
 
         def embed(items: list[str | list[int]]) -> list[Embedded]:
@@ -74,8 +76,8 @@ def batch_function(model: Encoder) -> Callable[[list[Any]], Sequence[Any]]:
 
         return embed
 
-    def classify(items: list[str]) -> list[Scores]:
-        return model.classify(items)
+    def classify(items: list[str]) -> list[Classified]:
+        return model.classify_counted(items)
 
     return classify
 

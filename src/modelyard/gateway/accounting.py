@@ -84,6 +84,7 @@ class Call:
     # The settlement (metering or refund), once started: runs to its end whatever the client does.
     closing: asyncio.Task[UsageEvent | None] | None = None
     relaying: bool = False  # the stream's relay has started (and will settle in its `finally`)
+    stamped: bool = False  # its stream's events carry the worker's token counts
     # Which version serves it (the replica picked: a canary or the stable one), and the key that
     # keeps a user or session on one version while the weights stay (its `user`, x-session-id).
     version_id: str | None = None

@@ -102,6 +102,12 @@ class Admission:
         """Rate limits, then the quota reservation and a concurrency slot; all or nothing."""
         route = self.resolve(principal, req.model)
         reserved = self.reserve(route, payload, req)
+        return await self.admit_reserved(principal, route, req.model, kind, reserved)
+
+    async def admit_reserved(
+        self, principal: Principal, route: EndpointRoute, model: str, kind: str, reserved: int
+    ) -> Call:
+        """`admit` for a request whose route and reservation are known (the OIP's)."""
         if self.accounting.at_once is not None:  # limits, quota and slot in one round trip
             call = Call(
                 principal=principal,
@@ -111,9 +117,9 @@ class Admission:
                 reserved=reserved,
                 decision=NO_LIMITS,
             )
-            await self.accounting.admit_at_once(call, req.model)
+            await self.accounting.admit_at_once(call, model)
             return call
-        decision = await self.accounting.acquire(principal, req.model, reserved)
+        decision = await self.accounting.acquire(principal, model, reserved)
         call = Call(
             principal=principal,
             route=route,

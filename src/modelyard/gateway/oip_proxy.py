@@ -1,22 +1,39 @@
 """The Open Inference Protocol v2 through the gateway: `/v2/models/{model}[/ready|/infer]` for
 a tenant's classifier and embedding endpoints, with the same keys, limits and routing as the
-OpenAI routes; an inference counts one request (and no tokens) against the key and in
-metering. The worker's own model name is swapped for the public one in its answers."""
+OpenAI routes. An inference is admitted like `/v1/embeddings` (its texts' tokens reserved
+against TPM and the monthly quota) and settled through the one settlement with the token count
+the worker reports (`parameters.usage`). The worker's own model name is swapped for the public
+one in its answers.
+
+The model's name goes into the worker's URL quoted as one path segment: whatever an endpoint is
+called, the request reaches `/v2/models/<that one segment>/...` and no other route.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from typing import Any
+from urllib.parse import quote
 
 import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
 from modelyard.core.logs import current_request_id
-from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
+from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call, take_usage
 from modelyard.gateway.admission import Admission
 from modelyard.gateway.auth import Authenticator
 from modelyard.gateway.metrics import GatewayMetrics
+from modelyard.gateway.reservation import reservation_bound
 from modelyard.gateway.upstream import Upstream
+from modelyard.protocol.embeddings import MAX_INPUTS
+from modelyard.protocol.oip import OIPError, infer_usage, parse_infer_request, read_texts
+
+
+def oip_path(upstream: str, action: str) -> str:
+    """The worker's OIP path for a model: its name one quoted segment, never more."""
+    return f"/v2/models/{quote(upstream, safe='')}" + (f"/{action}" if action else "")
 
 
 class OipProxy:
@@ -39,48 +56,53 @@ class OipProxy:
         principal.require("inference")
         route = self.admission.resolve(principal, model)
         upstream = route.upstream_model or route.model_name
-        path = f"/v2/models/{upstream}" + (f"/{action}" if action else "")
+        path = oip_path(upstream, action)
         if action != "infer":
             call = Call(
                 principal, route, "oip", current_request_id() or uuid.uuid4().hex, 0, NO_LIMITS
             )
             status, content = await self.upstream.call_unary(call, None, path)
             return Response(
-                _rename(content, upstream, route.model_name),
+                _rename(content, upstream, route.model_name)[0],
                 status_code=status,
                 media_type="application/json",
             )
-        decision = await self.accounting.acquire(principal, model, 0)
-        call = Call(
-            principal, route, "oip.infer", current_request_id() or uuid.uuid4().hex, 0, decision
-        )
+        raw = await request.body()
+        try:  # parsed off the loop: the body may be megabytes of texts
+            texts = await asyncio.to_thread(_texts, raw)
+        except OIPError as exc:
+            return exc.response()
+        # The same reservation as /v1/embeddings for the same texts.
+        reserved = reservation_bound("embeddings", {"input": texts}, 0)
+        call = await self.admission.admit_reserved(principal, route, model, "oip.infer", reserved)
         try:
-            await self.accounting.hold(call)
-            headers = {"x-request-id": call.request_id, **decision.headers()}
-            status, content = await self.upstream.call_unary(call, await request.body(), path)
+            headers = {"x-request-id": call.request_id, **call.decision.headers()}
+            status, content = await self.upstream.call_unary(call, raw, path)
+            content, body = await asyncio.to_thread(_rename, content, upstream, route.model_name)
             if status == 200:
+                take_usage(call, infer_usage(body))
                 await self.accounting.close(call, served=True)
             else:
                 self.metrics.requests.labels(route.model_name, status).inc()
         finally:
-            # Gives back what is held unless metered above.
+            # Gives back what is held unless metered above (a worker's error is not billed).
             await self.accounting.close(call, served=False)
-        return Response(
-            _rename(content, upstream, route.model_name),
-            status_code=status,
-            media_type="application/json",
-            headers=headers,
-        )
+        return Response(content, status_code=status, media_type="application/json", headers=headers)
 
 
-def _rename(content: bytes, upstream: str, public: str) -> bytes:
-    if upstream == public:
-        return content
+def _texts(raw: bytes) -> list[str]:
+    return read_texts(parse_infer_request(raw), MAX_INPUTS)
+
+
+def _rename(content: bytes, upstream: str, public: str) -> tuple[bytes, Any]:
+    """The answer with the public model name, and its parsed body (None if not JSON)."""
     try:
         body = orjson.loads(content)
     except orjson.JSONDecodeError:
-        return content
+        return content, None
+    if upstream == public:
+        return content, body
     for key in ("name", "model_name"):
         if isinstance(body, dict) and body.get(key) == upstream:
             body[key] = public
-    return orjson.dumps(body)
+    return orjson.dumps(body), body

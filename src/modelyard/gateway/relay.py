@@ -2,6 +2,13 @@
 (metering each event, billing before the final `[DONE]` leaves), a stream for a model still
 loading with SSE comments while it waits. A worker's own error goes back as it is, unbilled.
 
+A stream is metered as its events go to the client: each event's token stamp (`protocol.sse`:
+the worker's own count of completion tokens when it wrote the event) becomes the request's
+completion count before the event is sent, so a client that leaves is billed the tokens that
+reached it, whatever they were (text, tool-call arguments, Responses events); the final usage
+replaces the count when the stream ends. A worker that stamps nothing (a sidecar runtime) is
+metered one token per event that carries output of any kind.
+
 Each path settles the request exactly once, in its own `finally` (`Accounting.close` is
 idempotent): a stream's settlement lives in its relay generator, since the response outlives
 the handler that returned it.
@@ -33,6 +40,7 @@ from modelyard.protocol.sse import (
     DONE,
     DONE_EVENT,
     EVENT_END,
+    read_stamp,
     sse_comment,
     sse_data,
     sse_raw,
@@ -199,7 +207,7 @@ class Relay:
                 buffer += chunk
                 while EVENT_END in buffer:
                     event, buffer = buffer.split(EVENT_END, 1)
-                    if _inspect(call, event, wants_usage):
+                    if _inspect(call, _stamp(call, event), wants_usage):
                         if event == DONE_EVENT or is_final(event):
                             # Billed (journaled on disk) before the client sees the end.
                             await self.accounting.close(call, served=True)
@@ -249,8 +257,25 @@ async def _read_refusal(
         call.route.release(replica)
 
 
+def _stamp(call: Call, event: bytes) -> bytes:
+    """Take the event's token stamp as the request's completion count (it goes to the client
+    next); the event without the stamp, to inspect."""
+    tokens, bare = read_stamp(event)
+    if tokens is not None:
+        call.stamped = True
+        if tokens > call.completion_tokens:
+            call.completion_tokens = tokens
+            if call.ttft is None:
+                call.ttft = time.perf_counter() - call.started
+    return bare
+
+
+# What a chunk's delta may carry of the model's output.
+_OUTPUT = ("content", "tool_calls", "function_call", "reasoning_content", "reasoning", "refusal")
+
+
 def _inspect(call: Call, event: bytes, wants_usage: bool) -> bool:
-    """Meter one SSE event; False if it must not reach the client."""
+    """Meter one SSE event (its stamp taken off); False if it must not reach the client."""
     if is_typed(event):  # the Responses API's typed events
         return inspect_typed(call, event)
     if not event.startswith(DATA_PREFIX) or event == DONE_EVENT:
@@ -263,12 +288,13 @@ def _inspect(call: Call, event: bytes, wants_usage: bool) -> bool:
         call.status = "error"
         return True
     choices = obj.get("choices") or []
-    for choice in choices:
-        delta = choice.get("delta") or {}
-        if delta.get("content") or choice.get("text"):
-            call.completion_tokens += 1
-            if call.ttft is None:
-                call.ttft = time.perf_counter() - call.started
+    if not call.stamped:  # an unstamped stream: one token per event with output
+        for choice in choices:
+            delta = choice.get("delta") or {}
+            if choice.get("text") or any(delta.get(k) for k in _OUTPUT):
+                call.completion_tokens += 1
+                if call.ttft is None:
+                    call.ttft = time.perf_counter() - call.started
     usage = obj.get("usage")
     if usage:
         take_usage(call, usage)

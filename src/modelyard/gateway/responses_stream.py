@@ -1,7 +1,8 @@
 """Metering the Responses API's typed SSE events (`event: <type>` + `data: <json>`), which
 the relay passes through as they are.
 
-Output text deltas mark the first token (TTFT) and count completion tokens as they come; the
+Events are metered by their token stamps (see `relay.py`); a stream without stamps counts one
+completion token per delta event (output text, function-call arguments, reasoning). The
 final event (`response.completed`, or `response.incomplete` when `max_output_tokens` cut it)
 carries the usage that is billed, read before the client receives it.
 """
@@ -16,7 +17,7 @@ from modelyard.gateway.accounting import Call, take_usage
 
 TYPED_PREFIX = b"event: "
 FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n")
-_DELTA = b"event: response.output_text.delta\n"
+_DELTA = b".delta\n"  # response.output_text.delta, response.function_call_arguments.delta, ...
 _FAILED = (b"event: response.failed\n", b"event: error\n")
 
 
@@ -30,7 +31,10 @@ def is_final(event: bytes) -> bool:
 
 def inspect_typed(call: Call, event: bytes) -> bool:
     """Meter one typed event; every one of them reaches the client."""
-    if event.startswith(_DELTA):
+    kind = event.partition(b"\n")[0] + b"\n"
+    if kind.endswith(_DELTA):
+        if call.stamped:
+            return True
         call.completion_tokens += 1
         if call.ttft is None:
             call.ttft = time.perf_counter() - call.started

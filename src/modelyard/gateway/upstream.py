@@ -22,6 +22,7 @@ from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, Routin
 from modelyard.gateway.accounting import Call
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.version_stats import VersionStats
+from modelyard.protocol.sse import TOKEN_STAMPS_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ _PATHS = {
     "embeddings": "/v1/embeddings",
     "responses": "/v1/responses",
 }
+_STAMPS = {TOKEN_STAMPS_HEADER: "1"}
 # Failures before any response byte: the request never reached a model, so another replica may
 # take it. (aiohttp measured ~3x less client CPU per proxied request than httpx here.)
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError)
@@ -196,6 +198,8 @@ class Upstream:
                         headers={
                             "content-type": "application/json",
                             "x-request-id": call.request_id,
+                            # Each streamed event's token count, to bill what the client got.
+                            **_STAMPS,
                             **tracing.outbound_headers(),
                         },
                         timeout=self._stream_timeout if stream else self._unary_timeout,

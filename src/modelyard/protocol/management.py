@@ -76,10 +76,22 @@ class SamplingDefaults(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
 
 
+# An endpoint's name: parts of letters, digits, '.', '_', '-' (each starting with a letter or
+# digit, so no '.' or '..' part) joined by '/'. It is what clients send as `model` and what
+# the worker is told it serves; never a path, a query, a fragment or a control character.
+ENDPOINT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$"
+
+
 class DeployRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_name: str = Field(min_length=1, max_length=128)
+    model_name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=ENDPOINT_NAME_PATTERN,
+        description="Letters, digits, '.', '_' and '-', each '/'-separated part starting with "
+        "a letter or digit (e.g. `qwen2.5-0.5b` or `org/model`).",
+    )
     model_artifact: str = Field(
         min_length=1,
         max_length=ARTIFACT_MAX,

@@ -185,13 +185,28 @@ def embedding_outputs(vectors: np.ndarray) -> dict[str, dict[str, Any]]:
 
 
 def infer_response(
-    model: str, request: InferRequest, outputs: dict[str, dict[str, Any]], names: list[str]
+    model: str,
+    request: InferRequest,
+    outputs: dict[str, dict[str, Any]],
+    names: list[str],
+    prompt_tokens: int,
 ) -> dict[str, Any]:
+    """The answer; its `parameters.usage` says the tokens the inputs took (what is billed, as
+    an OpenAI embeddings answer's `usage` does)."""
     body: dict[str, Any] = {"model_name": model, "model_version": VERSION}
     if request.id is not None:
         body["id"] = request.id
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    body["parameters"] = {"usage": usage}
     body["outputs"] = [outputs[n] for n in names]
     return body
+
+
+def infer_usage(body: Any) -> dict[str, Any]:
+    """The usage an infer answer reports (empty if none)."""
+    params = body.get("parameters") if isinstance(body, dict) else None
+    usage = params.get("usage") if isinstance(params, dict) else None
+    return usage if isinstance(usage, dict) else {}
 
 
 def model_metadata(

@@ -188,10 +188,11 @@ class EncoderServing:
             status, message, _ = _host_failure(exc)
             raise OIPError(status, message) from None
         if classifier:
-            outputs = classifier_outputs(results, k)
+            outputs = classifier_outputs([scores for scores, _ in results], k)
         else:
             outputs = embedding_outputs(np.stack([vector for vector, _ in results]))
-        return infer_response(spec.name, body, outputs, names)
+        tokens = sum(n for _, n in results)
+        return infer_response(spec.name, body, outputs, names, tokens)
 
     # ----- health ------------------------------------------------------------------------------
 

@@ -5,14 +5,16 @@ merge into one stream whose choice index is `prompt_index * n + sequence_index`.
 shapes (chat or text completion chunks) come from the caller as chunk builders.
 
 Streams carry usage as OpenAI does: only in one last chunk with empty `choices`, and only
-when `stream_options.include_usage` asks for it (the gateway always asks, to bill).
+when `stream_options.include_usage` asks for it (the gateway always asks, to bill). Asked by
+the gateway (`TOKEN_STAMPS_HEADER`), each event also opens with its token stamp (`protocol.sse`):
+a stream the client leaves is billed for what reached it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +27,7 @@ from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.sequence import TokenLogprob
 from modelyard.protocol.errors import APIError, error_body
 from modelyard.protocol.openai import PROMPT_TOKENS_HEADER, SamplingFields
-from modelyard.protocol.sse import DONE, sse_data
+from modelyard.protocol.sse import DONE, TOKEN_STAMPS_HEADER, sse_data, stamped
 from modelyard.worker.metrics import RequestTimer, WorkerMetrics
 
 Job = tuple[list[int], SamplingParams]  # one engine request: its prompt and checked params
@@ -150,10 +152,12 @@ class FanOut:
         base: dict[str, Any],
         role_chunk: RoleChunk | None,
         choice_chunk: ChoiceChunk,
+        usage: Usage | None = None,
     ) -> AsyncIterator[bytes]:
-        """The SSE events: `base` plus one choice chunk each, then usage if asked, then DONE."""
+        """The SSE events: `base` plus one choice chunk each, then usage if asked, then DONE.
+        `usage` (kept up to date as the outputs come) is the caller's, to stamp the events."""
         timer = RequestTimer(self.metrics)
-        usage = Usage()
+        usage = usage if usage is not None else Usage()
         try:
             if role_chunk is not None:
                 for i in range(len(jobs) * req.n):
@@ -180,9 +184,31 @@ class FanOut:
         yield DONE
 
 
+def wants_stamps(headers: Any) -> bool:
+    """Whether the gateway asked for token stamps on this request's stream."""
+    return bool(headers.get(TOKEN_STAMPS_HEADER) == "1")
+
+
+async def stamp_tokens(body: AsyncGenerator[bytes, None], usage: Usage) -> AsyncIterator[bytes]:
+    """Each event of `body` opened by its token stamp: the completion tokens generated when it
+    was written (`body` updates `usage` before it yields what came of them)."""
+    try:
+        async for event in body:
+            yield stamped(event, usage.totals()[1])
+    finally:
+        await body.aclose()  # at once: closing it is what aborts the generation
+
+
 def streaming_response(
-    body: AsyncIterator[bytes], request_id: str, prompt_tokens: int
+    body: AsyncIterator[bytes],
+    request_id: str,
+    prompt_tokens: int,
+    stamps: Usage | None = None,
 ) -> StreamingResponse:
+    """The stream's response; with `stamps` (the usage its body keeps) its events stamped."""
+    if stamps is not None:
+        assert isinstance(body, AsyncGenerator)
+        body = stamp_tokens(body, stamps)
     return StreamingResponse(
         body,
         media_type="text/event-stream",

@@ -35,7 +35,7 @@ from modelyard.protocol.openai import (
 )
 from modelyard.protocol.responses import JSONResponse
 from modelyard.worker.admission import admit, check_choices
-from modelyard.worker.fanout import FanOut, streaming_response
+from modelyard.worker.fanout import FanOut, Usage, streaming_response, wants_stamps
 from modelyard.worker.logprobs import chat_logprobs, completion_logprobs
 from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.prompt_bounds import PromptBudget
@@ -175,14 +175,16 @@ class OpenAIServing:
         }
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            usage = Usage()
             if job.plan.active:
                 events = choice_events(
-                    self.fanout, request_id, [job.job], req, job.plan, job.parser
+                    self.fanout, request_id, [job.job], req, job.plan, job.parser, usage
                 )
                 body = chat_tool_stream(events, base, req.n, job.plan, include_usage)
             else:
-                body = self._plain_chat_stream(request_id, job, req, base, include_usage)
-            return streaming_response(body, request_id, len(job.prompt))
+                body = self._plain_chat_stream(request_id, job, req, base, include_usage, usage)
+            stamps = usage if wants_stamps(request.headers) else None
+            return streaming_response(body, request_id, len(job.prompt), stamps)
         result = await run_until_disconnect(request, self.chat_body(job, req, request_id))
         return JSONResponse({**result, "created": created}, headers={"x-request-id": request_id})
 
@@ -221,6 +223,7 @@ class OpenAIServing:
         req: ChatCompletionRequest,
         base: dict[str, Any],
         include_usage: bool,
+        usage: Usage,
     ) -> AsyncIterator[bytes]:
         k = job.k
 
@@ -243,7 +246,7 @@ class OpenAIServing:
             }
 
         return self.fanout.stream(
-            request_id, [job.job], req, include_usage, base, role_chunk, choice_chunk
+            request_id, [job.job], req, include_usage, base, role_chunk, choice_chunk, usage
         )
 
     # ----- completions -----------------------------------------------------------------------
@@ -307,10 +310,12 @@ class OpenAIServing:
                 }
 
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            usage = Usage()
             body = self.fanout.stream(
-                request_id, jobs, req, include_usage, base, None, choice_chunk
+                request_id, jobs, req, include_usage, base, None, choice_chunk, usage
             )
-            return streaming_response(body, request_id, sum(len(p) for p in prompts))
+            stamps = usage if wants_stamps(request.headers) else None
+            return streaming_response(body, request_id, sum(len(p) for p in prompts), stamps)
 
         choices, usage = await run_until_disconnect(
             request, self.fanout.collect(request_id, jobs, req)

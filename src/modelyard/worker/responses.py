@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
@@ -33,7 +33,7 @@ from modelyard.protocol.responses_api import (
     TextFormatJSONObject,
     TextFormatJSONSchema,
 )
-from modelyard.worker.fanout import ENGINE_FAILURES, Usage, api_error
+from modelyard.worker.fanout import ENGINE_FAILURES, Usage, api_error, stamp_tokens, wants_stamps
 from modelyard.worker.openai_serving import OpenAIServing
 from modelyard.worker.tool_stream import (
     CallArgs,
@@ -195,8 +195,12 @@ class ResponsesServing:
         created = int(time.time())
         envelope = self._envelope(req, response_id, created, "in_progress")
         if req.stream:
+            usage = Usage()
+            body = self._stream(chat_req, job, request_id, envelope, usage)
+            if wants_stamps(request.headers):
+                body = stamp_tokens(body, usage)
             return StreamingResponse(
-                self._stream(chat_req, job, request_id, envelope),
+                body,
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no",
                          "x-request-id": request_id, PROMPT_TOKENS_HEADER: str(len(job.prompt))},
@@ -222,8 +226,13 @@ class ResponsesServing:
         )
 
     async def _stream(
-        self, chat_req: ChatCompletionRequest, job: ChatJob, request_id: str, envelope: dict
-    ) -> AsyncIterator[bytes]:
+        self,
+        chat_req: ChatCompletionRequest,
+        job: ChatJob,
+        request_id: str,
+        envelope: dict,
+        counted: Usage,
+    ) -> AsyncGenerator[bytes, None]:
         seq = 0
 
         def event(kind: str, **data: Any) -> bytes:
@@ -257,7 +266,7 @@ class ResponsesServing:
             ]
 
         events = choice_events(
-            self.chat.fanout, request_id, [job.job], chat_req, job.plan, job.parser
+            self.chat.fanout, request_id, [job.job], chat_req, job.plan, job.parser, counted
         )
         try:
             async for ev in events:

@@ -161,10 +161,12 @@ async def choice_events(
     req: Any,
     plan: ToolPlan,
     parser: ToolParser,
+    usage: Usage | None = None,
 ) -> AsyncIterator[Event]:
-    """Decoded events of every choice, then the usage; raises the engine's failures."""
+    """Decoded events of every choice, then the usage; raises the engine's failures. `usage`
+    (kept up to date as the outputs come) is the caller's, to stamp what it sends."""
     timer = RequestTimer(fanout.metrics)
-    usage = Usage()
+    usage = usage if usage is not None else Usage()
     decoders: dict[int, StreamDecoder] = {}
     async for pi, out in fanout.merged(request_id, jobs, req):
         usage.add(pi, out)
