@@ -23,7 +23,7 @@ from tests.databases import (
     redis_unreachable,
     services_required,
 )
-from tests.loop_stalls import stall_log_env
+from tests.loop_stalls import assert_no_loop_stalls, stall_counts, stall_log_env
 from tests.tiny_models import build_model
 
 
@@ -161,3 +161,20 @@ def smollm2_worker(smollm2_folder: Path) -> Iterator[WorkerProcess]:
         yield worker
     finally:
         worker.stop()
+
+
+@pytest.fixture()
+def no_loop_stalls(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails the test if any process it talks to (the module's `platform`, `chaos` or worker
+    fixtures, with their replicas) had its event loop held past the guard's threshold while the
+    test ran. Hostile-input modules use it: `pytestmark = pytest.mark.usefixtures(...)`."""
+    names = [n for n in request.fixturenames if n in _STALL_SOURCES]
+    sources = [request.getfixturevalue(n) for n in names]
+    sources = [s for s in sources if hasattr(s, "stall_log")]
+    before = stall_counts(*sources)
+    yield
+    assert_no_loop_stalls(*sources, since=before)
+
+
+# The fixtures whose processes run with a stall log (`tests/loop_stalls.py`).
+_STALL_SOURCES = ("platform", "chaos", "smollm2_worker", "tiny_worker", "worker")

@@ -38,6 +38,9 @@ from tests.platform_harness import (
 from tests.tiny_encoders import build_embedding_model
 from tests.tiny_models import build_model
 
+# A hostile input must not hold any process's event loop (tests/loop_stalls.py).
+pytestmark = pytest.mark.usefixtures("no_loop_stalls")
+
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

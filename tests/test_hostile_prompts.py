@@ -29,6 +29,9 @@ from tests.platform_harness import (
     tiny_models_env,
 )
 
+# A hostile input must not hold any process's event loop (tests/loop_stalls.py).
+pytestmark = pytest.mark.usefixtures("no_loop_stalls")
+
 MODEL = "smollm2"
 HUGE_MESSAGE = "a" * 7_800_000  # under the 8 MiB body cap
 

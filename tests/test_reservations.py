@@ -39,6 +39,9 @@ from tests.platform_harness import (
 )
 from tests.tiny_encoders import build_embedding_model
 
+# A hostile input must not hold any process's event loop (tests/loop_stalls.py).
+pytestmark = pytest.mark.usefixtures("no_loop_stalls")
+
 ASTRAL = "\U0001d518"  # 𝔘: 4 UTF-8 bytes, 4 tokens for the tiny model's byte-level BPE
 CAP = 4096  # the endpoints' max_tokens cap (the engine's default)
 

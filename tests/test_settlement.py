@@ -41,6 +41,9 @@ from tests.platform_harness import (
 from tests.tiny_encoders import minilm_folder
 from tests.tiny_models import build_model
 
+# A hostile input must not hold any process's event loop (tests/loop_stalls.py).
+pytestmark = pytest.mark.usefixtures("no_loop_stalls")
+
 TINY = "tiny"
 HOSTILE = "x/../../../v1/completions#"
 # A compact template that renders tools itself (the tiny model's 512-token context has no room

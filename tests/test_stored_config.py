@@ -33,6 +33,9 @@ from tests.platform_harness import (
     wait_status,
 )
 
+# A hostile input must not hold any process's event loop (tests/loop_stalls.py).
+pytestmark = pytest.mark.usefixtures("no_loop_stalls")
+
 MODEL = "tiny"
 # What stopped every start before: one stored endpoint each, written straight to the database.
 BAD_ROWS = {

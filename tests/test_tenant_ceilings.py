@@ -23,6 +23,9 @@ from tests.platform_harness import PlatformProcess, create_key, deploy, tiny_mod
 from tests.test_versions import Load, wait_canary
 from tests.tiny_models import build_model
 
+# A hostile input must not hold any process's event loop (tests/loop_stalls.py).
+pytestmark = pytest.mark.usefixtures("no_loop_stalls")
+
 HI = [{"role": "user", "content": "hi"}]
 
 
