@@ -17,6 +17,7 @@ import aiohttp
 from modelyard.config import PlatformSettings
 from modelyard.core import tracing
 from modelyard.core.admission import AdmissionRefused, Waiter, admission_rank
+from modelyard.core.cluster_auth import replica_headers
 from modelyard.core.errors import RateLimited, Unavailable, UpstreamFailed
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import Call
@@ -85,6 +86,7 @@ class Upstream:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0),
             auto_decompress=False,
+            headers=replica_headers(self.settings),  # the token the replicas demand
         )
 
     async def stop(self) -> None:
