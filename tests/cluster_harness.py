@@ -17,10 +17,13 @@ from pathlib import Path
 import httpx
 import redis
 
+from modelyard.core.cluster_auth import verified_leader_url
 from tests.conftest import free_port
 from tests.loop_stalls import stall_log_env
 
 LEADER_KEY = "modelyard:controller:leader"
+# Every role of a test cluster holds the same secret unless a test says otherwise.
+CLUSTER_SECRET = "test-cluster-secret-" + "0123456789abcdef" * 2
 
 
 class RoleProcess:
@@ -28,7 +31,7 @@ class RoleProcess:
         self.role = role
         self.data_dir = data_dir
         self.stall_log, env = stall_log_env(env)  # the loop-stall guard: tests/loop_stalls.py
-        self.env = {**os.environ, **env}
+        self.env = {**os.environ, "MODELYARD_CLUSTER_SECRET": CLUSTER_SECRET, **env}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the process
@@ -79,7 +82,8 @@ def leader_url(redis_url: str) -> str | None:
         value = client.get(LEADER_KEY)
     finally:
         client.close()
-    return value.decode() if value else None
+    # `<signature> <url>`: the test cluster's own secret verifies it.
+    return verified_leader_url(CLUSTER_SECRET, value)
 
 
 def wait_leader(

@@ -199,6 +199,17 @@ class TelemetrySettings(_Settings):
         return value.lower()
 
 
+class WorkerAuthSettings(_Settings):
+    """What a worker replica demands of its callers; set by the platform that starts it."""
+
+    worker_token: str | None = Field(
+        None,
+        description="Set by the platform on the replicas it starts (never by hand): with it, a "
+        "worker answers only requests carrying `Authorization: Bearer <token>` (401 otherwise), "
+        "/health excepted. Derived from cluster_secret (see there).",
+    )
+
+
 class ModelPrice(BaseModel):
     """USD per 1M tokens."""
 
@@ -380,6 +391,16 @@ class PlatformSettings(_Settings):
         None,
         description="Cluster mode: the URL other processes reach this controller at (gateways "
         "forward control requests to the leader's); default http://<host>:<port>.",
+    )
+    cluster_secret: str | None = Field(
+        None,
+        min_length=32,
+        description="Cluster mode (required there) and the ray backend: a secret every gateway "
+        "and controller holds (e.g. `openssl rand -hex 32`), never stored by the platform. The "
+        "leader signs the URL it advertises in Redis with it (HMAC-SHA256) and a gateway "
+        "forwards control requests only to a URL whose signature verifies; worker replicas get "
+        "a token derived from it and answer nothing but /health without it. Unset on serve "
+        "with the ray backend: a random token for this process's own replicas.",
     )
     routing_refresh_s: float = Field(
         2.0, gt=0, description="Cluster mode: a gateway's re-read of the shared routing table."

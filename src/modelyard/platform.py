@@ -31,6 +31,7 @@ from modelyard.control.backends import open_backend
 from modelyard.control.backends.base import Backend
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.registry import Registry
+from modelyard.core.cluster_auth import ensure_replica_secret
 from modelyard.core.identity import Principal
 from modelyard.core.routing import RoutingTable
 from modelyard.engine.models.loader import BUNDLED_MODELS, ModelNotFoundError, resolve_model_path
@@ -82,6 +83,7 @@ class Platform:
         """`backend` and `manager_type`: what the cluster's controller role runs instead of
         `serve`'s (`roles.py`); `serve` passes neither."""
         self.settings = settings
+        ensure_replica_secret(settings)  # before any part that talks to replicas is built
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         # Keys, usage and tenants' files live here: owner-only, also on installs made before.
         settings.data_dir.chmod(0o700)

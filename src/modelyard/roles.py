@@ -37,6 +37,7 @@ from modelyard.control.cluster_load import LoadAggregator
 from modelyard.control.cluster_manager import ClusterEndpointManager
 from modelyard.control.leader import LeaderLease, LeaseKeeper
 from modelyard.control.route_publisher import RoutePublisher
+from modelyard.core.cluster_auth import sign_leader_url, verified_leader_url
 from modelyard.core.cluster_keys import LEADER_KEY
 from modelyard.gateway.load_report import LoadReporter
 from modelyard.gateway.route_mirror import RouteMirror
@@ -64,15 +65,25 @@ def check_cluster_settings(settings: PlatformSettings) -> None:
             "cluster roles need Redis (MODELYARD_REDIS_URL=redis://…) for limits, quotas and "
             "the gateways' load"
         )
+    if not settings.cluster_secret:
+        raise ClusterConfigError(
+            "cluster roles need a shared secret (MODELYARD_CLUSTER_SECRET, the same on every "
+            "gateway and controller, e.g. `openssl rand -hex 32`): it signs the leader's "
+            "address and authenticates the platform to its workers"
+        )
 
 
 class LeaderAddress:
-    """The leading controller's URL from Redis, cached for a second."""
+    """The leading controller's URL from Redis, cached for a second: only a URL signed with
+    the cluster secret (`core.cluster_auth`); anything else in the key is no leader at all,
+    so control requests, bearer keys and all, never go where a writer of Redis points them."""
 
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, redis: Any, secret: str) -> None:
         self.redis = redis
+        self.secret = secret
         self._url: str | None = None
         self._at = 0.0
+        self._refused: bytes | str | None = None  # the last unsigned value (logged once)
 
     async def get(self) -> str | None:
         if self._url is None or time.monotonic() - self._at > 1.0:
@@ -81,7 +92,14 @@ class LeaderAddress:
             except Exception as exc:
                 log.warning("reading the leader's address from Redis failed: %s", exc)
                 value = None
-            self._url = value.decode() if isinstance(value, bytes) else value
+            self._url = verified_leader_url(self.secret, value)
+            if value is not None and self._url is None and value != self._refused:
+                log.error(
+                    "the leader's address in Redis (%s) is not signed with this cluster's "
+                    "secret: ignored (a wrong MODELYARD_CLUSTER_SECRET, or someone wrote it)",
+                    LEADER_KEY,
+                )
+                self._refused = value
             self._at = time.monotonic()
         return self._url
 
@@ -95,7 +113,7 @@ class _Role:
     def app(self, leads: Callable[[], bool]) -> Any:
         p = self.platform
         app = create_platform_app(p.services, self)
-        address = LeaderAddress(p._redis)
+        address = LeaderAddress(p._redis, self.settings.cluster_secret or "")
         app.add_middleware(
             ControlForward,
             leads=leads,
@@ -227,7 +245,8 @@ class ControllerRole(_Role):
     async def _advertise(self) -> None:
         ttl_ms = int(self.settings.controller_lease_s * 1000)
         try:
-            await self.platform._redis.set(LEADER_KEY, self.url, px=ttl_ms)  # type: ignore[union-attr]
+            value = sign_leader_url(self.settings.cluster_secret or "", self.url)
+            await self.platform._redis.set(LEADER_KEY, value, px=ttl_ms)  # type: ignore[union-attr]
         except Exception as exc:
             log.warning("writing the leader's address to Redis failed: %s", exc)
 
@@ -282,7 +301,8 @@ class ControllerRole(_Role):
             await self.publisher.stop()
             await p.endpoints.stop()  # its replicas keep running for the next leader
             with contextlib.suppress(Exception):
-                if (await p._redis.get(LEADER_KEY) or b"").decode() == self.url:  # type: ignore[union-attr]
+                advertised = await p._redis.get(LEADER_KEY)  # type: ignore[union-attr]
+                if verified_leader_url(self.settings.cluster_secret or "", advertised) == self.url:
                     await p._redis.delete(LEADER_KEY)  # type: ignore[union-attr]
         await asyncio.to_thread(self.lease.release)
         await self._stop_shared()

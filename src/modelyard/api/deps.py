@@ -43,8 +43,22 @@ async def get_inference(principal: Principal = Depends(get_principal)) -> Princi
     return principal
 
 
-# The scope each dependency demands, so the pre-authentication can check it before the body.
-SCOPE_OF_DEPENDENCY = {get_admin: "admin", get_inference: "inference"}
+async def get_reader(principal: Principal = Depends(get_principal)) -> Principal:
+    """A key that may read its tenant's configuration (endpoints, models): admin or inference.
+    A metrics-only key reads `/metrics` and nothing else."""
+    principal.require_any(READER_SCOPES)
+    return principal
+
+
+READER_SCOPES = ("admin", "inference")
+
+# The scopes each dependency accepts (any one of them), so the pre-authentication can check
+# them before the body.
+SCOPE_OF_DEPENDENCY: dict[object, tuple[str, ...]] = {
+    get_admin: ("admin",),
+    get_inference: ("inference",),
+    get_reader: READER_SCOPES,
+}
 
 
 def base_url(request: Request) -> str:

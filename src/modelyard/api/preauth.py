@@ -33,7 +33,7 @@ Authenticate = Callable[[str | None], Awaitable[Principal]]
 
 @dataclass(frozen=True)
 class _Need:
-    scope: str | None  # None: any valid key
+    scopes: tuple[str, ...] | None  # any one of them; None: any valid key
 
 
 def _need_of(dependant: Dependant) -> _Need | None:
@@ -46,7 +46,7 @@ def _need_of(dependant: Dependant) -> _Need | None:
         stack.extend(d.dependencies)
     if get_principal not in calls:
         return None
-    scopes = [scope for call, scope in SCOPE_OF_DEPENDENCY.items() if call in calls]
+    scopes = [scopes for call, scopes in SCOPE_OF_DEPENDENCY.items() if call in calls]
     return _Need(scopes[0] if scopes else None)
 
 
@@ -80,8 +80,8 @@ class PreAuthenticate:
                 authorization = value.decode("latin-1")
                 break
         principal = await self.authenticate(authorization)
-        if need.scope is not None:
-            principal.require(need.scope)
+        if need.scopes is not None:
+            principal.require_any(need.scopes)
         scope.setdefault("state", {})["principal"] = principal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from modelyard.api.deps import base_url, get_admin, get_principal, get_services
+from modelyard.api.deps import base_url, get_admin, get_reader, get_services
 from modelyard.api.routes_versions import router as versions_router
 from modelyard.api.services import Services
 from modelyard.control.audit import endpoint_snapshot
@@ -80,7 +80,7 @@ async def deploy(
 @router.get("/v1/endpoints")
 async def list_endpoints(
     request: Request,
-    principal: Principal = Depends(get_principal),
+    principal: Principal = Depends(get_reader),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     return {"object": "list", "data": services.endpoints.list(principal, base_url(request))}
@@ -90,7 +90,7 @@ async def list_endpoints(
 async def get_endpoint(
     endpoint_id: str,
     request: Request,
-    principal: Principal = Depends(get_principal),
+    principal: Principal = Depends(get_reader),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     return services.endpoints.get(principal, endpoint_id, base_url(request))

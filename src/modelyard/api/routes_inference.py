@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from modelyard.api.deps import get_principal, get_services
+from modelyard.api.deps import get_reader, get_services
 from modelyard.api.openapi_edge import BEARER_ONLY, json_body
 from modelyard.api.openapi_responses import (
     ChatCompletion,
@@ -64,7 +64,7 @@ async def responses(request: Request) -> Response:
 @router.get("/v1/async/{request_id}")
 async def async_result(
     request_id: str,
-    principal: Principal = Depends(get_principal),
+    principal: Principal = Depends(get_reader),
     services: Services = Depends(get_services),
 ) -> Response:
     """The answer to a request sent with `Prefer: respond-async` (202 while it runs)."""
@@ -123,7 +123,7 @@ def _model_object(route: EndpointRoute, services: Services) -> dict[str, Any]:
 
 @router.get("/v1/models", response_model=None, responses=ok(ModelList))
 async def list_models(
-    principal: Principal = Depends(get_principal), services: Services = Depends(get_services)
+    principal: Principal = Depends(get_reader), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
     routes = services.routing.visible(principal.tenant_id)
     return {"object": "list", "data": [_model_object(r, services) for r in routes]}
@@ -132,7 +132,7 @@ async def list_models(
 @router.get("/v1/models/{model}", response_model=None, responses=ok(ModelObject))
 async def retrieve_model(
     model: str,
-    principal: Principal = Depends(get_principal),
+    principal: Principal = Depends(get_reader),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     route = services.routing.resolve(principal.tenant_id, model)

@@ -21,6 +21,7 @@ from modelyard.api.errors import status_of
 from modelyard.api.openapi_edge import BEARER_ONLY
 from modelyard.api.services import Services
 from modelyard.control.model_kind import LLM
+from modelyard.core.cluster_auth import replica_headers
 from modelyard.core.errors import DomainError
 from modelyard.core.loop_monitor import loop_stall_families
 from modelyard.core.status import ReplicaState
@@ -97,7 +98,10 @@ async def _audience(request: Request, services: Services) -> Audience:
 def _federation(request: Request, services: Services) -> Federation:
     federation: Federation | None = getattr(request.app.state, "federation", None)
     if federation is None:
-        federation = Federation(timeout_s=services.settings.metrics_scrape_timeout_s)
+        federation = Federation(
+            timeout_s=services.settings.metrics_scrape_timeout_s,
+            headers=replica_headers(services.settings),
+        )
         request.app.state.federation = federation
     return federation
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from modelyard.api.deps import get_principal, get_services
+from modelyard.api.deps import get_reader, get_services
 from modelyard.api.services import Services
 from modelyard.batch.webhook import tenant_secret
 from modelyard.core.identity import Principal
@@ -19,10 +19,7 @@ from modelyard.core.identity import Principal
 router = APIRouter()
 
 
-async def _tenant_key(principal: Principal = Depends(get_principal)) -> Principal:
-    if "admin" not in principal.scopes:
-        principal.require("inference")
-    return principal
+_tenant_key = get_reader
 
 
 def _view(principal: Principal, secret: str) -> dict[str, Any]:

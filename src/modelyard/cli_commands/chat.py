@@ -9,7 +9,7 @@ import typer
 
 from modelyard.cli_commands import common
 from modelyard.cli_commands.client import ApiError, PlatformClient
-from modelyard.cli_commands.output import api_errors, errors
+from modelyard.cli_commands.output import api_errors, errors, safe
 
 
 def stream_answer(c: PlatformClient, body: dict[str, Any]) -> str:
@@ -63,6 +63,6 @@ def chat(
                 answer = stream_answer(c, body())
             except ApiError as exc:  # one refused turn does not end the session
                 messages.pop()
-                errors.print(f"[red]error:[/red] {exc}", highlight=False)
+                errors.print(f"[red]error:[/red] {safe(str(exc))}", highlight=False)
                 continue
             messages.append({"role": "assistant", "content": answer})

@@ -13,7 +13,7 @@ from typing import Any
 
 from rich.table import Table
 
-from modelyard.cli_commands.output import Column, console, field, when
+from modelyard.cli_commands.output import Column, console, field, safe, when
 
 
 def _dict(value: Any) -> dict[str, Any]:
@@ -215,6 +215,7 @@ def _progress(item: dict[str, Any]) -> str:
 
 def show_endpoint(view: dict[str, Any]) -> None:
     """The endpoint as people read it: a summary, its versions, the canary, its replicas."""
+    view = safe(view)  # tenant-chosen text (names, messages) never reaches the terminal raw
     summary = Table(show_header=False, title=f"Endpoint {view.get('endpoint_id')}",
                     title_justify="left")  # fmt: skip
     summary.add_column(style="bold")
@@ -275,6 +276,7 @@ def show_endpoint(view: dict[str, Any]) -> None:
 
 def progress_line(view: dict[str, Any], elapsed: float) -> str:
     """`tiny: provisioning · replicas 0/1 (starting: loading 40%) · 12s · <status message>`."""
+    view = safe(view)  # rich markup, its escapes and control characters made literal
     states = ", ".join(
         str(i.get("state")) + (f": {p}" if (p := _progress(i)) else "") for i in replica_items(view)
     )

@@ -31,7 +31,7 @@ from modelyard.cli_commands.endpoint_tables import (
     traffic_summary,
     versions_of,
 )
-from modelyard.cli_commands.output import api_errors, console, print_json, show
+from modelyard.cli_commands.output import api_errors, console, print_json, safe, show
 from modelyard.core.status import EndpointStatus
 
 endpoints_app = typer.Typer(no_args_is_help=True, help="Deployed endpoints.")
@@ -136,7 +136,7 @@ def wait_for(
             line = progress_line(view, time.monotonic() - started)
             mark = (view.get("status"), replica_counts(view), line.split(" · ")[1])
             if live:
-                spinner.update(text=Text(line))
+                spinner.update(text=Text.from_markup(line))
             elif mark != last and done is None and not quiet:
                 console.print(line, highlight=False)
             last = mark
@@ -293,7 +293,8 @@ def _moved(view: dict[str, Any], verb: str, as_json: bool) -> None:
     if as_json:
         print_json(view)
     else:
-        console.print(f"{view.get('endpoint_id')}: {verb} · traffic {traffic_summary(view)}")
+        summary = safe(traffic_summary(view))
+        console.print(f"{safe(view.get('endpoint_id'))}: {verb} · traffic {summary}")
 
 
 def _parse_weights(pairs: list[str]) -> dict[str, int]:

@@ -1,9 +1,15 @@
-"""How commands print: rich tables for people, `--json` for scripts, errors as one line."""
+"""How commands print: rich tables for people, `--json` for scripts, errors as one line.
+
+Whatever the platform answers may hold text a tenant chose (model names, messages, errors), and
+a terminal obeys escape sequences: everything printed for people goes through `safe` (or
+`printable`) first, which shows control characters as escapes (`\\x1b`) and makes rich markup
+literal. `--json` needs nothing: JSON escapes control characters itself."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -11,6 +17,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from modelyard.cli_commands.client import ApiError
@@ -22,13 +29,40 @@ errors = Console(stderr=True)
 Column = tuple[str, Callable[[dict[str, Any]], Any]]
 
 
+# C0 and C1 controls, DEL, and the bidirectional overrides that reorder what a terminal shows.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(value: Any) -> str:
+    """`value` as text a terminal shows and never obeys: control characters as escapes."""
+    return _CONTROL.sub(_escaped, str(value))
+
+
+def safe(value: Any) -> Any:
+    """`value` (a platform's answer: dicts, lists, strings…) with every string, keys too,
+    `printable` and its rich markup made literal, ready for tables and markup lines."""
+    if isinstance(value, str):
+        return escape(printable(value))
+    if isinstance(value, dict):
+        return {safe(k): safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [safe(v) for v in value]
+    return value
+
+
 @contextmanager
 def api_errors() -> Iterator[None]:
     """An API refusal or an unusable profile: its message on stderr and exit 1, no traceback."""
     try:
         yield
     except (ApiError, ProfileError) as exc:
-        errors.print(f"[red]error:[/red] {exc}", markup=True, highlight=False, soft_wrap=True)
+        message = safe(str(exc))
+        errors.print(f"[red]error:[/red] {message}", markup=True, highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
 
 
@@ -55,7 +89,7 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[Column], title: str)
         # Ids stay whole so that they can be copied; other cells wrap.
         t.add_column(header, overflow="fold", no_wrap=header in _WHOLE)
     for row in rows:
-        t.add_row(*("-" if (v := get(row)) is None else str(v) for _, get in columns))
+        t.add_row(*("-" if (v := get(row)) is None else safe(str(v)) for _, get in columns))
     console.print(t)
 
 
@@ -83,5 +117,5 @@ def details(obj: dict[str, Any], as_json: bool) -> None:
             shown = when(v)
         else:
             shown = str(v)
-        t.add_row(k, shown)
+        t.add_row(safe(str(k)), safe(shown))
     console.print(t)

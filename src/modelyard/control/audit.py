@@ -24,6 +24,7 @@ from typing import Any
 from sqlalchemy import select
 
 from modelyard.control.endpoint_view import endpoint_view
+from modelyard.core.csv_cells import csv_cell
 from modelyard.core.errors import Invalid
 from modelyard.core.identity import Principal
 from modelyard.store import repository as repo
@@ -288,7 +289,7 @@ def _csv_row(e: dict[str, Any]) -> list[Any]:
             value = "" if value is None else json.dumps(value, sort_keys=True)
         elif value is None:
             value = ""
-        row.append(value)
+        row.append(csv_cell(value))
     return row
 
 

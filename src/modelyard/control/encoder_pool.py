@@ -30,6 +30,7 @@ from modelyard.control.backends.base import (
 )
 from modelyard.control.devices import pinning_env
 from modelyard.control.placement import Placement, ReplicaRequest
+from modelyard.core.cluster_auth import replica_headers
 from modelyard.core.routing import ReplicaRoute, RoutingTable
 from modelyard.store import repository as repo
 
@@ -66,7 +67,7 @@ class EncoderPool:
         self.restarts = 0
         self._models: dict[str, _Model] = {}
         self._lock = asyncio.Lock()
-        self._http = httpx.AsyncClient(timeout=30.0)
+        self._http = httpx.AsyncClient(timeout=30.0, headers=replica_headers(settings))
 
     @property
     def url(self) -> str | None:

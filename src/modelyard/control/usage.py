@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from modelyard.config import ModelPrice
+from modelyard.core.csv_cells import csv_row
 from modelyard.core.errors import Invalid
 from modelyard.store.repository import as_utc
 from modelyard.store.tables import UsageRecord
@@ -103,12 +104,12 @@ def to_csv(
     writer.writerow(CSV_COLUMNS)
     for r in rows:
         writer.writerow(
-            [
+            csv_row([
                 r.request_id, as_utc(r.created_at).isoformat(), r.tenant_id, r.key_id,
                 r.endpoint_id or "", r.model, r.version_id or "", r.kind, r.prompt_tokens,
                 r.completion_tokens, r.cached_tokens, round(r.latency_ms, 3),
                 "" if r.ttft_ms is None else round(r.ttft_ms, 3), r.status_code, r.status,
                 int(r.batch), round(cost(r, prices, batch_discount), 8),
-            ]
+            ])
         )  # fmt: skip
     return out.getvalue()

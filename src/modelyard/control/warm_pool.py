@@ -23,6 +23,7 @@ from modelyard.control.node_cache import NodeCache
 from modelyard.control.placement import Placement, ReplicaRequest
 from modelyard.control.registry import Registry, ResolvedVersion
 from modelyard.control.sizing import replica_bytes_per_device
+from modelyard.core.cluster_auth import replica_headers
 from modelyard.store import repository as repo
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class WarmPool:
         self.engine_env = engine_env
         self.placement = placement
         self._slots: dict[str, _Slot] = {}  # by version id
-        self._http = httpx.AsyncClient(timeout=5.0)
+        self._http = httpx.AsyncClient(timeout=5.0, headers=replica_headers(settings))
         self._tasks: set[asyncio.Task[None]] = set()
         self._pending: dict[str, int] = {}  # refs not found in the registry yet
         self._tenant_id = ""

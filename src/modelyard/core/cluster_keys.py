@@ -7,5 +7,6 @@ from __future__ import annotations
 LOAD_PREFIX = "modelyard:load:"
 # A set of endpoint ids a gateway wants a replica of (scale from zero); the leader drains it.
 ACTIVATE_KEY = "modelyard:activate"
-# The leading controller's URL (gateways forward control requests there), expiring.
+# The leading controller's URL (gateways forward control requests there), expiring, signed
+# with the cluster secret (`cluster_auth.sign_leader_url`: `<hex HMAC> <url>`).
 LEADER_KEY = "modelyard:controller:leader"

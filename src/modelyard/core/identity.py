@@ -183,6 +183,11 @@ class Principal:
                 code="insufficient_scope",
             )
 
+    def require_any(self, scopes: tuple[str, ...]) -> None:
+        """One of `scopes` (a metrics-only key is no reader of configuration)."""
+        if not self.scopes.intersection(scopes):
+            self.require(scopes[0])
+
     def require_platform_admin(self) -> None:
         if not self.platform_admin:
             raise Forbidden(

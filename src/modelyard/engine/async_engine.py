@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from modelyard.engine.faults import MAX_CONSECUTIVE_FAILED_STEPS, is_fatal
+from modelyard.engine.faults import MAX_CONSECUTIVE_FAILED_STEPS, RequestInvalid, is_fatal
 from modelyard.engine.llm_engine import LLMEngine, RequestOutput
 from modelyard.engine.sampling_params import SamplingParams
 
@@ -149,7 +149,10 @@ class AsyncEngine:
             # Not the fault of a known request (e.g. the scheduler): fail them all, go on.
             log.exception("engine step failed; failing the requests in flight")
             outputs = self.engine.fail_all(exc)
-        failed = sum(out.error is not None for out in outputs)
+        # A request its own grammar failed says nothing of the engine: not counted.
+        failed = sum(
+            out.error is not None and not isinstance(out.error, RequestInvalid) for out in outputs
+        )
         if failed and failed == len(outputs):
             self.consecutive_failed_steps += 1
             if self.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:

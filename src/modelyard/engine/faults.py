@@ -20,6 +20,12 @@ class RequestFailed(RuntimeError):
     """A request failed inside an engine step; the engine itself kept serving."""
 
 
+class RequestInvalid(RequestFailed):
+    """A request failed in a step through its own constraints (its grammar broke or allows no
+    token): the client's fault, answered as a 400. Neither the engine nor the replica is in
+    doubt, so it counts toward no failed-step streak and no replica's circuit breaker."""
+
+
 class EngineFatalError(RuntimeError):
     """The engine cannot go on; the process should exit so that it is replaced."""
 

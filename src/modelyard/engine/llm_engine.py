@@ -15,8 +15,8 @@ from pathlib import Path
 
 from modelyard.config import EngineSettings
 from modelyard.engine.admission import EngineLimits, RequestRejected, check_request
-from modelyard.engine.faults import RequestFailed, is_fatal
-from modelyard.engine.grammar import GrammarCompiler
+from modelyard.engine.faults import RequestFailed, RequestInvalid, is_fatal
+from modelyard.engine.grammar import GrammarCompiler, GrammarViolation
 from modelyard.engine.kv_cache_manager import KVCacheManager
 from modelyard.engine.loading import load
 from modelyard.engine.lora.engine_hooks import AdapterWaitlist, adapter_namespace
@@ -279,7 +279,11 @@ class LLMEngine:
                 seq.finish_reason = FinishReason.ERROR
                 self.scheduler.remove(seq)
         self._count_finished(FinishReason.ERROR)
-        return req.output([], True, RequestFailed(f"generation failed in the engine: {exc!r}"))
+        if isinstance(exc, GrammarViolation):  # the request's own grammar: a 400, not a fault
+            error: RequestFailed = RequestInvalid(f"the structured output's grammar failed: {exc}")
+        else:
+            error = RequestFailed(f"generation failed in the engine: {exc!r}")
+        return req.output([], True, error)
 
     def fail_all(self, exc: BaseException) -> list[RequestOutput]:
         """Fail every request (a step failed where no request can be blamed)."""

@@ -42,7 +42,7 @@ from modelyard.gateway.quota import (
 from modelyard.gateway.ratelimit import Decision, RateLimiter
 from modelyard.gateway.ratelimit_redis import RedisAdmission, RedisRateLimiter
 from modelyard.gateway.settlement import RedisSettlement, Settlement
-from modelyard.protocol.errors import APIError
+from modelyard.protocol.errors import GRAMMAR_FAILED, APIError
 from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,17 @@ class Call:
     version_id: str | None = None
     affinity: str | None = None
     prefix: PrefixHint | None = None  # where its prompt prefix is likely cached (several replicas)
+
+
+def error_status(error: Any) -> str:
+    """A usage row's status for an error a replica sent mid-stream: `error` (the replica
+    failed: its circuit breaker counts it) or `invalid_request` (the request's own fault, e.g.
+    its grammar: the replica is fine)."""
+    if not isinstance(error, dict):
+        return "error"
+    if error.get("type") == "invalid_request_error" or error.get("code") == GRAMMAR_FAILED:
+        return "invalid_request"
+    return "error"
 
 
 class Accounting:

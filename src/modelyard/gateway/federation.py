@@ -61,8 +61,11 @@ class ScrapeTarget:
 
 
 class Federation:
-    def __init__(self, timeout_s: float = 1.0, cache_s: float = 1.5) -> None:
+    def __init__(
+        self, timeout_s: float = 1.0, cache_s: float = 1.5, headers: dict[str, str] | None = None
+    ) -> None:
         self.timeout_s = timeout_s
+        self.headers = headers or {}  # the token the replicas demand
         self.cache_s = cache_s
         self.errors: Counter[str] = Counter()  # replica -> scrapes that failed
         self._cached: tuple[float, list[Metric]] | None = None
@@ -90,7 +93,7 @@ class Federation:
     async def _scrape(self, targets: list[ScrapeTarget]) -> list[Metric]:
         if not targets:
             return []
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers) as client:
             texts = await asyncio.gather(*(self._read(client, t) for t in targets))
         # Parsing many replicas' text is CPU work: off the event loop that relays requests.
         return await asyncio.to_thread(_merge, targets, texts)

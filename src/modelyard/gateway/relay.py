@@ -28,7 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 from modelyard.config import PlatformSettings
 from modelyard.core.errors import DomainError
 from modelyard.core.routing import ReplicaRoute
-from modelyard.gateway.accounting import Accounting, Call, take_usage
+from modelyard.gateway.accounting import Accounting, Call, error_status, take_usage
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.responses_stream import inspect_typed, is_final, is_typed
 from modelyard.gateway.upstream import Upstream, unavailable
@@ -101,6 +101,14 @@ class Relay:
     async def unary(self, call: Call, payload: bytes, headers: dict[str, str]) -> Response:
         status, content = await self.upstream.call_unary(call, payload)
         tag_version(call.version_id, headers)
+        if status != 200 and call.prompt_tokens:
+            # The engine worked on the prompt before failing (a timeout in prefill): billed for
+            # that work, never free, and the client gets the replica's error as it is.
+            call.status = "error"
+            await self.accounting.close(call, served=True)
+            return Response(
+                content, status_code=status, media_type="application/json", headers=headers
+            )
         if status != 200:
             return await self.unpaid(call, content, headers)
         body = orjson.loads(content)
@@ -285,7 +293,7 @@ def _inspect(call: Call, event: bytes, wants_usage: bool) -> bool:
     except orjson.JSONDecodeError:
         return True
     if "error" in obj:
-        call.status = "error"
+        call.status = error_status(obj["error"])
         return True
     choices = obj.get("choices") or []
     if not call.stamped:  # an unstamped stream: one token per event with output

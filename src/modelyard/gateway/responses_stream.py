@@ -13,7 +13,7 @@ import time
 
 import orjson
 
-from modelyard.gateway.accounting import Call, take_usage
+from modelyard.gateway.accounting import Call, error_status, take_usage
 
 TYPED_PREFIX = b"event: "
 FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n")
@@ -39,7 +39,14 @@ def inspect_typed(call: Call, event: bytes) -> bool:
         if call.ttft is None:
             call.ttft = time.perf_counter() - call.started
     elif event.startswith(_FAILED):
-        call.status = "error"
+        data = event.split(b"\ndata: ", 1)
+        try:
+            obj = orjson.loads(data[1]) if len(data) == 2 else {}
+        except orjson.JSONDecodeError:
+            obj = {}
+        call.status = error_status(
+            obj.get("error") or (obj.get("response") or {}).get("error") or obj
+        )
     elif is_final(event):
         data = event.split(b"\ndata: ", 1)
         try:

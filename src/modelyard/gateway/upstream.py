@@ -17,11 +17,13 @@ import aiohttp
 from modelyard.config import PlatformSettings
 from modelyard.core import tracing
 from modelyard.core.admission import AdmissionRefused, Waiter, admission_rank
+from modelyard.core.cluster_auth import replica_headers
 from modelyard.core.errors import RateLimited, Unavailable, UpstreamFailed
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import Call
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.version_stats import VersionStats
+from modelyard.protocol.openai import PROMPT_TOKENS_HEADER
 from modelyard.protocol.sse import TOKEN_STAMPS_HEADER
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class Upstream:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1000, limit_per_host=0),
             auto_decompress=False,
+            headers=replica_headers(self.settings),  # the token the replicas demand
         )
 
     async def stop(self) -> None:
@@ -266,8 +269,20 @@ class Upstream:
         finally:
             call.route.release(replica)
             response.release()
+        if response.status != 200:
+            # A refusal reports the prompt tokens the engine worked on before it failed (a
+            # timeout in prefill); 0 when nothing was done. A success's usage says it instead.
+            call.prompt_tokens = _reported_tokens(response.headers.get(PROMPT_TOKENS_HEADER))
         replica.breaker.record(ok=response.status < 500)
         ok, latency = response.status < 500, time.perf_counter() - call.started
         self.stats.record(call.route.endpoint_id, replica.version_id, ok, latency)
         call.status_code = response.status
         return response.status, content
+
+
+def _reported_tokens(value: str | None) -> int:
+    """A replica's token count header as a number (a trusted component, but never negative)."""
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0

@@ -68,6 +68,11 @@ class DomainLike(Protocol):
 INTERNAL_ERROR = "The server had an error while processing your request. Sorry about that!"
 
 
+# The code of a request whose own structured-output grammar failed inside an engine step: the
+# client's fault (a 400, or a stream's error event), never counted against the replica.
+GRAMMAR_FAILED = "structured_output_failed"
+
+
 class APIError(Exception):
     def __init__(
         self,

@@ -18,6 +18,7 @@ from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 from modelyard.protocol.responses import JSONResponse
 from modelyard.protocol.responses_api import ResponsesRequest
+from modelyard.worker.auth import install_token_check
 from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.openai_serving import OpenAIServing
 from modelyard.worker.request_context import WorkerRequestContext, traced
@@ -31,7 +32,10 @@ class ServedModel(BaseModel):
 
 
 def create_app(
-    engine: AsyncEngine, model_name: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    engine: AsyncEngine,
+    model_name: str,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    token: str | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -43,7 +47,8 @@ def create_app(
     app = FastAPI(title="modelyard worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.add_middleware(WorkerRequestContext)  # outermost: the gateway's request id and trace
+    app.add_middleware(WorkerRequestContext)  # the gateway's request id and trace
+    install_token_check(app, token)  # outermost: nothing runs for a caller without it
     metrics = WorkerMetrics(engine.engine, model_name)
     metrics.registry.register(LoopStallCollector())  # this process's loop stalls, if watched
     serving = OpenAIServing(traced(engine), model_name, metrics)
@@ -68,7 +73,7 @@ def create_app(
         return JSONResponse(serving.models())
 
     # A warm-pool replica is taken over by an endpoint: from now on it answers to that name.
-    # Workers listen on loopback only; the gateway is the public door.
+    # Workers listen on loopback, or demand the platform's token (`worker.auth`).
     @app.put("/admin/served-model")
     async def rename(body: ServedModel) -> JSONResponse:
         serving.model_name = body.name

@@ -37,6 +37,7 @@ from modelyard.protocol.errors import APIError, bad_request, install_error_handl
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.oip import install_oip_error_handlers
 from modelyard.protocol.responses import json_response
+from modelyard.worker.auth import configured_token, install_token_check
 from modelyard.worker.encoder_serving import EncoderServing
 from modelyard.worker.request_context import WorkerRequestContext
 
@@ -61,7 +62,9 @@ def _param_count(path: Path) -> int:
     return inspect_local(path).param_count
 
 
-def create_encoder_app(host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_encoder_app(
+    host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, token: str | None = None
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
@@ -75,6 +78,7 @@ def create_encoder_app(host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_B
     install_oip_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(WorkerRequestContext)  # the gateway's request id and trace
+    install_token_check(app, token)  # outermost: nothing runs for a caller without it
     metrics = EncoderMetrics(host)
     metrics.registry.register(LoopStallCollector())  # this process's loop stalls, if watched
     serving = EncoderServing(host, metrics)
@@ -177,7 +181,7 @@ def serve_encoders(
     for name, path in models.items():
         spec = model_host.register(name, path, param_count=_param_count(Path(path)))
         log.info("model %r: %s at %s", name, spec.kind, path)
-    app = create_encoder_app(model_host, max_body_bytes)
+    app = create_encoder_app(model_host, max_body_bytes, token=configured_token())
     log.info("serving %d encoder models on http://%s:%d", len(models), host, port)
     uvicorn.run(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,

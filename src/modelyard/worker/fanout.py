@@ -21,11 +21,11 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
-from modelyard.engine.faults import RequestFailed
+from modelyard.engine.faults import RequestFailed, RequestInvalid
 from modelyard.engine.llm_engine import RequestOutput
 from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.sequence import TokenLogprob
-from modelyard.protocol.errors import APIError, error_body
+from modelyard.protocol.errors import GRAMMAR_FAILED, APIError, error_body
 from modelyard.protocol.openai import PROMPT_TOKENS_HEADER, SamplingFields
 from modelyard.protocol.sse import DONE, TOKEN_STAMPS_HEADER, sse_data, stamped
 from modelyard.worker.metrics import RequestTimer, WorkerMetrics
@@ -139,7 +139,7 @@ class FanOut:
                     if d.finish_reason is not None:
                         c.finish_reason = d.finish_reason.value
         except ENGINE_FAILURES as exc:
-            raise api_error(exc) from exc
+            raise api_error(exc, sum(len(prompt) for prompt, _ in jobs)) from exc
         timer.done(*usage.totals())
         return choices, usage
 
@@ -222,12 +222,17 @@ def streaming_response(
     )
 
 
-def api_error(exc: BaseException) -> APIError:
-    """The HTTP answer to a request that failed before its response started."""
+def api_error(exc: BaseException, prompt_tokens: int = 0) -> APIError:
+    """The HTTP answer to a request that failed before its response started. A timeout spent
+    engine time on the prompt (a prefill that never finished, or a generation cut): its answer
+    reports the prompt's tokens (`PROMPT_TOKENS_HEADER`), which the gateway bills."""
     if isinstance(exc, RequestTimeout):
-        return APIError(504, str(exc), code=exc.code)
+        worked = {PROMPT_TOKENS_HEADER: str(prompt_tokens)} if prompt_tokens else None
+        return APIError(504, str(exc), code=exc.code, headers=worked)
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, RequestInvalid):  # the client's grammar: not the replica's failure
+        return APIError(400, str(exc), param="response_format", code=GRAMMAR_FAILED)
     return APIError(500, str(exc), code="engine_error")
 
 
@@ -235,4 +240,6 @@ def stream_error(exc: BaseException) -> dict[str, Any]:
     """The error event of a stream that failed after its status line was sent."""
     if isinstance(exc, RequestTimeout):
         return error_body(str(exc), "timeout_error", None, exc.code)
+    if isinstance(exc, RequestInvalid):
+        return error_body(str(exc), "invalid_request_error", "response_format", GRAMMAR_FAILED)
     return error_body(f"generation failed: {exc}", "server_error", None, "engine_error")

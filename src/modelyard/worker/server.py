@@ -23,6 +23,7 @@ from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.loading import resolve_device
 from modelyard.engine.tensor_parallel import usable_cores
 from modelyard.worker.app import create_app
+from modelyard.worker.auth import configured_token
 from modelyard.worker.load_report import reporting_load
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def serve_worker(
     engine.on_fatal = lambda reason: exit_on_failure(f"engine failed ({reason})")
     try:
         name = served_model_name or engine.engine.model_name
-        app = create_app(engine, name)
+        app = create_app(engine, name, token=configured_token())
         log.info("serving model %r on http://%s:%d/v1", name, host, port)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,

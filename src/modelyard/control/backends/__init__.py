@@ -27,5 +27,6 @@ def open_backend(
 
         return RayBackend(settings, log_dir, registry, detached=detached)
     from modelyard.control.backends.local import LocalBackend
+    from modelyard.core.cluster_auth import replica_token
 
-    return LocalBackend(log_dir, detached=detached)
+    return LocalBackend(log_dir, detached=detached, token=replica_token(settings))

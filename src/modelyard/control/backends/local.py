@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from modelyard.control.backends.base import ReplicaHandle, ReplicaSpec
+from modelyard.core.cluster_auth import replica_env
 from modelyard.core.load_progress import LOAD_PROGRESS_ENV, progress_file_beside
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalBackend:
-    def __init__(self, log_dir: Path, host: str = "127.0.0.1", detached: bool = False) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        host: str = "127.0.0.1",
+        detached: bool = False,
+        token: str | None = None,
+    ) -> None:
         self.log_dir = log_dir
         self.host = host
         self.detached = detached
+        self.token = token  # what the workers demand of callers (`core.cluster_auth`)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._adopted: dict[str, int] = {}  # replica id -> pid of a worker another process started
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -54,12 +62,15 @@ class LocalBackend:
         if spec.command == "worker":
             cmd += ["--model", str(spec.model_path), "--served-model-name", spec.served_model_name]
         log_path = self.log_dir / f"{spec.replica_id}.log"
-        env = {
-            **os.environ,
-            **spec.engine_env,
-            "PYTHONUNBUFFERED": "1",
-            LOAD_PROGRESS_ENV: str(progress_file_beside(log_path)),
-        }
+        env = replica_env(
+            {
+                **os.environ,
+                **spec.engine_env,
+                "PYTHONUNBUFFERED": "1",
+                LOAD_PROGRESS_ENV: str(progress_file_beside(log_path)),
+            },
+            self.token,
+        )
         env.pop(PARENT_PID_ENV, None)
         if not self.detached:
             env[PARENT_PID_ENV] = str(os.getpid())

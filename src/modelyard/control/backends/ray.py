@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from modelyard.config import PlatformSettings
 from modelyard.control.backends.base import ReplicaHandle, ReplicaSpec, ReplicaStartError
 from modelyard.control.backends.ray_host import ReplicaHost, Started
 from modelyard.control.registry import Registry, ResolvedVersion
+from modelyard.core.cluster_auth import WORKER_TOKEN_ENV, replica_token
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,14 @@ class RayBackend:
             self._remote = (ray.remote(ReplicaHost), ray.remote(RankHolder))
         return self._remote
 
+    def _with_token(self, spec: ReplicaSpec) -> ReplicaSpec:
+        """The spec whose worker demands the cluster's token: on a node's address, anyone on
+        that network could otherwise call it (`core.cluster_auth`)."""
+        token = replica_token(self.settings)
+        if token is None:
+            return spec
+        return dataclasses.replace(spec, engine_env={**spec.engine_env, WORKER_TOKEN_ENV: token})
+
     def _store(self) -> dict[str, Any]:
         """How a node reaches the artifact store (never credentials: the node's own chain)."""
         s = self.settings
@@ -184,7 +194,8 @@ class RayBackend:
                 version = await asyncio.to_thread(self._version, spec.version_id)
             gpus = [g for h in running.holders for g in await h.gpu_ids.remote()]
             started: Started = await asyncio.wait_for(
-                running.host.start.remote(spec, version, self._store(), gpus), timeout
+                running.host.start.remote(self._with_token(spec), version, self._store(), gpus),
+                timeout,
             )
         except BaseException as exc:
             await asyncio.shield(self._release(running))

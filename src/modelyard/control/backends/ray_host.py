@@ -30,6 +30,7 @@ from typing import Any
 
 from modelyard.control.backends.base import ReplicaSpec
 from modelyard.control.backends.local import PARENT_PID_ENV, free_port
+from modelyard.core.cluster_auth import WORKER_TOKEN_ENV, replica_env
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,9 @@ class ReplicaHost:
                "--port", str(port), *spec.args]  # fmt: skip
         if spec.command == "worker":
             cmd += ["--model", str(path), "--served-model-name", spec.served_model_name]
-        env = {**os.environ, **spec.engine_env, "PYTHONUNBUFFERED": "1"}
+        # The token the platform gave (in engine_env); never a secret the node's env holds.
+        token = spec.engine_env.get(WORKER_TOKEN_ENV)
+        env = replica_env({**os.environ, **spec.engine_env, "PYTHONUNBUFFERED": "1"}, token)
         # Tied to this actor by SIGKILL below, not to a platform process by SIGTERM.
         env.pop(PARENT_PID_ENV, None)
         engine_cache = Path(env.get("MODELYARD_CACHE_DIR", ""))
