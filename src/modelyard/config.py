@@ -399,8 +399,8 @@ class PlatformSettings(_Settings):
         "and controller holds (e.g. `openssl rand -hex 32`), never stored by the platform. The "
         "leader signs the URL it advertises in Redis with it (HMAC-SHA256) and a gateway "
         "forwards control requests only to a URL whose signature verifies; worker replicas get "
-        "a token derived from it and answer nothing but /health without it. Unset on serve "
-        "with the ray backend: a random token for this process's own replicas.",
+        "a token derived from it and answer nothing but /health without it. Unset on serve: "
+        "a random one for this process's own replicas (they die with it).",
     )
     routing_refresh_s: float = Field(
         2.0, gt=0, description="Cluster mode: a gateway's re-read of the shared routing table."

@@ -69,9 +69,10 @@ CLUSTER_SECRET_ENV = "MODELYARD_CLUSTER_SECRET"
 
 
 def ensure_replica_secret(settings: PlatformSettings) -> None:
-    """`serve` with the ray backend and no cluster secret: a random one for this process, so
-    that its replicas on the nodes' addresses still answer it alone (they die with it)."""
-    if settings.backend == "ray" and not settings.cluster_secret:
+    """`serve` with no cluster secret: a random one for this process, so that its replicas
+    (on loopback, or on the nodes' addresses with the ray backend) answer it alone; they die
+    with it, so nothing else ever needs the token. The cluster roles require a set secret."""
+    if not settings.cluster_secret:
         settings.cluster_secret = secrets.token_hex(32)
 
 
