@@ -98,16 +98,17 @@ def test_a_second_key_does_not_double_the_tenants_rpm(
 def test_a_second_key_does_not_double_the_tenants_tpm(
     platform: PlatformProcess, admin: httpx.Client, tiny: str
 ) -> None:
-    # One request reserves and uses ~70 of the 100 tokens; the next, by another key, needs
-    # as many again: the tenant's bucket refuses it (it refills 100 a minute).
-    t = Tenant(platform, admin, max_tpm=100)
+    # One request reserves its upper bound (~150 tokens of prompt and template margins plus
+    # max_tokens 200) of the tenant's 400 and uses ~230; the next, by another key, needs the
+    # same bound again: the tenant's bucket (170 left, refilling 400 a minute) refuses it.
+    t = Tenant(platform, admin, max_tpm=400)
     one, two = (create_key(t.api, scopes=["inference"])["key"] for _ in range(2))
-    r = ask(platform, one, 60)
+    r = ask(platform, one, 200)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 60
-    r = ask(platform, two, 60)
+    assert r.json()["usage"]["completion_tokens"] == 200
+    r = ask(platform, two, 200)
     assert r.status_code == 429, r.text
-    assert "tokens per minute: limit 100" in r.json()["error"]["message"]
+    assert "tokens per minute: limit 400" in r.json()["error"]["message"]
 
 
 # ----- replicas -------------------------------------------------------------------------------
