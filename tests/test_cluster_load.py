@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from modelyard.control.cluster_load import LoadAggregator
 from modelyard.core.routing import EndpointRoute, ReplicaRoute, RoutingTable
-from modelyard.gateway.load_report import LoadReporter
+from modelyard.gateway.traffic_report import TrafficReporter
 from tests.databases import fresh_redis
 
 
@@ -39,7 +39,7 @@ def test_counters_summed_by_difference_and_activations_delivered(redis_url: str)
         try:
             g1_table, g1_route = table(in_flight=2, requests=10)
             g2_table, _ = table(in_flight=3, requests=5)
-            g1, g2 = LoadReporter(client, g1_table), LoadReporter(client, g2_table)
+            g1, g2 = TrafficReporter(client, g1_table), TrafficReporter(client, g2_table)
             activated: list[str] = []
             c_table, c_route = table(in_flight=1, requests=0)  # 1: the controller's own request
             aggregator = LoadAggregator(client, c_table, activated.append)

@@ -27,9 +27,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from modelyard.engine.admission import RequestRejected
 from modelyard.engine.async_engine import AsyncEngine
 from modelyard.engine.llm_engine import LLMEngine
+from modelyard.engine.request_checks import RequestRejected
 from modelyard.engine.sampling_params import SamplingParams
 from tests.conftest import WorkerProcess
 from tests.parity import make_engine

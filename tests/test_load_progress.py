@@ -31,7 +31,7 @@ from modelyard.core.status import ReplicaState
 from modelyard.protocol.management import ReplicaLoadProgress
 from modelyard.registry_client import RegistryClient
 from modelyard.store.artifacts import LocalArtifactStore
-from modelyard.worker.load_report import reporting_load, weight_bytes
+from modelyard.worker.load_estimate import reporting_load, weight_bytes
 from tests.platform_harness import PlatformProcess, deploy, tiny_models_env
 
 PHASES = ["copying", "loading", "warming", "ready"]

@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from modelyard.engine.admission import RequestRejected
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.lora.layers import LoRABatch, LoRALinear
 from modelyard.engine.lora.manager import LoRASlotsBusy
+from modelyard.engine.request_checks import RequestRejected
 from modelyard.engine.sampling_params import SamplingParams
 from tests.conftest import WorkerProcess
 from tests.parity import hf_greedy, kernel_builds, make_engine

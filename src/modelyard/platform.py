@@ -31,6 +31,7 @@ from modelyard.control.backends import open_backend
 from modelyard.control.backends.base import Backend
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.registry import Registry
+from modelyard.control.tenancy import Tenancy
 from modelyard.core.cluster_auth import ensure_replica_secret
 from modelyard.core.identity import Principal
 from modelyard.core.routing import RoutingTable
@@ -168,6 +169,7 @@ class Platform:
             files=self.files,
             batches=self.batches,
             audit=self.audit,
+            tenancy=Tenancy(self.db, self.audit, self.auth.invalidate, generate_key),
             reclaimer=self.reclaimer,
         )
         self.bootstrap: Bootstrap | None = None

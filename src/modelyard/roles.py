@@ -39,8 +39,8 @@ from modelyard.control.leader import LeaderLease, LeaseKeeper
 from modelyard.control.route_publisher import RoutePublisher
 from modelyard.core.cluster_auth import sign_leader_url, verified_leader_url
 from modelyard.core.cluster_keys import LEADER_KEY
-from modelyard.gateway.load_report import LoadReporter
 from modelyard.gateway.route_mirror import RouteMirror
+from modelyard.gateway.traffic_report import TrafficReporter
 from modelyard.platform import Platform
 from modelyard.store import routing_entries
 
@@ -155,7 +155,7 @@ class GatewayRole(_Role):
         # Runs no replica: an inert local backend (never Ray: a gateway joins no Ray cluster).
         self.platform = p = Platform(settings, LocalBackend(settings.data_dir / "logs"))
         self.mirror = RouteMirror(p.db, p.routing, settings.routing_refresh_s)
-        self.reporter = LoadReporter(p._redis, p.routing)
+        self.reporter = TrafficReporter(p._redis, p.routing)
         # Scale from zero goes to the leader through Redis, not to an in-process manager.
         p.gateway.upstream.activate = self.reporter.activate
         p.gateway.upstream.stale_route_wait_s = settings.stale_route_wait_s

@@ -10,13 +10,13 @@ from fastapi import FastAPI, Request
 
 from modelyard import __version__
 from modelyard.api import (
-    routes_admin,
     routes_audit,
     routes_batch,
     routes_console,
     routes_endpoints,
     routes_inference,
     routes_registry,
+    routes_tenancy,
     routes_webhooks,
 )
 from modelyard.api.docs_page import install_docs
@@ -70,7 +70,13 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
     app.add_middleware(PreAuthenticate, authenticate=services.auth.authenticate)
     # Around everything: the request's own id (logs, usage, x-request-id) and its trace.
     app.add_middleware(GatewayRequestContext)
-    for module in (routes_inference, routes_endpoints, routes_registry, routes_admin, routes_batch):
+    for module in (
+        routes_inference,
+        routes_endpoints,
+        routes_registry,
+        routes_tenancy,
+        routes_batch,
+    ):
         app.include_router(module.router)
     app.include_router(routes_webhooks.router)
     app.include_router(routes_audit.router)

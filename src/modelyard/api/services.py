@@ -16,6 +16,7 @@ from modelyard.config import PlatformSettings
 from modelyard.control.audit import AuditLog
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.registry import Registry
+from modelyard.control.tenancy import Tenancy
 from modelyard.core.routing import RoutingTable
 from modelyard.gateway.auth import Authenticator
 from modelyard.gateway.metering import UsageRecorder
@@ -41,6 +42,7 @@ class Services:
     files: FileService
     batches: BatchService
     audit: AuditLog
+    tenancy: Tenancy
     # Sweeps blobs no tenant holds; told after a delete (None: nothing sweeps here).
     reclaimer: Reclaimer | None = None
 

@@ -2,7 +2,7 @@
 sees every gateway's traffic as `serve`'s sees its own; and the gateways' requests for a replica
 of an endpoint at zero (scale from zero).
 
-Every `every_s`: read each live gateway's report (`gateway/load_report.py`), and move the
+Every `every_s`: read each live gateway's report (`gateway/traffic_report.py`), and move the
 controller's routing table by the difference from the previous sums: each replica's requests in
 flight, each endpoint's queued requests (`remote_waiting`) and requests so far. Differences,
 not values, because the controller's own gateway (the batch runner's requests) counts on the
@@ -18,11 +18,10 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from modelyard.core.cluster_keys import ACTIVATE_KEY, LOAD_PREFIX
-from modelyard.core.routing import RoutingTable
+from modelyard.core.routing import Activate, RoutingTable
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ class LoadAggregator:
         self,
         redis: Any,
         routing: RoutingTable,
-        activate: Callable[[str], None],
+        activate: Activate,
         every_s: float = 0.5,
     ) -> None:
         self.redis = redis

@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Activate = Callable[["EndpointState"], None]
+# The reconciler's `activate` of one endpoint's state (what `core.routing.Activate`, the
+# gateway's verb by endpoint id, ends in).
+ActivateState = Callable[["EndpointState"], None]
 # The metrics whose observation reads the replicas' /health reports.
 _READS_REPLICA_LOADS = ("queue_depth", "gpu_utilization")
 _NO_LOADS: dict[str, dict[str, Any]] = {}  # the other metrics' (never written to)
@@ -90,7 +92,7 @@ class Scaler:
         # (endpoint, up|down, reason) -> changes of desired replicas so far, for /metrics.
         self.decided: dict[tuple[str, str, str], int] = {}
 
-    def autoscale(self, state: EndpointState, activate: Activate) -> None:
+    def autoscale(self, state: EndpointState, activate: ActivateState) -> None:
         # This runs for every endpoint each tick (10,000 in ~100 ms is the budget): no object
         # that outlives the call, no list built to be counted, and what only some metrics or
         # settings read is gathered only for them.
@@ -152,9 +154,7 @@ class Scaler:
         key = (endpoint_id, direction, reason)
         self.decided[key] = self.decided.get(key, 0) + 1
 
-    def maybe_prewarm(
-        self, state: EndpointState, activate: Callable[[EndpointState], None]
-    ) -> None:
+    def maybe_prewarm(self, state: EndpointState, activate: ActivateState) -> None:
         s = self.settings
         expected = should_prewarm(
             self.history, state.row.id, time.time(), s.prewarm_lead_s, s.prewarm_min_requests

@@ -3,7 +3,8 @@ neither layer may import the other)."""
 
 from __future__ import annotations
 
-# `<prefix><gateway id>`: a gateway's counters per endpoint, JSON, expiring (load_report.py).
+# `<prefix><gateway id>`: a gateway's counters per endpoint, JSON, expiring
+# (`gateway/traffic_report.py`).
 LOAD_PREFIX = "modelyard:load:"
 # A set of endpoint ids a gateway wants a replica of (scale from zero); the leader drains it.
 ACTIVATE_KEY = "modelyard:activate"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from modelyard.core import prefix_affinity
-from modelyard.core.admission import AdmissionQueue
+from modelyard.core.admission_queue import AdmissionQueue
 from modelyard.core.breaker import CircuitBreaker
 from modelyard.core.prefix_affinity import PrefixHint
 

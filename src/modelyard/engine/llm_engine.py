@@ -2,7 +2,7 @@
 
 It keeps every request's sequences and detokenizers, applies the stop rules (EOS, stop token
 ids, stop strings, max_tokens, context length) and reports what each request gained this step.
-Requests are checked once before they get here (`modelyard.engine.admission`); a step that
+Requests are checked once before they get here (`modelyard.engine.request_checks`); a step that
 raises anyway fails only the requests that cause it and the engine goes on.
 """
 
@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelyard.config import EngineSettings
-from modelyard.engine.admission import EngineLimits, RequestRejected, check_request
 from modelyard.engine.faults import RequestFailed, RequestInvalid, is_fatal
 from modelyard.engine.grammar import GrammarCompiler, GrammarViolation
 from modelyard.engine.kv_cache_manager import KVCacheManager
@@ -22,6 +21,7 @@ from modelyard.engine.loading import load
 from modelyard.engine.lora.engine_hooks import AdapterWaitlist, adapter_namespace
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.config import ModelConfig
+from modelyard.engine.request_checks import EngineLimits, RequestRejected, check_request
 from modelyard.engine.requests import EngineRequest, RequestOutput
 from modelyard.engine.sampler import Sampler
 from modelyard.engine.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ import aiohttp
 
 from modelyard.config import PlatformSettings
 from modelyard.core import tracing
-from modelyard.core.admission import AdmissionRefused, Waiter, admission_rank
+from modelyard.core.admission_queue import AdmissionRefused, Waiter, admission_rank
 from modelyard.core.cluster_auth import replica_headers
 from modelyard.core.errors import RateLimited, Unavailable, UpstreamFailed
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable

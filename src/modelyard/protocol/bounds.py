@@ -5,7 +5,7 @@ Schemas check these before anything else looks at a request, at the gateway and 
 worker (a batch line gets the same check), so no field reaches code that could spend unbounded
 time or memory on it. They are edge bounds, generous enough for every real client; what a
 model can take (its context, its vocabulary) is checked against the model at the worker
-(`modelyard.worker.prompt_bounds`, `modelyard.engine.admission`).
+(`modelyard.worker.prompt_bounds`, `modelyard.engine.request_checks`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ stop_token_ids, ignore_eos, skip_special_tokens, priority, cache_salt, guided_*)
 Every text field must be encodable as UTF-8: JSON can spell a lone surrogate (`"\udcff"`),
 which no tokenizer takes, so it is refused here with the field's name. Ranges that depend on
 the model (top_k and token ids against the vocabulary, lengths against the context) are checked
-by the engine's admission (`modelyard.engine.admission`), at the worker.
+by the engine's admission (`modelyard.engine.request_checks`), at the worker.
 """
 
 from __future__ import annotations

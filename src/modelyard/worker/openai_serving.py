@@ -1,7 +1,7 @@
 """OpenAI chat and text completions over the `AsyncEngine`: prompts in, JSON or SSE out.
 
 This module turns the API request into engine requests, checked once, here, before anything
-is queued (`modelyard.worker.admission`), and builds the API's response shapes; running the
+is queued (`modelyard.worker.checked_params`), and builds the API's response shapes; running the
 engine requests and streaming their outputs is `modelyard.worker.fanout`'s job, tools (prompt,
 constraint, parsing) `modelyard.worker.tools`'s, and a stream with tools
 `modelyard.worker.tool_stream`'s. The Responses API (`modelyard.worker.responses`) runs on
@@ -34,7 +34,7 @@ from modelyard.protocol.openai import (
     SamplingFields,
 )
 from modelyard.protocol.responses import JSONResponse
-from modelyard.worker.admission import admit, check_choices
+from modelyard.worker.checked_params import admit, check_choices
 from modelyard.worker.fanout import FanOut, Usage, streaming_response, wants_stamps
 from modelyard.worker.logprobs import chat_logprobs, completion_logprobs
 from modelyard.worker.metrics import WorkerMetrics

@@ -24,7 +24,7 @@ from modelyard.engine.loading import resolve_device
 from modelyard.engine.tensor_parallel import usable_cores
 from modelyard.worker.app import create_app
 from modelyard.worker.auth import configured_token
-from modelyard.worker.load_report import reporting_load
+from modelyard.worker.load_estimate import reporting_load
 
 log = logging.getLogger(__name__)
 

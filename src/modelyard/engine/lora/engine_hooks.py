@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection
 
-from modelyard.engine.admission import RequestRejected
 from modelyard.engine.lora.adapter import AdapterError
 from modelyard.engine.model_runner import ModelRunner
+from modelyard.engine.request_checks import RequestRejected
 from modelyard.engine.requests import EngineRequest
 
 

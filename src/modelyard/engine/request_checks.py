@@ -1,4 +1,4 @@
-"""Admission: the one check that a request can run on this engine, done before it is queued.
+"""Request checks: the one check that a request can run on this engine, done before it is queued.
 
 `check_request` holds every rule a step relies on (token ids inside the vocabulary, sampling
 values in range for this model, the prompt and `max_tokens` inside the context window, the

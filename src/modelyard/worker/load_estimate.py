@@ -1,4 +1,4 @@
-"""A worker's load progress, for the platform that started it (`core.load_progress`).
+"""What a loading worker reports: how far its engine's load is (`core.load_progress`).
 
 While the engine loads, `loading`'s fraction is estimated from how much this process's
 resident memory has grown against the size of the weight files it reads (a GGUF's float32

@@ -28,7 +28,7 @@ def gateway_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class LoadReporter:
+class TrafficReporter:
     def __init__(self, redis: Any, routing: RoutingTable, every_s: float = 0.5) -> None:
         self.redis = redis
         self.routing = routing

@@ -1,14 +1,14 @@
 """The worker's edge: turn an API request into checked engine requests, or a 400 naming the field.
 
 This is the one place a request is checked against the model (vocabulary, context window,
-caps, sampling ranges); the engine trusts what passes (`modelyard.engine.admission`).
+caps, sampling ranges); the engine trusts what passes (`modelyard.engine.request_checks`).
 """
 
 from __future__ import annotations
 
-from modelyard.engine.admission import RequestRejected
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.lora.engine_hooks import check_adapter
+from modelyard.engine.request_checks import RequestRejected
 from modelyard.engine.sampling_params import MAX_N, SamplingParams
 from modelyard.engine.structured import StructuredOutput
 from modelyard.protocol.errors import APIError, bad_request

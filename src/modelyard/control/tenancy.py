@@ -1,0 +1,274 @@
+"""Tenants and their API keys: create, read, change and revoke them, each change audited.
+
+The platform admin (an admin key of the system tenant) manages every tenant, including its tier,
+quota and ceilings; a tenant's admin key manages its own keys, within those ceilings; nothing
+here crosses tenants otherwise. The routes (`api/routes_tenancy.py`) only parse and answer; the
+rules live here and fail with domain errors (`core/errors.py`). The database work runs on a
+worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+
+from modelyard.control.audit import AuditLog
+from modelyard.core.errors import Conflict, Forbidden, NotFound
+from modelyard.core.identity import Principal
+from modelyard.protocol.management import (
+    TENANT_CEILINGS,
+    KeyCreate,
+    KeyUpdate,
+    TenantCreate,
+    TenantUpdate,
+)
+from modelyard.store import repository as repo
+from modelyard.store.db import Database
+from modelyard.store.tables import ApiKey, Tenant
+
+# A new key: (the key itself, its stored hash, a displayable prefix) (`gateway.auth`).
+NewKey = Callable[[], tuple[str, str, str]]
+# A key limit -> the tenant ceiling that bounds it.
+KEY_CEILINGS = {"rpm_limit": "max_rpm", "tpm_limit": "max_tpm"}
+
+
+def tenant_view(t: Tenant) -> dict[str, Any]:
+    return {
+        "id": t.id,
+        "object": "tenant",
+        "name": t.name,
+        "monthly_token_quota": t.monthly_token_quota,
+        "tier": t.tier,
+        **{name: getattr(t, name) for name in TENANT_CEILINGS},
+        "system": t.is_system,
+        "created_at": int(repo.as_utc(t.created_at).timestamp()),
+    }
+
+
+def key_view(k: ApiKey) -> dict[str, Any]:
+    return {
+        "id": k.id,
+        "object": "api_key",
+        "name": k.name,
+        "tenant_id": k.tenant_id,
+        "prefix": k.prefix,
+        "scopes": k.scopes.split(","),
+        "rpm_limit": k.rpm_limit,
+        "tpm_limit": k.tpm_limit,
+        "created_at": int(repo.as_utc(k.created_at).timestamp()),
+        "revoked_at": int(repo.as_utc(k.revoked_at).timestamp()) if k.revoked_at else None,
+    }
+
+
+def _not_found(what: str, ident: str) -> NotFound:
+    return NotFound(f"{what} {ident!r} not found", code="not_found")
+
+
+def within_ceiling(tenant: Tenant, field: str, value: int | None, default: bool) -> int | None:
+    """A key limit checked against its tenant's ceiling: no limit (None) means the ceiling
+    when `default` (a new key), else it is refused like a value above the ceiling."""
+    ceiling_name = KEY_CEILINGS[field]
+    ceiling: int | None = getattr(tenant, ceiling_name)
+    if ceiling is None:
+        return value
+    if value is None and default:
+        return ceiling
+    if value is None or value > ceiling:
+        shown = "unlimited" if value is None else str(value)
+        raise Forbidden(
+            f"{field} {shown} is above this organization's ceiling {ceiling_name}={ceiling}; "
+            "keys can only be tightened within it (the platform administrator sets ceilings).",
+            param=field,
+            code="above_tenant_ceiling",
+        )
+    return value
+
+
+class Tenancy:
+    """The tenant and key service. `keys_changed` is told after any change that alters what a
+    key may do (the authenticator's cache); `new_key` makes a key."""
+
+    def __init__(
+        self, db: Database, audit: AuditLog, keys_changed: Callable[[], None], new_key: NewKey
+    ) -> None:
+        self.db = db
+        self.audit = audit
+        self.keys_changed = keys_changed
+        self.new_key = new_key
+
+    # ----- tenants ----------------------------------------------------------------------------
+
+    async def create_tenant(self, principal: Principal, body: TenantCreate) -> dict[str, Any]:
+        principal.require_platform_admin()
+
+        def create() -> dict[str, Any]:
+            ceilings = {name: getattr(body, name) for name in TENANT_CEILINGS}
+            try:
+                with self.db.session() as s:
+                    tenant = repo.create_tenant(
+                        s, body.name, body.monthly_token_quota, tier=body.tier, **ceilings
+                    )
+                    return tenant_view(tenant)
+            except IntegrityError as exc:
+                raise Conflict(f"tenant {body.name!r} exists", code="tenant_exists") from exc
+
+        view = await asyncio.to_thread(create)
+        await self.audit.record(
+            principal, "tenant.create", "tenant", view["id"], None, view, view["id"]
+        )
+        return view
+
+    async def list_tenants(self, principal: Principal) -> list[dict[str, Any]]:
+        def load() -> list[dict[str, Any]]:
+            with self.db.session() as s:
+                tenants = repo.list_tenants(s)
+                return [
+                    tenant_view(t)
+                    for t in tenants
+                    if principal.platform_admin or t.id == principal.tenant_id
+                ]
+
+        return await asyncio.to_thread(load)
+
+    async def get_tenant(self, principal: Principal, tenant_id: str) -> dict[str, Any]:
+        principal.tenant_filter(tenant_id)
+
+        def load() -> dict[str, Any]:
+            with self.db.session() as s:
+                t = repo.get_tenant(s, tenant_id)
+                if t is None:
+                    raise _not_found("tenant", tenant_id)
+                return tenant_view(t)
+
+        return await asyncio.to_thread(load)
+
+    async def update_tenant(
+        self, principal: Principal, tenant_id: str, body: TenantUpdate
+    ) -> dict[str, Any]:
+        principal.require_platform_admin()
+        before: dict[str, Any] = {}
+
+        def update() -> dict[str, Any]:
+            with self.db.session() as s:
+                t = repo.get_tenant(s, tenant_id)
+                if t is None:
+                    raise _not_found("tenant", tenant_id)
+                before.update(tenant_view(t))
+                for name in ("monthly_token_quota", *TENANT_CEILINGS):
+                    if name in body.model_fields_set:
+                        setattr(t, name, getattr(body, name))
+                if body.tier is not None:
+                    t.tier = body.tier
+                return tenant_view(t)
+
+        result = await asyncio.to_thread(update)
+        self.keys_changed()
+        await self.audit.record(
+            principal, "tenant.update", "tenant", tenant_id, before, result, tenant_id
+        )
+        return result
+
+    # ----- keys -------------------------------------------------------------------------------
+
+    async def create_key(self, principal: Principal, body: KeyCreate) -> dict[str, Any]:
+        """The new key's view with the key itself under `key` (shown this once, never stored
+        or audited)."""
+        tenant_id = principal.tenant_id
+        if body.tenant_id is not None and body.tenant_id != principal.tenant_id:
+            principal.require_platform_admin()
+            tenant_id = body.tenant_id
+        key, key_hash, prefix = self.new_key()
+
+        def create() -> dict[str, Any]:
+            with self.db.session() as s:
+                tenant = repo.get_tenant(s, tenant_id)
+                if tenant is None:
+                    raise _not_found("tenant", tenant_id)
+                row = repo.add_key(
+                    s,
+                    tenant_id,
+                    body.name,
+                    key_hash,
+                    prefix,
+                    list(body.scopes),
+                    within_ceiling(tenant, "rpm_limit", body.rpm_limit, default=True),
+                    within_ceiling(tenant, "tpm_limit", body.tpm_limit, default=True),
+                )
+                return {**key_view(row), "key": key}
+
+        created = await asyncio.to_thread(create)
+        public = {k: v for k, v in created.items() if k != "key"}  # never the secret
+        await self.audit.record(
+            principal, "api_key.create", "api_key", public["id"], None, public, tenant_id
+        )
+        return created
+
+    async def list_keys(self, principal: Principal, tenant_id: str | None) -> list[dict[str, Any]]:
+        scope = principal.tenant_filter(tenant_id)
+
+        def load() -> list[dict[str, Any]]:
+            with self.db.session() as s:
+                return [key_view(k) for k in repo.list_keys(s, scope)]
+
+        return await asyncio.to_thread(load)
+
+    async def get_key(self, principal: Principal, key_id: str) -> dict[str, Any]:
+        def load() -> dict[str, Any]:
+            with self.db.session() as s:
+                k = repo.get_key(s, principal.tenant_filter(), key_id)
+                if k is None:
+                    raise _not_found("key", key_id)
+                return key_view(k)
+
+        return await asyncio.to_thread(load)
+
+    async def update_key(
+        self, principal: Principal, key_id: str, body: KeyUpdate
+    ) -> dict[str, Any]:
+        before: dict[str, Any] = {}
+
+        def update() -> dict[str, Any]:
+            with self.db.session() as s:
+                k = repo.get_key(s, principal.tenant_filter(), key_id)
+                if k is None:
+                    raise _not_found("key", key_id)
+                before.update(key_view(k))
+                if "name" in body.model_fields_set and body.name is not None:
+                    k.name = body.name
+                for field in KEY_CEILINGS:
+                    if field in body.model_fields_set:
+                        tenant = repo.get_tenant(s, k.tenant_id)
+                        assert tenant is not None
+                        value = within_ceiling(tenant, field, getattr(body, field), default=False)
+                        setattr(k, field, value)
+                return key_view(k)
+
+        result = await asyncio.to_thread(update)
+        self.keys_changed()
+        await self.audit.record(
+            principal, "api_key.update", "api_key", key_id, before, result, result["tenant_id"]
+        )
+        return result
+
+    async def revoke_key(self, principal: Principal, key_id: str) -> dict[str, Any]:
+        before: dict[str, Any] = {}
+
+        def revoke() -> dict[str, Any]:
+            with self.db.session() as s:
+                k = repo.get_key(s, principal.tenant_filter(), key_id)
+                if k is None:
+                    raise _not_found("key", key_id)
+                before.update(key_view(k))
+                if k.revoked_at is None:
+                    k.revoked_at = repo.now()
+                return key_view(k)
+
+        result = await asyncio.to_thread(revoke)
+        self.keys_changed()
+        await self.audit.record(
+            principal, "api_key.revoke", "api_key", key_id, before, result, result["tenant_id"]
+        )
+        return result
