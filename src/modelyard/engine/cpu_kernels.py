@@ -10,10 +10,12 @@ batch, on every core (FBGEMM's takes one core per call and ~60 us of overhead at
 `csrc/lora.c` adds each row's own LoRA update reading the adapters' weights in place (PyTorch
 gathered them per row, or ran a matmul pair per adapter).
 
-The kernels are plain C with no PyTorch headers, so they build in about a second, for this CPU
-(`kernel_build.py`, cached in `<cache_dir>/kernels`). Where no compiler works (`load_kernels`
-returns None and logs why), or with `cpu_kernels` off (`MODELYARD_CPU_KERNELS=false`), the
-engine keeps PyTorch's ops.
+The interface is declared once, in `csrc/kernels.h`: `kernel_header` generates the ctypes
+argument types and the argument structs from it, and the compiler checks every C definition
+against it. The kernels are plain C with no PyTorch headers, so they build in about a second,
+for this CPU (`kernel_build.py`, cached in `<cache_dir>/kernels`). Where no compiler works
+(`load_kernels` returns None and logs why), or with `cpu_kernels` off
+(`MODELYARD_CPU_KERNELS=false`), the engine keeps PyTorch's ops.
 """
 
 from __future__ import annotations
