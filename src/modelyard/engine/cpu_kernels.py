@@ -10,10 +10,12 @@ batch, on every core (FBGEMM's takes one core per call and ~60 us of overhead at
 `csrc/lora.c` adds each row's own LoRA update reading the adapters' weights in place (PyTorch
 gathered them per row, or ran a matmul pair per adapter).
 
-The kernels are plain C with no PyTorch headers, so they build in about a second, for this CPU
-(`kernel_build.py`, cached in `<cache_dir>/kernels`). Where no compiler works (`load_kernels`
-returns None and logs why), or with `cpu_kernels` off (`MODELYARD_CPU_KERNELS=false`), the
-engine keeps PyTorch's ops.
+The interface is declared once, in `csrc/kernels.h`: `kernel_header` generates the ctypes
+argument types and the argument structs from it, and the compiler checks every C definition
+against it. The kernels are plain C with no PyTorch headers, so they build in about a second,
+for this CPU (`kernel_build.py`, cached in `<cache_dir>/kernels`). Where no compiler works
+(`load_kernels` returns None and logs why), or with `cpu_kernels` off
+(`MODELYARD_CPU_KERNELS=false`), the engine keeps PyTorch's ops.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from modelyard.engine import kernel_build
+from modelyard.engine import kernel_build, kernel_header
 from modelyard.engine.tensor_parallel import usable_cores
 
 if TYPE_CHECKING:
@@ -41,39 +43,31 @@ def data_ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+HEADER = kernel_header.read()  # csrc/kernels.h: the interface, and the types below
+Attention = HEADER.struct("my_attention")
+RopeKV = HEADER.struct("my_rope_kv")
+Linear = HEADER.struct("my_linear")
+LoRA = HEADER.struct("my_lora")
+Step = HEADER.struct("my_step")
+
+
 class CpuKernels:
     """The compiled kernels. Inputs are float32 (the attention's cache may be bfloat16) CPU
-    tensors, contiguous where noted; callers check, the C code trusts."""
+    tensors, contiguous where noted; callers check, the C code trusts. The ctypes argument
+    types come from `csrc/kernels.h` (`kernel_header`); the structs are filled by field name."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        self._attention = library.paged_decode_attention
-        self._attention.restype = i32
-        self._attention.argtypes = [ptr] * 6 + [i64] * 6 + [f32, i32, i32]
-        self._rms_norm = library.rms_norm
-        self._rms_norm.restype = None
-        self._rms_norm.argtypes = [ptr] * 3 + [i64] * 3 + [f32]
-        self._rope_write_kv = library.rope_write_kv
-        self._rope_write_kv.restype = i32
-        self._rope_write_kv.argtypes = [ptr] * 7 + [i64] * 6 + [i32]
-        self._smooth_rows = library.smooth_rows
-        self._smooth_rows.restype = None
-        self._smooth_rows.argtypes = [ptr] * 4 + [i64] * 3
-        self._int8_matmul = library.int8_matmul
-        self._int8_matmul.restype = None
-        self._int8_matmul.argtypes = [ptr, i64, i64, *[ptr] * 5, i64, *[ptr] * 3, i32]
-        self._decode_step = library.decode_step
-        self._decode_step.restype = i32
-        self._decode_step.argtypes = [ptr] * 2 + [i64] + [ptr] * 4 + [i64] + [ptr] * 3
-        self._lora_add = library.lora_add
-        self._lora_add.restype = i32
-        self._lora_add.argtypes = [ptr, i64, i32, ptr, i64, i32, *[ptr] * 3, i64, *[ptr] * 4]
-        self._lora_add.argtypes += [i64] * 3 + [i32] * 2
-        self._decode_step_scratch = library.decode_step_scratch
-        self._decode_step_scratch.restype = i64
-        self._decode_step_scratch.argtypes = [ptr, i64]
+        c = kernel_header.bind(library, HEADER)
+        self._attention = c["my_paged_decode_attention"]
+        self._rms_norm = c["my_rms_norm"]
+        self._rope_write_kv = c["my_rope_write_kv"]
+        self._smooth_rows = c["my_smooth_rows"]
+        self._int8_matmul = c["my_int8_matmul"]
+        self._decode_step = c["my_decode_step"]
+        self._lora_add = c["my_lora_add"]
+        self._decode_step_scratch = c["my_decode_step_scratch"]
         # Only with VNNI does the C matmul beat FBGEMM (its plain-C form is a fallback for tests).
-        self.int8_matmul_vectorized = bool(library.int8_matmul_vectorized())
+        self.int8_matmul_vectorized = bool(c["my_int8_matmul_vectorized"]())
         self.matmul_threads = usable_cores()
 
     def decode_attention(
@@ -89,23 +83,24 @@ class CpuKernels:
         q = q.contiguous()  # the fused path's queries are rows of q|k|v
         batch, heads, dim = q.shape
         out = torch.empty_like(q)
-        failed = self._attention(
-            q.data_ptr(),
-            cache[0].data_ptr(),
-            cache[1].data_ptr(),
-            block_tables.data_ptr(),
-            context_lens.data_ptr(),
-            out.data_ptr(),
-            batch,
-            heads,
-            cache.shape[2],
-            dim,
-            block_size,
-            block_tables.shape[1],
-            scale,
-            int(cache.dtype == torch.bfloat16),
-            torch.get_num_threads(),
+        args = Attention(
+            q=q.data_ptr(),
+            k_cache=cache[0].data_ptr(),
+            v_cache=cache[1].data_ptr(),
+            block_tables=block_tables.data_ptr(),
+            context_lens=context_lens.data_ptr(),
+            out=out.data_ptr(),
+            batch=batch,
+            heads=heads,
+            kv_heads=cache.shape[2],
+            dim=dim,
+            block_size=block_size,
+            max_blocks=block_tables.shape[1],
+            scale=scale,
+            bf16=int(cache.dtype == torch.bfloat16),
+            n_threads=torch.get_num_threads(),
         )
+        failed = self._attention(ctypes.byref(args))
         if failed:
             raise MemoryError("paged decode attention: no memory for the attention scores")
         return out
@@ -131,22 +126,23 @@ class CpuKernels:
     ) -> None:
         """RoPE on every query and key head, then each token's key and value into its slot."""
         kv_heads, dim = cache.shape[2], cache.shape[3]
-        failed = self._rope_write_kv(
-            qkv.data_ptr(),
-            rope_cos.data_ptr(),
-            rope_sin.data_ptr(),
-            positions.data_ptr(),
-            slots.data_ptr(),
-            cache[0].data_ptr(),
-            cache[1].data_ptr(),
-            qkv.shape[0],
-            heads,
-            kv_heads,
-            dim,
-            qkv.stride(0),
-            rope_cos.shape[0],
-            int(cache.dtype == torch.bfloat16),
+        args = RopeKV(
+            qkv=qkv.data_ptr(),
+            cos_table=rope_cos.data_ptr(),
+            sin_table=rope_sin.data_ptr(),
+            positions=positions.data_ptr(),
+            slots=slots.data_ptr(),
+            k_cache=cache[0].data_ptr(),
+            v_cache=cache[1].data_ptr(),
+            tokens=qkv.shape[0],
+            heads=heads,
+            kv_heads=kv_heads,
+            dim=dim,
+            row_stride=qkv.stride(0),
+            max_positions=rope_cos.shape[0],
+            bf16=int(cache.dtype == torch.bfloat16),
         )
+        failed = self._rope_write_kv(ctypes.byref(args))
         if failed:
             raise IndexError(f"a position is outside the RoPE table of {rope_cos.shape[0]}")
 
@@ -184,16 +180,19 @@ class CpuKernels:
         out = torch.empty(rows, weight.shape[0])
         quantized = torch.empty(rows, cols, dtype=torch.uint8)
         row_scales = torch.empty(rows)
+        linear = Linear(
+            weight=weight.data_ptr(),
+            weight_sums=weight_sums.data_ptr(),
+            scale=scale.data_ptr(),
+            bias=data_ptr(bias),
+            inv_smooth=data_ptr(inv_smooth),
+            out_features=weight.shape[0],
+            in_features=cols,
+        )
         self._int8_matmul(
             x.data_ptr(),
             rows,
-            cols,
-            data_ptr(inv_smooth),
-            weight.data_ptr(),
-            weight_sums.data_ptr(),
-            scale.data_ptr(),
-            data_ptr(bias),
-            weight.shape[0],
+            ctypes.byref(linear),
             out.data_ptr(),
             quantized.data_ptr(),
             row_scales.data_ptr(),
@@ -207,40 +206,41 @@ class CpuKernels:
         y: torch.Tensor,  # [T, sum(part_sizes)] float32 or bfloat16, contiguous: updated
         groups: LoRAGroups,
         lora_a: torch.Tensor,  # [slots, parts * rank, in], contiguous
-        lora_b: Any,  # ctypes array of each part's B [slots, rank, out_p] (contiguous)
+        lora_b: ctypes.Array[ctypes.c_void_p],  # each part's B [slots, rank, out_p], contiguous
         part_sizes: torch.Tensor,  # [parts] int64
         part_used: torch.Tensor,  # [slots, parts] uint8: the slot's adapter targets the part
         rank: int,
         bf16: bool,  # the weights' dtype (else float32)
     ) -> None:
         """Each adapter row's `y[row] += x[row] @ A[slot] @ B[slot]` (see `csrc/lora.c`)."""
-        failed = self._lora_add(
-            x.data_ptr(),
-            x.stride(0),
-            int(x.dtype == torch.bfloat16),
-            y.data_ptr(),
-            y.stride(0),
-            int(y.dtype == torch.bfloat16),
-            groups.rows.data_ptr(),
-            groups.starts.data_ptr(),
-            groups.slots.data_ptr(),
-            groups.slots.shape[0],
-            lora_a.data_ptr(),
-            lora_b,
-            part_sizes.data_ptr(),
-            part_used.data_ptr(),
-            part_sizes.shape[0],
-            x.shape[1],
-            rank,
-            int(bf16),
-            self.matmul_threads,
+        args = LoRA(
+            x=x.data_ptr(),
+            x_stride=x.stride(0),
+            x_bf16=int(x.dtype == torch.bfloat16),
+            y=y.data_ptr(),
+            y_stride=y.stride(0),
+            y_bf16=int(y.dtype == torch.bfloat16),
+            rows=groups.rows.data_ptr(),
+            groups=groups.starts.data_ptr(),
+            slots=groups.slots.data_ptr(),
+            n_groups=groups.slots.shape[0],
+            a=lora_a.data_ptr(),
+            b=ctypes.addressof(lora_b),
+            part_sizes=part_sizes.data_ptr(),
+            part_used=part_used.data_ptr(),
+            parts=part_sizes.shape[0],
+            in_features=x.shape[1],
+            rank=rank,
+            w_bf16=int(bf16),
+            n_threads=self.matmul_threads,
         )
+        failed = self._lora_add(ctypes.byref(args))
         if failed:
             raise MemoryError("LoRA kernel: no memory for its scratch")
 
     def decode_step(
         self,
-        model: Any,  # ctypes reference to decode_step.c's Model (models/decode_step.py)
+        model: Any,  # ctypes reference to kernels.h's my_model (models/decode_step.py)
         x: torch.Tensor,  # [T, hidden] float32, contiguous: updated in place
         positions: torch.Tensor,  # [T] int64
         slots: torch.Tensor,  # [T] int64
@@ -253,19 +253,19 @@ class CpuKernels:
         scratch = torch.empty(self._decode_step_scratch(model, tokens))
         quantized = torch.empty(tokens * widest_input, dtype=torch.uint8)
         row_scales = torch.empty(tokens)
-        failed = self._decode_step(
-            model,
-            x.data_ptr(),
-            tokens,
-            positions.data_ptr(),
-            slots.data_ptr(),
-            block_tables.data_ptr(),
-            context_lens.data_ptr(),
-            block_tables.shape[1],
-            scratch.data_ptr(),
-            quantized.data_ptr(),
-            row_scales.data_ptr(),
+        step = Step(
+            x=x.data_ptr(),
+            tokens=tokens,
+            positions=positions.data_ptr(),
+            slots=slots.data_ptr(),
+            block_tables=block_tables.data_ptr(),
+            context_lens=context_lens.data_ptr(),
+            max_blocks=block_tables.shape[1],
+            scratch=scratch.data_ptr(),
+            xq=quantized.data_ptr(),
+            xscale=row_scales.data_ptr(),
         )
+        failed = self._decode_step(model, ctypes.byref(step))
         if failed == 1:
             raise IndexError("a position is outside the RoPE table")
         if failed:

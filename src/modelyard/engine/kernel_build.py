@@ -33,6 +33,13 @@ OPTIMIZE = [
     "-fassociative-math",  # lets the compiler vectorise the dot products' sums
     "-ffinite-math-only",  # and the softmax's max and exp (no inf or NaN is made on purpose)
 ]
+# The interface held to `csrc/kernels.h`: only its MY_API functions exported, and a function
+# defined without a prototype in scope (one `kernels.h` or `internal.h` lacks) an error.
+INTERFACE = [
+    "-fvisibility=hidden",
+    "-Werror=missing-prototypes",
+    "-Werror=implicit-function-declaration",
+]
 
 
 def cpu_flags() -> str:
@@ -63,6 +70,7 @@ def build(
             [
                 *(s.read_text() for s in (*sources, *headers)),
                 *OPTIMIZE,
+                *INTERFACE,
                 *extra_flags,
                 compiler,
                 version,
@@ -79,7 +87,16 @@ def build(
     for arch in (["-march=native"], []):  # some compilers (or CPUs) have no -march=native
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
-        command = [compiler, *OPTIMIZE, *arch, *extra_flags, "-fPIC", "-shared", "-pthread"]
+        command = [
+            compiler,
+            *OPTIMIZE,
+            *INTERFACE,
+            *arch,
+            *extra_flags,
+            "-fPIC",
+            "-shared",
+            "-pthread",
+        ]
         done = subprocess.run(
             [*command, *map(str, sources), "-o", str(partial), "-lm"],
             capture_output=True,

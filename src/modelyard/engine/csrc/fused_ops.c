@@ -7,11 +7,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "internal.h"
 #include "kernels.h"
 
 /* out[r] = x[r] / rms(x[r]) * weight, rows of `cols` values (rows `x_stride` apart). */
-void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,
-              int64_t x_stride, float eps) {
+void my_rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,
+                 int64_t x_stride, float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *o = out + r * cols;
@@ -27,10 +28,10 @@ void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int
  * rotated key and the value written to the token's cache slot (float32, or bfloat16 when
  * `bf16`). cos/sin: [max_positions, dim]. Returns 0, or -1 (nothing written) when a position
  * lies outside the tables. */
-int rope_write_kv(float *qkv, const float *cos_table, const float *sin_table,
-                  const int64_t *positions, const int64_t *slots, void *k_cache, void *v_cache,
-                  int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
-                  int64_t row_stride, int64_t max_positions, int bf16) {
+static inline int rope_write_kv(float *qkv, const float *cos_table, const float *sin_table,
+                                const int64_t *positions, const int64_t *slots, void *k_cache,
+                                void *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
+                                int64_t dim, int64_t row_stride, int64_t max_positions, int bf16) {
     const int64_t half = dim / 2, kv_width = kv_heads * dim;
     for (int64_t t = 0; t < tokens; t++)
         if (positions[t] < 0 || positions[t] >= max_positions) return -1;
@@ -64,11 +65,17 @@ int rope_write_kv(float *qkv, const float *cos_table, const float *sin_table,
     return 0;
 }
 
+int my_rope_write_kv(const my_rope_kv *r) {
+    return rope_write_kv(r->qkv, r->cos_table, r->sin_table, r->positions, r->slots, r->k_cache,
+                         r->v_cache, r->tokens, r->heads, r->kv_heads, r->dim, r->row_stride,
+                         r->max_positions, r->bf16);
+}
+
 /* w8a8's activation preparation, one pass per row: divide by the SmoothQuant factors (when
  * given), then scale the row to absmax 1 for the per-tensor int8 kernel; `row_max` keeps each
  * row's scale to multiply back. */
-void smooth_rows(const float *x, const float *inv_smooth, float *out, float *row_max,
-                 int64_t rows, int64_t cols, int64_t x_stride) {
+void my_smooth_rows(const float *x, const float *inv_smooth, float *out, float *row_max,
+                    int64_t rows, int64_t cols, int64_t x_stride) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *o = out + r * cols, m = 0.0f;

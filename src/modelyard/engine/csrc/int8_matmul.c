@@ -9,6 +9,7 @@
  */
 #include <stdint.h>
 
+#include "internal.h"
 #include "kernels.h"
 
 #define ROWS 4 /* weight rows per block: their reads are shared by the M rows of x */
@@ -148,18 +149,18 @@ static void product(const Job *j, int64_t n0, int64_t n1) {
 #endif
 
 /* Whether this build has the vector product (where not, PyTorch's int8 matmul is faster). */
-int int8_matmul_vectorized(void) { return VNNI; }
+int my_int8_matmul_vectorized(void) { return VNNI; }
 
 static void product_task(const void *job, int64_t first, int64_t last) {
     product((const Job *)job, first, last);
 }
 
 /* out[M, N] = quantize(x[M, K] * inv_smooth) . w[N, K]^T * scales (+ bias). xq: M*K scratch. */
-void int8_matmul(const float *x, int64_t M, int64_t K, const float *inv_smooth, const int8_t *w,
-                 const int32_t *wsum, const float *wscale, const float *bias, int64_t N,
-                 float *out, uint8_t *xq, float *xscale, int n_threads) {
-    quantize_rows(x, M, K, inv_smooth, xq, xscale);
-    const Job job = {xq, xscale, w, wsum, wscale, bias, out, M, K, N};
+void my_int8_matmul(const float *x, int64_t M, const my_linear *w, float *out, uint8_t *xq,
+                    float *xscale, int n_threads) {
+    const int64_t K = w->in_features, N = w->out_features;
+    quantize_rows(x, M, K, w->inv_smooth, xq, xscale);
+    const Job job = {xq, xscale, w->weight, w->weight_sums, w->scale, w->bias, out, M, K, N};
     /* Chunks of ~64K multiply-adds, whole blocks of ROWS: a claim is an atomic on a line both
      * cores write, and at 16K (~0.2 us of work) the claims cost a 32-row batch's matmuls ~20 %;
      * but at least 4 chunks a thread, so that one row's memory-bound product is shared out. */

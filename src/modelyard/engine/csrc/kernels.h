@@ -1,80 +1,142 @@
-/* What the C kernels call of one another (each defined in the file named), in one place so
- * that the compiler checks every definition against its declaration. */
+/* The C kernels' interface: every function Python calls and every struct it fills, declared
+ * once. Each .c file includes this header, so the compiler checks every definition against it
+ * (the build also makes a function defined without a prototype an error); Python's ctypes
+ * bindings are generated from it at load time (modelyard/engine/kernel_header.py), so there is
+ * no second list of argument types to keep in step.
+ *
+ * Keep to the subset kernel_header.py reads (it refuses anything else): `typedef struct { ... }
+ * name;` of scalars (int, float, int8_t, uint8_t, int32_t, int64_t), pointers and other such
+ * structs, and `MY_API type name(parameters);` prototypes. Exported names start with `my_`;
+ * the library is built with hidden visibility, so only MY_API functions are exported. Argument
+ * lists of ten or more go in a struct passed by pointer. */
 #ifndef MODELYARD_KERNELS_H
 #define MODELYARD_KERNELS_H
 
 #include <stdint.h>
-#include <string.h>
 
-/* bfloat16 <-> float32, shared by the kernels (static inline: no call across files). */
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+#define MY_API __attribute__((visibility("default")))
 
-/* Rounded to nearest even, as PyTorch's conversion does. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+/* ----- fused_ops.c ------------------------------------------------------------------------ */
 
-/* e^x for x <= 0 (a softmax score minus the largest; SiLU's e^-|x|), in plain arithmetic the
- * compiler vectorises (libm's expf is scalar: it was 45 % of the attention kernel). x = n ln2 + r
- * with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 1e-7), 2^n
- * through the exponent bits. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* e^-87 ~ 1.6e-38, still a normal float */
-    const int32_t n = (int32_t)(x * 1.44269504f - 0.5f); /* rounds to nearest for x <= 0 */
-    const float r = x - (float)n * 0.693145752f - (float)n * 1.42860677e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = (n + 127) << 23;
+/* out[r] = x[r] / rms(x[r]) * weight, rows of `cols` values (rows `x_stride` apart). */
+MY_API void my_rms_norm(const float *x, const float *weight, float *out, int64_t rows,
+                        int64_t cols, int64_t x_stride, float eps);
+
+/* RoPE on the fused q|k|v rows, in place, then each token's key and value into its slot. */
+typedef struct {
+    float *qkv;                        /* [tokens, row_stride]: queries, keys, values */
+    const float *cos_table, *sin_table; /* [max_positions, dim] */
+    const int64_t *positions, *slots;  /* [tokens] */
+    void *k_cache, *v_cache;           /* [slots, kv_heads, dim], float32 or bfloat16 (bf16) */
+    int64_t tokens, heads, kv_heads, dim, row_stride, max_positions;
+    int bf16;
+} my_rope_kv;
+
+/* Returns 0, or -1 (nothing written) when a position lies outside the tables. */
+MY_API int my_rope_write_kv(const my_rope_kv *r);
+
+/* w8a8's activations divided by the SmoothQuant factors (inv_smooth may be NULL), then each
+ * row scaled to absmax 1; row_max keeps each row's scale. */
+MY_API void my_smooth_rows(const float *x, const float *inv_smooth, float *out, float *row_max,
+                           int64_t rows, int64_t cols, int64_t x_stride);
+
+/* ----- paged_attention.c ------------------------------------------------------------------ */
+
+/* One query token per sequence against its KV blocks where they lie in the cache. */
+typedef struct {
+    const float *q;                /* [batch, heads, dim] float32 */
+    const void *k_cache, *v_cache; /* [slots, kv_heads, dim], float32 or bfloat16 (bf16) */
+    const int64_t *block_tables;   /* [batch, max_blocks] */
+    const int64_t *context_lens;   /* [batch], each >= 1 */
+    float *out;                    /* [batch, heads, dim] float32 */
+    int64_t batch, heads, kv_heads, dim, block_size, max_blocks;
     float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+    int bf16, n_threads;
+} my_attention;
 
-/* thread_pool.c */
-typedef void (*pool_task)(const void *context, int64_t first, int64_t last);
-void pool_run(pool_task task, const void *context, int64_t items, int64_t chunk, int n_threads);
-void pool_spin(int on);
-float *thread_scratch(int64_t floats);
+/* Returns 0, or -1 when memory for the scores could not be had. */
+MY_API int my_paged_decode_attention(const my_attention *a);
 
-/* fused_ops.c */
-void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t cols,
-              int64_t x_stride, float eps);
-int rope_write_kv(float *qkv, const float *cos_table, const float *sin_table,
-                  const int64_t *positions, const int64_t *slots, void *k_cache, void *v_cache,
-                  int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
-                  int64_t row_stride, int64_t max_positions, int bf16);
+/* ----- int8_matmul.c ---------------------------------------------------------------------- */
 
-/* paged_attention.c */
-int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
-                           const int64_t *block_tables, const int64_t *context_lens, float *out,
-                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                           int64_t block_size, int64_t max_blocks, float scale, int bf16,
-                           int n_threads);
+/* A w8a8 linear layer's weights in plain int8 rows. */
+typedef struct {
+    const int8_t *weight;       /* [out_features, in_features] */
+    const int32_t *weight_sums; /* [out_features]: each row's sum */
+    const float *scale;         /* [out_features] */
+    const float *bias;          /* [out_features] or NULL */
+    const float *inv_smooth;    /* [in_features] or NULL */
+    int64_t out_features, in_features;
+} my_linear;
 
-/* int8_matmul.c */
-void int8_matmul(const float *x, int64_t M, int64_t K, const float *inv_smooth, const int8_t *w,
-                 const int32_t *wsum, const float *wscale, const float *bias, int64_t N,
-                 float *out, uint8_t *xq, float *xscale, int n_threads);
+/* out[rows, out_features] = quantize(x * inv_smooth) . weight^T * scale (+ bias); x: [rows,
+ * in_features]; xq: rows * in_features bytes and xscale: rows floats of scratch. */
+MY_API void my_int8_matmul(const float *x, int64_t rows, const my_linear *w, float *out,
+                           uint8_t *xq, float *xscale, int n_threads);
 
-/* lora.c */
-int lora_add(const void *x, int64_t x_stride, int x_bf16, void *y, int64_t y_stride, int y_bf16,
-             const int64_t *rows, const int64_t *groups, const int64_t *slots, int64_t n_groups,
-             const void *a, const void *const *b, const int64_t *part_sizes,
-             const uint8_t *part_used, int64_t parts, int64_t in, int64_t rank, int w_bf16,
-             int n_threads);
+/* Whether this build has the vector product (where not, PyTorch's int8 matmul is faster). */
+MY_API int my_int8_matmul_vectorized(void);
+
+/* ----- lora.c ----------------------------------------------------------------------------- */
+
+/* Each adapter row's y[row] += x[row] @ A[slot] @ B[slot], rows grouped by slot. */
+typedef struct {
+    const void *x; /* [T, in_features] float32 or bfloat16 (x_bf16), rows x_stride apart */
+    int64_t x_stride;
+    int x_bf16;
+    void *y; /* [T, sum(part_sizes)] float32 or bfloat16 (y_bf16): updated */
+    int64_t y_stride;
+    int y_bf16;
+    const int64_t *rows;   /* the adapter rows, grouped by slot */
+    const int64_t *groups; /* [n_groups + 1]: group g is rows[groups[g]..groups[g + 1]) */
+    const int64_t *slots;  /* [n_groups]: each group's slot */
+    int64_t n_groups;
+    const void *a;             /* [slots, parts * rank, in_features] */
+    const void *const *b;      /* [parts]: each part's B [slots, rank, part_size] */
+    const int64_t *part_sizes; /* [parts] */
+    const uint8_t *part_used;  /* [slots, parts]: the slot's adapter targets the part */
+    int64_t parts, in_features, rank;
+    int w_bf16, n_threads;
+} my_lora;
+
+/* Returns 0, or -1 when a thread found no memory for its scratch (then some rows may lack
+ * their update). */
+MY_API int my_lora_add(const my_lora *l);
+
+/* ----- decode_step.c ---------------------------------------------------------------------- */
+
+typedef struct {
+    const float *input_norm, *post_attention_norm;
+    my_linear qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* [slots, kv_heads, head_dim], float32 or bfloat16 */
+} my_layer;
+
+typedef struct {
+    const my_layer *layers;
+    int64_t n_layers, hidden, heads, kv_heads, head_dim, intermediate;
+    const float *rope_cos, *rope_sin; /* [max_positions, head_dim] */
+    int64_t max_positions, block_size;
+    float eps, attention_scale;
+    int bf16_cache, matmul_threads, attention_threads;
+} my_model;
+
+/* One step's decodes, one token per sequence, and the step's scratch. */
+typedef struct {
+    float *x; /* [tokens, hidden]: the embeddings in, the last layer's output out */
+    int64_t tokens;
+    const int64_t *positions, *slots; /* [tokens] */
+    const int64_t *block_tables;      /* [tokens, max_blocks] */
+    const int64_t *context_lens;      /* [tokens] */
+    int64_t max_blocks;
+    float *scratch; /* my_decode_step_scratch floats */
+    uint8_t *xq;    /* tokens * the widest matmul input bytes */
+    float *xscale;  /* tokens floats */
+} my_step;
+
+/* The floats of scratch a step of `tokens` needs. */
+MY_API int64_t my_decode_step_scratch(const my_model *m, int64_t tokens);
+
+/* Returns 0, or 1 for a position outside the RoPE table, 2 when attention found no memory. */
+MY_API int my_decode_step(const my_model *m, const my_step *s);
 
 #endif

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "internal.h"
 #include "kernels.h"
 
 #define GROUP 4  /* rows of one adapter sharing each read of its weights */
@@ -319,13 +320,11 @@ static void run_groups(const void *context, int64_t first, int64_t last) {
 
 /* Returns 0, or -1 when a thread found no memory for its scratch (then some rows may lack
  * their update). A group holds at most GROUP rows, all of one slot. */
-int lora_add(const void *x, int64_t x_stride, int x_bf16, void *y, int64_t y_stride, int y_bf16,
-             const int64_t *rows, const int64_t *groups, const int64_t *slots, int64_t n_groups,
-             const void *a, const void *const *b, const int64_t *part_sizes,
-             const uint8_t *part_used, int64_t parts, int64_t in, int64_t rank, int w_bf16,
-             int n_threads) {
-    Args args = {x,    y,          x_stride,  y_stride, rows, groups, slots,  a,      b,
-                 part_sizes, part_used, in, parts,    rank, x_bf16, y_bf16, w_bf16, 0};
-    pool_run(run_groups, &args, n_groups, 1, n_threads);
+int my_lora_add(const my_lora *l) {
+    Args args = {l->x,         l->y,         l->x_stride,    l->y_stride, l->rows,
+                 l->groups,    l->slots,     l->a,           l->b,        l->part_sizes,
+                 l->part_used, l->in_features, l->parts,     l->rank,     l->x_bf16,
+                 l->y_bf16,    l->w_bf16,    0};
+    pool_run(run_groups, &args, l->n_groups, 1, l->n_threads);
     return atomic_load(&args.failed) ? -1 : 0;
 }

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "internal.h"
 #include "kernels.h"
 
 typedef struct {
@@ -127,13 +128,10 @@ static void run_range(const void *context, int64_t first, int64_t last) {
 }
 
 /* Returns 0, or -1 when memory for the scores could not be had. */
-int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
-                           const int64_t *block_tables, const int64_t *context_lens, float *out,
-                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                           int64_t block_size, int64_t max_blocks, float scale, int bf16,
-                           int n_threads) {
-    Args a = {q, k_cache, v_cache, block_tables, context_lens, out, heads, kv_heads, dim,
-              block_size, max_blocks, scale, bf16, 0};
-    pool_run(run_range, &a, batch, 1, n_threads);
+int my_paged_decode_attention(const my_attention *r) {
+    Args a = {r->q,     r->k_cache,    r->v_cache,    r->block_tables, r->context_lens,
+              r->out,   r->heads,      r->kv_heads,   r->dim,          r->block_size,
+              r->max_blocks, r->scale, r->bf16,       0};
+    pool_run(run_range, &a, r->batch, 1, r->n_threads);
     return atomic_load(&a.failed) ? -1 : 0;
 }

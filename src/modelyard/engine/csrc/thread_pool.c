@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "internal.h"
 #include "kernels.h"
 
 #define MAX_THREADS 64

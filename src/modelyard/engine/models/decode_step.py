@@ -8,65 +8,22 @@ layers, and a step of decodes only (prefill chunks go through the modules).
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from modelyard.engine.cpu_kernels import data_ptr
+from modelyard.engine.cpu_kernels import HEADER, data_ptr
 from modelyard.engine.quantization import Int8Linear
 
 if TYPE_CHECKING:
     from modelyard.engine.attention import AttentionMetadata
     from modelyard.engine.cpu_kernels import CpuKernels
 
-_ptr, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [
-        ("weight", _ptr),
-        ("weight_sums", _ptr),
-        ("scale", _ptr),
-        ("bias", _ptr),
-        ("inv_smooth", _ptr),
-        ("out", _i64),
-        ("in_", _i64),
-    ]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", _ptr),
-        ("post_attention_norm", _ptr),
-        ("qkv", _Linear),
-        ("o", _Linear),
-        ("gate_up", _Linear),
-        ("down", _Linear),
-        ("k_cache", _ptr),
-        ("v_cache", _ptr),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        ("layers", ctypes.POINTER(_Layer)),
-        ("n_layers", _i64),
-        ("hidden", _i64),
-        ("heads", _i64),
-        ("kv_heads", _i64),
-        ("head_dim", _i64),
-        ("intermediate", _i64),
-        ("rope_cos", _ptr),
-        ("rope_sin", _ptr),
-        ("max_positions", _i64),
-        ("block_size", _i64),
-        ("eps", _f32),
-        ("attention_scale", _f32),
-        ("bf16_cache", _int),
-        ("matmul_threads", _int),
-        ("attention_threads", _int),
-    ]
+# The C step's structs, generated from csrc/kernels.h (filled by field name below).
+_Linear = HEADER.struct("my_linear")
+_Layer = HEADER.struct("my_layer")
+_Model = HEADER.struct("my_model")
 
 
 def _linear(layer: nn.Module | None) -> _Linear | None:
@@ -74,13 +31,13 @@ def _linear(layer: nn.Module | None) -> _Linear | None:
     if not isinstance(layer, Int8Linear) or layer.kernel != "fbgemm" or layer.packed is not None:
         return None
     return _Linear(
-        layer.qweight.data_ptr(),
-        layer.weight_sums.data_ptr(),
-        layer.scale.data_ptr(),
-        data_ptr(layer.bias),
-        data_ptr(layer.inv_smooth),
-        layer.out_features,
-        layer.in_features,
+        weight=layer.qweight.data_ptr(),
+        weight_sums=layer.weight_sums.data_ptr(),
+        scale=layer.scale.data_ptr(),
+        bias=data_ptr(layer.bias),
+        inv_smooth=data_ptr(layer.inv_smooth),
+        out_features=layer.out_features,
+        in_features=layer.in_features,
     )
 
 
@@ -90,14 +47,19 @@ class DecodeStep:
     changes (`use_kernels` drops it; a different cache list is checked on every call)."""
 
     def __init__(
-        self, kernels: CpuKernels, model: _Model, layers: ctypes.Array, caches: list[torch.Tensor]
+        self,
+        kernels: CpuKernels,
+        model: ctypes.Structure,
+        layers: ctypes.Array[Any],
+        caches: list[torch.Tensor],
     ) -> None:
         self.kernels = kernels
         self.model = model
         self._layers = layers  # kept alive: `model` points into it
         self.cache_ptr = caches[0].data_ptr()
         self.widest_input = max(
-            max(layer.qkv.in_, layer.o.in_, layer.gate_up.in_, layer.down.in_) for layer in layers
+            max(getattr(layer, p).in_features for p in ("qkv", "o", "gate_up", "down"))
+            for layer in layers
         )
 
     @classmethod
@@ -115,39 +77,42 @@ class DecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.q_norm is not None or not cache.is_contiguous():
                 return None
-            parts = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj)]
-            parts.append(_linear(mlp.down_proj))
-            if any(p is None for p in parts):
+            qkv, o, gate_up = (_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj))
+            down = _linear(mlp.down_proj)
+            if qkv is None or o is None or gate_up is None or down is None:
                 return None
             described.append(
                 _Layer(
-                    layer.input_layernorm.weight.data_ptr(),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    *parts,
-                    cache[0].data_ptr(),
-                    cache[1].data_ptr(),
+                    input_norm=layer.input_layernorm.weight.data_ptr(),
+                    post_attention_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                    qkv=qkv,
+                    o=o,
+                    gate_up=gate_up,
+                    down=down,
+                    k_cache=cache[0].data_ptr(),
+                    v_cache=cache[1].data_ptr(),
                 )
             )
         layers = (_Layer * len(described))(*described)
         first = inner.layers[0].self_attn
         rope = inner.rotary
         model = _Model(
-            layers,
-            len(described),
-            cfg.hidden_size,
-            first.num_heads,
-            first.num_kv_heads,
-            first.head_dim,
-            inner.layers[0].mlp.intermediate,
-            rope.cos.data_ptr(),
-            rope.sin.data_ptr(),
-            rope.cos.shape[0],
-            0,  # block size: set from the first step's metadata
-            inner.layers[0].input_layernorm.eps,
-            first.scale,
-            int(caches[0].dtype == torch.bfloat16),
-            kernels.matmul_threads,
-            kernels.matmul_threads,  # no PyTorch op in the step: its threads are all asleep
+            layers=layers,
+            n_layers=len(described),
+            hidden=cfg.hidden_size,
+            heads=first.num_heads,
+            kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            intermediate=inner.layers[0].mlp.intermediate,
+            rope_cos=rope.cos.data_ptr(),
+            rope_sin=rope.sin.data_ptr(),
+            max_positions=rope.cos.shape[0],
+            block_size=0,  # set from the first step's metadata
+            eps=inner.layers[0].input_layernorm.eps,
+            attention_scale=first.scale,
+            bf16_cache=int(caches[0].dtype == torch.bfloat16),
+            matmul_threads=kernels.matmul_threads,
+            attention_threads=kernels.matmul_threads,  # no PyTorch op in the step: all asleep
         )
         return cls(kernels, model, layers, caches)
 
