@@ -2,7 +2,10 @@
 
 Each package may import only from its own layer's allowed set; `control` may import the model
 code (engine, encoders, worker) only lazily, inside a function, so a control or gateway process
-starts without torch. Imports under `if TYPE_CHECKING:` are annotations only and are not counted.
+starts without torch. Imports under `if TYPE_CHECKING:` are annotations only and are not counted
+there. Two rules count them too: the worker imports nothing of the engine but its front door
+(`modelyard.engine.client`), and the modules of `ACYCLIC` packages import each other without a
+circle.
 
 `KNOWN_VIOLATIONS` and `KNOWN_TORCH_IMPORTERS` list what is still wrong, each with who removes
 it; the tests fail on a new violation AND on a listed one that no longer occurs, so the lists
@@ -50,6 +53,11 @@ ALLOWED: dict[str, set[str]] = {
 # Imported only inside functions (never at module import): the model code, which loads torch.
 LAZY: dict[str, set[str]] = {"control": {"engine", "encoders", "worker"}}
 
+# The one module of the engine the worker may import, at any level, type-only included.
+WORKER_ENGINE_DOOR = "modelyard.engine.client"
+# Packages whose modules import one another without a circle (any level, type-only included).
+ACYCLIC = ("engine",)
+
 # (importer, imported module, "lazy" or "module") still wrong today, by who removes them.
 KNOWN_VIOLATIONS: set[tuple[str, str, str]] = set()
 
@@ -63,8 +71,10 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_module(name: str) -> bool:
-    return (SRC / f"{name}.py").is_file() or (SRC / name).is_dir()
+def _is_module(dotted: str) -> bool:
+    """Whether `modelyard.x.y` is a module or a package of the source tree."""
+    path = SRC.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or path.is_dir()
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -73,15 +83,15 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(imported modelyard module, whether at module level) for every import in `path`, except
-    those under `if TYPE_CHECKING:`."""
+def _imports(path: Path, type_only: bool = False) -> list[tuple[str, bool]]:
+    """(imported modelyard module, whether at module level) for every import in `path`; those
+    under `if TYPE_CHECKING:` only with `type_only` (and then as module level)."""
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[tuple[str, bool]] = []
 
     def visit(node: ast.AST, top: bool) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_only:
             for child in node.orelse:
                 visit(child, top)
             return
@@ -93,13 +103,12 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            if base == "modelyard":  # `from modelyard import x`: x is a module, or a name
+            if base == "modelyard" or base.startswith("modelyard."):
+                # `from package import x`: x is a module of it, or a name in it
                 found.extend(
-                    (f"modelyard.{a.name}" if _is_module(a.name) else "modelyard", top)
+                    (f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base, top)
                     for a in node.names
                 )
-            elif base.startswith("modelyard."):
-                found.append((base, top))
         inner = top and not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
         for child in ast.iter_child_nodes(node):
             visit(child, inner)
@@ -145,6 +154,89 @@ def test_imports_point_down() -> None:
     )
     assert not gone, "fixed; remove from KNOWN_VIOLATIONS:\n" + "\n".join(
         f"  {v}" for v in sorted(gone)
+    )
+
+
+def test_the_worker_imports_only_the_engine_client() -> None:
+    found = {
+        (_module_name(path), imported)
+        for path in sorted((SRC / "worker").rglob("*.py"))
+        for imported, _ in _imports(path, type_only=True)
+        if _part(imported) == "engine" and imported != WORKER_ENGINE_DOOR
+    }
+    assert not found, (
+        f"the worker uses the engine only through `{WORKER_ENGINE_DOOR}` (its `EngineClient` and "
+        "the data types it exports); add what is missing there:\n"
+        + "\n".join(f"  {a} imports {b}" for a, b in sorted(found))
+    )
+
+
+def _owner(module: str, modules: set[str]) -> str | None:
+    """The module of `modules` that an import of `module` (maybe a name in it) loads."""
+    while module and module not in modules:
+        module = module.rpartition(".")[0]
+    return module or None
+
+
+def import_cycles(part: str) -> list[list[str]]:
+    """The circles among `part`'s modules (strongly connected components of more than one
+    module), over every import: module level, in functions, and under `if TYPE_CHECKING:`."""
+    paths = {_module_name(p): p for p in sorted((SRC / part).rglob("*.py"))}
+    modules = set(paths)
+    graph = {
+        name: sorted(
+            {
+                owner
+                for imported, _ in _imports(path, type_only=True)
+                if (owner := _owner(imported, modules)) is not None and owner != name
+            }
+        )
+        for name, path in paths.items()
+    }
+    # Tarjan's algorithm, iterative.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            if i < len(graph[node]):
+                work.append((node, i + 1))
+                nxt = graph[node][i]
+                if nxt not in index:
+                    work.append((nxt, 0))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    found = {part: import_cycles(part) for part in ACYCLIC}
+    assert not any(found.values()), "modules that import each other in a circle:\n" + "\n".join(
+        f"  {part}: {' <-> '.join(c)}" for part, cycles in found.items() for c in cycles
     )
 
 

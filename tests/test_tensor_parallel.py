@@ -24,7 +24,7 @@ from modelyard.engine.models.config import UnsupportedModelError
 from modelyard.engine.models.loader import read_model_config
 from modelyard.engine.models.sharding import check_tensor_parallel
 from modelyard.engine.sampling_params import SamplingParams
-from modelyard.engine.tensor_parallel import TensorParallelError, decode_step, encode_step
+from modelyard.engine.tensor_parallel.wire import TensorParallelError, pack_step, unpack_step
 from tests.conftest import WorkerProcess
 from tests.parity import hf_greedy, hf_logits, make_engine, record_logits, run_staggered
 from tests.test_model_parity import prompts
@@ -132,8 +132,8 @@ def test_step_wire_format_round_trips(tiny_llama: Path) -> None:
     execute = engine.runner.execute
 
     def checking(inputs: StepInputs) -> torch.Tensor:
-        header, payload = encode_step(inputs)
-        ids, positions, meta = decode_step(header, payload, engine.runner.block_size)
+        values, payload = pack_step(inputs.input_ids, inputs.positions, inputs.meta)
+        ids, positions, meta = unpack_step(values, payload, engine.runner.block_size)
         ref = inputs.meta
         assert torch.equal(ids, inputs.input_ids) and torch.equal(positions, inputs.positions)
         assert torch.equal(meta.slot_mapping, ref.slot_mapping)

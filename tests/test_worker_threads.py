@@ -5,8 +5,8 @@ tensor-parallel ranks (which split the cores themselves) keep theirs."""
 from __future__ import annotations
 
 from modelyard.config import EngineSettings
-from modelyard.engine.tensor_parallel import usable_cores
-from modelyard.worker.server import served_settings
+from modelyard.engine.client import served_settings
+from modelyard.engine.cores import usable_cores
 
 
 def test_a_cpu_worker_leaves_one_core_to_its_server() -> None:

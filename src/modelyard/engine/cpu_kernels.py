@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from modelyard.engine import kernel_build, kernel_header
-from modelyard.engine.tensor_parallel import usable_cores
+from modelyard.engine.cores import usable_cores
 
 if TYPE_CHECKING:
-    from modelyard.engine.lora.layers import LoRAGroups
+    from modelyard.engine.lora.groups import LoRAGroups
 
 log = logging.getLogger(__name__)
 

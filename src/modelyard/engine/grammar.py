@@ -39,7 +39,6 @@ import torch
 from modelyard.engine.structured import StructuredKind, StructuredOutput
 
 if TYPE_CHECKING:
-    from modelyard.engine.sequence import Sequence
     from modelyard.engine.tokenizer import Tokenizer
 
 DEFAULT_CACHE_CAPACITY = 256
@@ -251,16 +250,12 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
-    def attach(self, seqs: list[Sequence]) -> None:
-        """Give each sequence of a new request its own matcher (n>1: one each)."""
-        structured = seqs[0].params.structured if seqs else None
-        if structured is None:
-            return
+    def matcher(self, structured: StructuredOutput, max_tokens: int) -> GrammarState:
+        """A new sequence's own matcher (n>1: one each) for its `structured` output."""
         compiled = structured.compiled
         if not isinstance(compiled, CompiledGrammar):  # a direct engine caller: compile here
             compiled = self.compile(structured)
-        for seq in seqs:
-            seq.grammar = compiled.state(seq.params.max_tokens)
+        return compiled.state(max_tokens)
 
 
 class GrammarState:

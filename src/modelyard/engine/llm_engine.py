@@ -157,7 +157,9 @@ class LLMEngine:
             arrival,
             salt,
         )
-        self.grammars.attach(req.seqs)
+        if params.structured is not None:
+            for seq in req.seqs:
+                seq.grammar = self.grammars.matcher(params.structured, seq.params.max_tokens)
         self._next_seq_id += len(req.seqs)
         self._requests[request_id] = req
         if lora is None or self.lora_waiting.hold(self.runner, req, lora, self._requests):

@@ -12,18 +12,15 @@ from pathlib import Path
 import torch
 
 from modelyard.config import EngineSettings
+from modelyard.engine.cores import threads_per_rank
 from modelyard.engine.cpu_kernels import kernels_for
 from modelyard.engine.lora.manager import LoRAManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import DTYPES, ModelRunner
 from modelyard.engine.models.loader import load_model, read_model_config, to_hf_folder
 from modelyard.engine.models.sharding import check_tensor_parallel
-from modelyard.engine.tensor_parallel import (
-    HelperSpec,
-    TensorParallelLeader,
-    rank_device,
-    threads_per_rank,
-)
+from modelyard.engine.tensor_parallel.leader import TensorParallelLeader
+from modelyard.engine.tensor_parallel.wire import HelperSpec, rank_device
 from modelyard.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from modelyard.engine.sequence import Sequence
 if TYPE_CHECKING:
     from modelyard.engine.cpu_kernels import CpuKernels
     from modelyard.engine.lora.manager import LoRAManager
-    from modelyard.engine.tensor_parallel import TensorParallelLeader
+    from modelyard.engine.tensor_parallel.leader import TensorParallelLeader
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # weights, activations, KV
@@ -173,7 +173,7 @@ class ModelRunner:
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             with self.leader.step():
-                self.leader.send_step(inputs)
+                self.leader.send_step(inputs.input_ids, inputs.positions, inputs.meta)
                 hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 

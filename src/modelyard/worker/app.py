@@ -1,4 +1,4 @@
-"""The worker's FastAPI app: OpenAI routes, /health and /metrics around one `AsyncEngine`."""
+"""The worker's FastAPI app: OpenAI routes, /health and /metrics around one `EngineClient`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from modelyard.core.loop_monitor import LoopStallCollector, watching_loop
-from modelyard.engine.async_engine import AsyncEngine
+from modelyard.engine.client import EngineClient
 from modelyard.protocol.errors import install_error_handlers
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -32,7 +32,7 @@ class ServedModel(BaseModel):
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     model_name: str,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     token: str | None = None,
@@ -49,7 +49,7 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(WorkerRequestContext)  # the gateway's request id and trace
     install_token_check(app, token)  # outermost: nothing runs for a caller without it
-    metrics = WorkerMetrics(engine.engine, model_name)
+    metrics = WorkerMetrics(engine, model_name)
     metrics.registry.register(LoopStallCollector())  # this process's loop stalls, if watched
     serving = OpenAIServing(traced(engine), model_name, metrics)
     app.state.serving = serving
@@ -81,20 +81,20 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        e = engine.engine
+        s = engine.snapshot()
         body = {
             "status": "ok" if engine.healthy else "error",
             "model": serving.model_name,
-            "running": e.num_running,
-            "waiting": e.num_waiting,
-            "kv_cache_usage": round(e.kv.usage(), 4),
-            "kv_cache_capacity_tokens": e.token_capacity,
-            "max_model_len": e.max_model_len,
-            "busy_seconds": round(e.stats.busy_seconds, 3),
-            "failed_steps": e.stats.failed_steps,
+            "running": s.running,
+            "waiting": s.waiting,
+            "kv_cache_usage": round(s.kv_cache_usage, 4),
+            "kv_cache_capacity_tokens": s.kv_cache_capacity_tokens,
+            "max_model_len": engine.max_model_len,
+            "busy_seconds": round(s.busy_seconds, 3),
+            "failed_steps": s.failed_steps,
         }
         if engine.error is not None:
-            body["error"] = str(engine.error)
+            body["error"] = engine.error
         return JSONResponse(body, status_code=200 if engine.healthy else 503)
 
     @app.get("/metrics")

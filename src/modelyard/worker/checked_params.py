@@ -1,16 +1,19 @@
 """The worker's edge: turn an API request into checked engine requests, or a 400 naming the field.
 
 This is the one place a request is checked against the model (vocabulary, context window,
-caps, sampling ranges); the engine trusts what passes (`modelyard.engine.request_checks`).
+caps, sampling ranges, the LoRA adapter: `EngineClient.check_request`); the engine trusts what
+passes.
 """
 
 from __future__ import annotations
 
-from modelyard.engine.llm_engine import LLMEngine
-from modelyard.engine.lora.engine_hooks import check_adapter
-from modelyard.engine.request_checks import RequestRejected
-from modelyard.engine.sampling_params import MAX_N, SamplingParams
-from modelyard.engine.structured import StructuredOutput
+from modelyard.engine.client import (
+    MAX_N,
+    EngineClient,
+    RequestRejected,
+    SamplingParams,
+    StructuredOutput,
+)
 from modelyard.protocol.errors import APIError, bad_request
 from modelyard.protocol.openai import SamplingFields
 
@@ -24,7 +27,7 @@ def rejected(exc: RequestRejected, renames: dict[str, str] | None = None) -> API
 
 
 def admit(
-    engine: LLMEngine,
+    engine: EngineClient,
     req: SamplingFields,
     prompt: list[int],
     max_tokens: int | None,
@@ -57,8 +60,6 @@ def admit(
     )
     try:
         engine.check_request(prompt, params, req.priority, prompt_param)
-        if lora is not None:
-            check_adapter(engine.runner, lora)
     except RequestRejected as exc:
         # The completions API names its top-logprob count `logprobs`.
         renames = {"top_logprobs": "logprobs"} if prompt_param == "prompt" else None

@@ -20,11 +20,16 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
-from modelyard.engine.faults import RequestFailed, RequestInvalid
-from modelyard.engine.llm_engine import RequestOutput
-from modelyard.engine.sampling_params import SamplingParams
-from modelyard.engine.sequence import TokenLogprob
+from modelyard.engine.client import (
+    EngineClient,
+    EngineDeadError,
+    RequestFailed,
+    RequestInvalid,
+    RequestOutput,
+    RequestTimeout,
+    SamplingParams,
+    TokenLogprob,
+)
 from modelyard.protocol.errors import GRAMMAR_FAILED, APIError, error_body
 from modelyard.protocol.openai import PROMPT_TOKENS_HEADER, SamplingFields
 from modelyard.protocol.sse import DONE, TOKEN_STAMPS_HEADER, sse_data, stamped
@@ -74,7 +79,7 @@ class Usage:
 class FanOut:
     """The engine side of the OpenAI endpoints, shared by chat and text completions."""
 
-    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: EngineClient, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
 

@@ -28,7 +28,7 @@ def weight_bytes(model: str | Path, cache_dir: Path | None = None) -> int:
     """Bytes of the weight files the engine will read (0 if they cannot be found): a GGUF's
     float32 conversion when `cache_dir` holds it (what is loaded; about 5x a 4-bit file),
     else the file itself."""
-    from modelyard.engine.models.loader import resolve_model_path
+    from modelyard.engine.client import resolve_model_path
 
     try:
         path = resolve_model_path(model)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from modelyard.engine.sequence import TokenLogprob
-from modelyard.engine.tokenizer import Tokenizer
+from modelyard.engine.client import Tokenizer, TokenLogprob
 
 
 def chat_logprobs(tokenizer: Tokenizer, logprobs: list[TokenLogprob]) -> dict[str, Any]:

@@ -19,8 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from modelyard.engine.llm_engine import LLMEngine
-from modelyard.engine.requests import RequestOutput
+from modelyard.engine.client import EngineClient, RequestOutput
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -101,27 +100,25 @@ _HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: LLMEngine, model: str) -> None:
+    def __init__(self, engine: EngineClient, model: str) -> None:
         self.engine = engine
         self.model = model
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        e = self.engine
-        s = e.stats
-        queries, hits = e.kv.prefix_queries, e.kv.prefix_hits
-        usage = e.kv.usage()
+        s = self.engine.snapshot()
+        queries, hits = s.prefix_cache_queries, s.prefix_cache_hits
         # (modelyard name, vLLM names, help, value); counters are named without `_total`.
         gauges: list[tuple[str, tuple[str, ...], str, float]] = [
             ("modelyard_num_requests_running", ("vllm:num_requests_running",),
-             "Sequences in the running batch.", e.num_running),
+             "Sequences in the running batch.", s.running),
             ("modelyard_num_requests_waiting", ("vllm:num_requests_waiting",),
-             "Sequences waiting to run.", e.num_waiting),
+             "Sequences waiting to run.", s.waiting),
             # vLLM's "perc" is a fraction too (1 = 100 %); gpu_cache_usage_perc is its older name.
             ("modelyard_kv_cache_usage_ratio",
              ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-             "Fraction of KV blocks in use.", usage),
+             "Fraction of KV blocks in use.", s.kv_cache_usage),
             ("modelyard_kv_cache_capacity_tokens", (), "Tokens the KV cache holds.",
-             e.token_capacity),
+             s.kv_cache_capacity_tokens),
             ("modelyard_prefix_cache_hit_rate", (),
              "Prompt tokens served from the prefix cache / prompt tokens looked up.",
              hits / queries if queries else 0.0),
@@ -142,7 +139,7 @@ class _EngineCollector(Collector):
             ("modelyard_engine_busy_seconds", (), "Seconds the engine spent in steps.",
              s.busy_seconds),
             ("modelyard_num_preemptions", ("vllm:num_preemptions",), "Sequences preempted.",
-             e.scheduler.num_preemptions),
+             s.preemptions),
         ]  # fmt: skip
         for name, aliases, doc, value in gauges:
             for n, label in ((name, "model"), *((a, "model_name") for a in aliases)):
@@ -189,7 +186,7 @@ def _renamed(family: Metric, name: str) -> Metric:
 
 
 class WorkerMetrics:
-    def __init__(self, engine: LLMEngine, model: str) -> None:
+    def __init__(self, engine: EngineClient, model: str) -> None:
         self.model = model
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model))

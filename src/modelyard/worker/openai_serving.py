@@ -1,4 +1,4 @@
-"""OpenAI chat and text completions over the `AsyncEngine`: prompts in, JSON or SSE out.
+"""OpenAI chat and text completions over the `EngineClient`: prompts in, JSON or SSE out.
 
 This module turns the API request into engine requests, checked once, here, before anything
 is queued (`modelyard.worker.checked_params`), and builds the API's response shapes; running the
@@ -21,10 +21,12 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from modelyard.core.errors import model_not_found
-from modelyard.engine.async_engine import AsyncEngine
-from modelyard.engine.sequence import TokenLogprob
-from modelyard.engine.structured import StructuredOutput
-from modelyard.engine.tokenizer import ChatTemplateError
+from modelyard.engine.client import (
+    ChatTemplateError,
+    EngineClient,
+    StructuredOutput,
+    TokenLogprob,
+)
 from modelyard.protocol.disconnect import run_until_disconnect
 from modelyard.protocol.errors import APIError, bad_request
 from modelyard.protocol.openai import (
@@ -65,17 +67,15 @@ PROMPT_THREADS = 4
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
-        self.tokenizer = engine.engine.tokenizer
-        self.model_type = engine.engine.model_config.model_type
+        self.tokenizer = engine.tokenizer
+        self.model_type = engine.model_type
         self.fanout = FanOut(engine, metrics)
         self.created = int(time.time())
-        self.budget = PromptBudget(
-            engine.engine.max_model_len, self.tokenizer.max_chars_per_token()
-        )
+        self.budget = PromptBudget(engine.max_model_len, self.tokenizer.max_chars_per_token())
         self._prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, "modelyard-prompt")
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -95,7 +95,7 @@ class OpenAIServing:
                     "object": "model",
                     "created": self.created,
                     "owned_by": "modelyard",
-                    "max_model_len": self.engine.engine.max_model_len,
+                    "max_model_len": self.engine.max_model_len,
                 }
             ],
         }
@@ -129,7 +129,7 @@ class OpenAIServing:
             raise bad_request("logprobs cannot be streamed with tools", "logprobs")
         structured = await self._chat_constraint(req, plan)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        params = admit(self.engine.engine, req, prompt, max_tokens, k, "messages", structured, lora)
+        params = admit(self.engine, req, prompt, max_tokens, k, "messages", structured, lora)
         parser = parser_for(self.model_type, self.tokenizer.chat_template, renders_tools)
         return ChatJob(prompt, params, plan, parser, k)
 
@@ -152,7 +152,7 @@ class OpenAIServing:
     async def _chat_constraint(
         self, req: ChatCompletionRequest, plan: ToolPlan
     ) -> StructuredOutput | None:
-        engine = self.engine.engine
+        engine = self.engine
         if not plan.constrained:
             return await structured_for(engine, req)
         if structured_output_from_request(req) is not None:
@@ -278,7 +278,7 @@ class OpenAIServing:
         lora = self._check_model(req, req.unsupported())
         prompts = await self._off_loop(self._prompts, req.prompt)
         check_choices(len(prompts), req.n)
-        engine = self.engine.engine
+        engine = self.engine
         structured = await structured_for(engine, req)
         jobs = [
             (p, admit(engine, req, p, req.max_tokens, req.logprobs, "prompt", structured, lora))

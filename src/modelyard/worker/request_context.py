@@ -25,9 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelyard.core import tracing
 from modelyard.core.logs import REQUEST_ID, valid_request_id
-from modelyard.engine.async_engine import AsyncEngine
-from modelyard.engine.llm_engine import RequestOutput
-from modelyard.engine.sampling_params import SamplingParams
+from modelyard.engine.client import EngineClient, RequestOutput, SamplingParams
 
 log = logging.getLogger("modelyard.worker.requests")
 
@@ -96,10 +94,10 @@ class WorkerRequestContext:
 
 
 class TracedEngine:
-    """The `AsyncEngine` as the serving code sees it, with each `generate` an `engine` span
+    """The `EngineClient` as the serving code sees it, with each `generate` an `engine` span
     (installed only while tracing is on; everything else is the engine's own)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self._engine = engine
 
     def __getattr__(self, name: str) -> Any:
@@ -149,6 +147,6 @@ class TracedEngine:
             tracing.end_span(current, error)
 
 
-def traced(engine: AsyncEngine) -> AsyncEngine:
+def traced(engine: EngineClient) -> EngineClient:
     """The engine the serving code should use: itself, or with spans while tracing is on."""
     return TracedEngine(engine) if tracing.enabled() else engine  # type: ignore[return-value]

@@ -18,10 +18,7 @@ import uvicorn
 
 from modelyard.config import EngineSettings, TelemetrySettings
 from modelyard.core.uvicorn_options import uvicorn_options
-from modelyard.engine.async_engine import AsyncEngine
-from modelyard.engine.llm_engine import LLMEngine
-from modelyard.engine.loading import resolve_device
-from modelyard.engine.tensor_parallel import usable_cores
+from modelyard.engine.client import LocalEngineClient
 from modelyard.worker.app import create_app
 from modelyard.worker.auth import configured_token
 from modelyard.worker.load_estimate import reporting_load
@@ -45,24 +42,6 @@ def die_with_parent() -> None:
         return
     if os.getppid() != int(parent):  # it died before the signal was armed
         sys.exit(0)
-
-
-def served_settings(settings: EngineSettings) -> EngineSettings:
-    """A served engine on CPU leaves one core to its process's HTTP server and event loop:
-    torch's OpenMP threads spin while they wait, and with one per core they starved the loop
-    that streams tokens (SmolLM2 w8a8 on 2 vCPU, `benchmarks/serving.py`: 62.9 output tok/s
-    at concurrency 1 with one thread against 33.9 with two). `num_threads` set wins."""
-    on_cpu = resolve_device(settings.device).type == "cpu"
-    cores = usable_cores()
-    if settings.num_threads is None and settings.tensor_parallel_size == 1 and on_cpu and cores > 1:
-        return settings.model_copy(update={"num_threads": cores - 1})
-    return settings
-
-
-def build_engine(model: str | Path, settings: EngineSettings) -> AsyncEngine:
-    settings = served_settings(settings)
-    engine = LLMEngine.from_settings(model, settings)
-    return AsyncEngine(engine, settings.request_timeout_s, settings.no_progress_timeout_s)
 
 
 # After the engine died, how long a graceful shutdown may take before a hard exit.
@@ -97,16 +76,11 @@ def serve_worker(
 ) -> None:
     die_with_parent()
     with reporting_load(model, settings.cache_dir):  # the platform shows a replica's phase
-        engine = build_engine(model, settings)
+        engine = LocalEngineClient.load(model, settings)
     exit_on_failure = _ExitOnFailure()
-    leader = engine.engine.runner.leader
-    if leader is not None:
-        leader.on_failure = lambda reason: exit_on_failure(
-            f"tensor-parallel group failed ({reason})"
-        )
-    engine.on_fatal = lambda reason: exit_on_failure(f"engine failed ({reason})")
+    engine.on_failure(exit_on_failure)
     try:
-        name = served_model_name or engine.engine.model_name
+        name = served_model_name or engine.model_name
         app = create_app(engine, name, token=configured_token())
         log.info("serving model %r on http://%s:%d/v1", name, host, port)
         config = uvicorn.Config(
@@ -116,6 +90,6 @@ def serve_worker(
         exit_on_failure.server = uvicorn.Server(config)
         exit_on_failure.server.run()
     finally:
-        engine.engine.close()  # the helper ranks, if uvicorn never ran the lifespan shutdown
-    if engine.engine.failure is not None or engine.error is not None:
+        engine.shutdown()  # the helper ranks, if uvicorn never ran the lifespan shutdown
+    if engine.error is not None:
         sys.exit(1)

@@ -9,11 +9,10 @@ A request may ask for one constraint only: two at once (`response_format` json_s
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
-from modelyard.engine.structured import StructuredKind, StructuredOutput
+from modelyard.engine.client import EngineClient, StructuredKind, StructuredOutput
 from modelyard.protocol.errors import APIError, bad_request
 from modelyard.protocol.structured import (
     ResponseFormatJSONObject,
@@ -126,29 +125,23 @@ def structured_output_from_request(req: StructuredFields) -> StructuredOutput | 
 
 
 async def compile_structured(
-    engine: Any, structured: StructuredOutput | None, param: str = "response_format"
+    engine: EngineClient, structured: StructuredOutput | None, param: str = "response_format"
 ) -> StructuredOutput | None:
     """`structured` with its compiled grammar attached (compiled in a thread, cached by the
     engine's grammar cache), or a 400 naming `param` when it does not compile."""
     if structured is None:
         return None
-    grammars = getattr(engine, "grammars", None)
-    if grammars is None:  # an engine without constrained decoding (not expected)
-        raise bad_request("structured output is not supported by this model", param)
-    cached = grammars.cached(structured)
-    if cached is None:
-        try:
-            cached = await asyncio.to_thread(grammars.compile, structured)
-        except ValueError as exc:
-            raise _compile_error(exc, param) from None
-    return StructuredOutput(structured.kind, structured.spec, cached)
+    try:
+        return await engine.compile_grammar(structured)
+    except ValueError as exc:
+        raise _compile_error(exc, param) from None
 
 
 def _compile_error(exc: ValueError, param: str) -> APIError:
     return bad_request(f"Invalid {param}: {exc}", param, "invalid_value")
 
 
-async def structured_for(engine: Any, req: StructuredFields) -> StructuredOutput | None:
+async def structured_for(engine: EngineClient, req: StructuredFields) -> StructuredOutput | None:
     """The compiled constraint of an API request (`response_format` or a `guided_*` field)."""
     structured = structured_output_from_request(req)
     if structured is None:

@@ -23,8 +23,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelyard.engine.sampling_params import SamplingParams
-from modelyard.engine.structured import StructuredKind, StructuredOutput
+from modelyard.engine.client import SamplingParams, StructuredKind, StructuredOutput
 from modelyard.protocol.errors import bad_request
 from modelyard.protocol.openai import ChatCompletionRequest
 from modelyard.protocol.tools import FunctionDefinition, FunctionName, NamedToolChoice

@@ -1,0 +1,287 @@
+"""The engine's front door: `EngineClient`, what a process serving the engine (the worker) may ask
+of it, and the plain data types that cross that door.
+
+The worker imports this module and nothing else of `modelyard.engine` (`tests/test_layers.py`
+holds it to that). As vLLM's `EngineClient`, it is a handful of names:
+
+- its life: `start`, `shutdown`, `on_failure`, `healthy`, `error`;
+- the model it serves: `model_name`, `model_type`, `max_model_len`, `tokenizer`;
+- a request checked at the edge, before anything is queued: `default_max_tokens`,
+  `check_request` (`RequestRejected` naming the field), `compile_grammar` (`ValueError`);
+- requests: `generate`, one async stream of `RequestOutput`s each; leaving the stream early
+  aborts the request (its blocks are freed at the next step);
+- its load: `snapshot` (`EngineSnapshot`, the gauges and counters of /health and /metrics).
+
+`LocalEngineClient` is the one implementation: an `AsyncEngine` (the engine loop in a thread of
+this process), built from settings by `LocalEngineClient.load`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from modelyard.config import EngineSettings
+from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
+from modelyard.engine.cores import usable_cores
+from modelyard.engine.faults import RequestFailed, RequestInvalid
+from modelyard.engine.llm_engine import LLMEngine
+from modelyard.engine.loading import resolve_device
+from modelyard.engine.lora.engine_hooks import check_adapter
+from modelyard.engine.models.loader import resolve_model_path
+from modelyard.engine.request_checks import RequestRejected
+from modelyard.engine.requests import RequestOutput, SequenceDelta
+from modelyard.engine.sampling_params import MAX_N, SamplingParams
+from modelyard.engine.sequence import TokenLogprob
+from modelyard.engine.structured import StructuredKind, StructuredOutput
+from modelyard.engine.tokenizer import ChatTemplateError, Tokenizer
+
+__all__ = [
+    "MAX_N",
+    "ChatTemplateError",
+    "EngineClient",
+    "EngineDeadError",
+    "EngineSnapshot",
+    "LocalEngineClient",
+    "RequestFailed",
+    "RequestInvalid",
+    "RequestOutput",
+    "RequestRejected",
+    "RequestTimeout",
+    "SamplingParams",
+    "SequenceDelta",
+    "StructuredKind",
+    "StructuredOutput",
+    "TokenLogprob",
+    "Tokenizer",
+    "resolve_model_path",
+    "served_settings",
+]
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges and its counters since start, read at one moment."""
+
+    running: int  # sequences in the running batch
+    waiting: int  # sequences waiting to run (and requests waiting for an adapter slot)
+    kv_cache_usage: float  # fraction of KV blocks in use
+    kv_cache_capacity_tokens: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int
+    prompt_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int
+    steps: int
+    failed_steps: int  # steps that raised (their requests were retried one by one)
+    busy_seconds: float
+    preemptions: int
+    requests_finished: dict[str, int]  # by finish reason
+
+
+class EngineClient(Protocol):
+    """What the worker may ask of the engine (see the module docstring)."""
+
+    # ----- its life ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start serving requests."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop serving, and stop what outlives the object (tensor-parallel helper ranks).
+        Idempotent; also safe when `start` never ran."""
+        ...
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(why)`, once, from another thread, when the engine can no longer serve."""
+        ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine stopped serving for good (None while it serves)."""
+        ...
+
+    # ----- the model -----------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def model_type(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    # ----- a request at the edge -----------------------------------------------------------
+
+    def default_max_tokens(self, prompt_len: int) -> int: ...
+
+    def check_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        prompt_param: str = "prompt",
+    ) -> None:
+        """`RequestRejected` (naming the field) for a request that can never run here, its
+        LoRA adapter (`params.lora`) included; `generate` trusts a request that passed."""
+        ...
+
+    async def compile_grammar(self, structured: StructuredOutput) -> StructuredOutput:
+        """`structured` with its compiled grammar attached (compiled off the event loop unless
+        cached); `ValueError` naming the problem when it does not compile."""
+        ...
+
+    # ----- requests ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come. Fails with `RequestFailed` (`RequestInvalid`:
+        its own grammar), `RequestTimeout` or `EngineDeadError`. `cache_salt` is its
+        prefix-cache namespace."""
+        ...
+
+    # ----- its load ------------------------------------------------------------------------
+
+    def snapshot(self) -> EngineSnapshot: ...
+
+
+def served_settings(settings: EngineSettings) -> EngineSettings:
+    """A served engine on CPU leaves one core to its process's HTTP server and event loop:
+    torch's OpenMP threads spin while they wait, and with one per core they starved the loop
+    that streams tokens (SmolLM2 w8a8 on 2 vCPU, `benchmarks/serving.py`: 62.9 output tok/s
+    at concurrency 1 with one thread against 33.9 with two). `num_threads` set wins."""
+    on_cpu = resolve_device(settings.device).type == "cpu"
+    cores = usable_cores()
+    if settings.num_threads is None and settings.tensor_parallel_size == 1 and on_cpu and cores > 1:
+        return settings.model_copy(update={"num_threads": cores - 1})
+    return settings
+
+
+class LocalEngineClient:
+    """`EngineClient` over an `AsyncEngine` in this process."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._core = engine.engine
+
+    @classmethod
+    def load(cls, model: str | Path, settings: EngineSettings) -> LocalEngineClient:
+        """Load the model (`served_settings`) and build the engine; with
+        `tensor_parallel_size` N > 1 this process becomes rank 0 and starts N-1 helper ranks."""
+        settings = served_settings(settings)
+        core = LLMEngine.from_settings(model, settings)
+        return cls(AsyncEngine(core, settings.request_timeout_s, settings.no_progress_timeout_s))
+
+    # ----- its life ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._engine.start()
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        leader = self._core.runner.leader
+        if leader is not None:
+            leader.on_failure = lambda why: callback(f"tensor-parallel group failed ({why})")
+        self._engine.on_fatal = lambda why: callback(f"engine failed ({why})")
+
+    @property
+    def healthy(self) -> bool:
+        return self._engine.healthy
+
+    @property
+    def error(self) -> str | None:
+        if self._engine.error is not None:
+            return str(self._engine.error)
+        return self._core.failure
+
+    # ----- the model -----------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._core.model_name
+
+    @property
+    def model_type(self) -> str:
+        return self._core.model_config.model_type
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._core.tokenizer
+
+    # ----- a request at the edge -----------------------------------------------------------
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        return self._core.default_max_tokens(prompt_len)
+
+    def check_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        prompt_param: str = "prompt",
+    ) -> None:
+        self._core.check_request(prompt_token_ids, params, priority, prompt_param)
+        if params.lora is not None:
+            check_adapter(self._core.runner, params.lora)
+
+    async def compile_grammar(self, structured: StructuredOutput) -> StructuredOutput:
+        grammars = self._core.grammars
+        compiled = grammars.cached(structured)
+        if compiled is None:
+            compiled = await asyncio.to_thread(grammars.compile, structured)
+        return StructuredOutput(structured.kind, structured.spec, compiled)
+
+    # ----- requests ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        return self._engine.generate(prompt_token_ids, params, request_id, priority, cache_salt)
+
+    # ----- its load ------------------------------------------------------------------------
+
+    def snapshot(self) -> EngineSnapshot:
+        e = self._core
+        s = e.stats
+        return EngineSnapshot(
+            running=e.num_running,
+            waiting=e.num_waiting,
+            kv_cache_usage=e.kv.usage(),
+            kv_cache_capacity_tokens=e.token_capacity,
+            prefix_cache_queries=e.kv.prefix_queries,
+            prefix_cache_hits=e.kv.prefix_hits,
+            prompt_tokens=s.prompt_tokens,
+            generation_tokens=s.generation_tokens,
+            steps=s.steps,
+            failed_steps=s.failed_steps,
+            busy_seconds=s.busy_seconds,
+            preemptions=e.scheduler.num_preemptions,
+            requests_finished=dict(s.requests_finished),
+        )
