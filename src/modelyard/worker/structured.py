@@ -5,12 +5,22 @@ A request may ask for one constraint only: two at once (`response_format` json_s
 `guided_regex`, say) is a 400 naming both. A schema, regex or grammar that does not compile is a
 400 naming the field; the engine never sees it. The tools path builds its own `StructuredOutput`
 (from the tools' parameter schemas) and compiles it with `compile_structured` too.
+
+Compiling (and each request's fresh matcher, probed on its first mask) runs on `GRAMMAR_THREADS`
+threads of the worker's own, each with a `GRAMMAR_STACK_BYTES` stack: llguidance compiles a
+grammar's chain of rules recursively, and a 48 kB Lark grammar of 2,800 chained rules overflows
+a default 8 MiB thread stack (the whole worker dies of SIGSEGV); the spec bound
+(`MAX_SPEC_CHARS`) allows at most ~5,500 such rules, ~16 MiB of stack. Two threads: hostile
+grammars queue behind each other instead of taking every core from the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from modelyard.engine.structured import StructuredKind, StructuredOutput
@@ -24,6 +34,29 @@ from modelyard.protocol.structured import (
 # Bounds on what a request may ask the grammar compiler to chew on.
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 1024
+GRAMMAR_THREADS = 2
+GRAMMAR_STACK_BYTES = 256 * 1024 * 1024  # address space; only what is used is committed
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _grammar_executor() -> ThreadPoolExecutor:
+    """The worker's grammar threads (created with a large stack; see the module docstring)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+            try:
+                _executor = ThreadPoolExecutor(GRAMMAR_THREADS, "modelyard-grammar")
+                # Threads start on submit, one per task that finds none idle: start them all
+                # now, while the size is set (each task waits until every thread runs one).
+                started = threading.Barrier(GRAMMAR_THREADS)
+                futures = [_executor.submit(started.wait) for _ in range(GRAMMAR_THREADS)]
+                for future in futures:
+                    future.result()
+            finally:
+                threading.stack_size(previous)
+        return _executor
 
 
 def _text(value: str, param: str) -> str:
@@ -128,20 +161,23 @@ def structured_output_from_request(req: StructuredFields) -> StructuredOutput | 
 async def compile_structured(
     engine: Any, structured: StructuredOutput | None, param: str = "response_format"
 ) -> StructuredOutput | None:
-    """`structured` with its compiled grammar attached (compiled in a thread, cached by the
-    engine's grammar cache), or a 400 naming `param` when it does not compile."""
+    """`structured` with this request's own matcher attached (compiled on a grammar thread, the
+    grammar cached by the engine's grammar cache), or a 400 naming `param` when it does not
+    compile or breaks on its first mask."""
     if structured is None:
         return None
     grammars = getattr(engine, "grammars", None)
     if grammars is None:  # an engine without constrained decoding (not expected)
         raise bad_request("structured output is not supported by this model", param)
-    cached = grammars.cached(structured)
-    if cached is None:
-        try:
-            cached = await asyncio.to_thread(grammars.compile, structured)
-        except ValueError as exc:
-            raise _compile_error(exc, param) from None
-    return StructuredOutput(structured.kind, structured.spec, cached)
+    context = contextvars.copy_context()
+    loop = asyncio.get_running_loop()
+    try:
+        prepared = await loop.run_in_executor(
+            _grammar_executor(), context.run, grammars.prepare, structured
+        )
+    except ValueError as exc:
+        raise _compile_error(exc, param) from None
+    return StructuredOutput(structured.kind, structured.spec, prepared)
 
 
 def _compile_error(exc: ValueError, param: str) -> APIError:
