@@ -11,6 +11,7 @@ metrics-only key reads no configuration.
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -24,12 +25,17 @@ import pytest
 
 from tests.platform_harness import (
     PlatformProcess,
+    batch_line,
     create_key,
     create_tenant,
     deploy,
+    jsonl,
+    read_jsonl,
     tiny_models_env,
+    wait_batch,
     wait_request_ids,
     wait_status,
+    wait_usage,
 )
 
 # A regex whose matcher gives up inside the step that samples its first token (llguidance:
@@ -162,6 +168,48 @@ def test_a_prefill_cut_by_no_progress_is_billed(
     ]
     assert int(row["prompt_tokens"]) > 200 and int(row["completion_tokens"]) == 0
     assert row["status_code"] == "504"
+
+
+def test_a_responses_prefill_cut_by_no_progress_is_billed(
+    platform: PlatformProcess, world: dict[str, Any]
+) -> None:
+    r = httpx.post(
+        f"{platform.url}/v1/responses",
+        headers={"authorization": f"Bearer {world['b_inference']}"},
+        json={"model": "tiny-slow", "input": "a b " * 200, "max_output_tokens": 4},
+        timeout=120,
+    )
+    assert r.status_code == 504, r.text
+    request_id = r.headers["x-request-id"]
+    (row,) = [
+        row
+        for row in wait_request_ids(platform.api(), [request_id])
+        if row["request_id"] == request_id
+    ]
+    assert int(row["prompt_tokens"]) > 200 and int(row["completion_tokens"]) == 0
+
+
+def test_a_batch_item_cut_by_no_progress_is_billed(
+    platform: PlatformProcess, world: dict[str, Any]
+) -> None:
+    client = platform.openai(world["b_inference"])
+    line = batch_line("slow", content="a b " * 200, model="tiny-slow")
+    upload = client.files.create(file=("in.jsonl", io.BytesIO(jsonl([line]))), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_batch(client, batch.id, {"completed", "failed"})
+    (item,) = read_jsonl(client, done.error_file_id) + read_jsonl(client, done.output_file_id)
+    assert item["response"]["status_code"] == 504, item
+
+    def billed(rows: list[dict[str, str]]) -> bool:
+        return any(
+            row["model"] == "tiny-slow" and row["status_code"] == "504" and row["batch"] in
+            ("1", "true", "True") and int(row["prompt_tokens"]) > 200
+            for row in rows
+        )  # fmt: skip
+
+    wait_usage(platform.api(), billed)
 
 
 def _cli(platform: PlatformProcess, *args: str) -> str:
