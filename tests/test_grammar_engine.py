@@ -301,9 +301,20 @@ def test_parallel_and_sequential_mask_fills_agree(engine: LLMEngine) -> None:
     """The thread-pool fill (used with a GPU model) writes the same bitmasks as row by row."""
     from modelyard.engine.grammar_mask import fill_bitmasks
 
-    compiled = engine.grammars.compile(schema_output())
-    states = [compiled.state(64) for _ in range(6)]
+    prepared = engine.grammars.prepare(schema_output())
+    states = [prepared.state(64) for _ in range(6)]
     for k, state in enumerate(states):  # different positions: "{", '{"', '{"color": "r'…
         for token in engine.tokenizer.encode('{"color": "red"', add_special_tokens=False)[:k]:
             state.advance(token)
     assert torch.equal(fill_bitmasks(states, parallel=True), fill_bitmasks(states))
+
+
+def test_a_grammar_that_broke_is_not_reused_broken(engine: LLMEngine) -> None:
+    """A regex whose matcher gives up in a step (llguidance: "too many expressions
+    constructed") fails every request that asks for it: the next request with the same
+    regex gets a fresh matcher, not a copy of a broken one that "completes" empty."""
+    regex = StructuredOutput(StructuredKind.REGEX, "(x{1000}){1000}")
+    for i in range(3):
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, structured=regex)
+        result = run_all(engine, {f"broken{i}": params})[f"broken{i}"]
+        assert "error" in result, result

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from modelyard.api.openapi_management import LINKS
 from modelyard.api.openapi_management import RESPONSES as MANAGEMENT_RESPONSES
 from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.oip import InferRequest
@@ -113,10 +114,30 @@ def install_openapi(app: FastAPI) -> None:
                         response["content"] = {"application/json": {"schema": ref}}
                     else:
                         _declare_success(path, method, response)
+        _add_links(schema.get("paths", {}))
         app.openapi_schema = schema
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _add_links(paths: dict[str, Any]) -> None:
+    """OpenAPI `links` from each create's success answer to the operations on what it made."""
+    for (method, path), (field, parameter, targets) in LINKS.items():
+        responses = paths.get(path, {}).get(method, {}).get("responses", {})
+        for code, response in responses.items():
+            if not code.startswith("2"):
+                continue
+            links = response.setdefault("links", {})
+            for target_method, target in targets:
+                if target_method not in paths.get(target, {}):
+                    continue
+                pointer = target.replace("~", "~0").replace("/", "~1")
+                name = f"{target_method}_{target.strip('/').replace('/', '_')}"
+                links[name.replace("{", "").replace("}", "")] = {
+                    "operationRef": f"#/paths/{pointer}/{target_method}",
+                    "parameters": {parameter: f"$response.body#/{field}"},
+                }
 
 
 _ANY_JSON = {"type": "object", "description": "A JSON object (see the route's description)."}

@@ -261,3 +261,37 @@ RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
     ("get", "/v1/webhooks/secret"): WebhookSecret,
     ("post", "/v1/webhooks/secret/rotate"): WebhookSecret,
 }
+
+
+# Links of the served document (what stateful fuzzing follows): a created resource's id, read
+# from the create's answer, is the path parameter of the operations on that resource.
+# (create method, create path) -> (id field of the answer, path parameter, [(method, path)]).
+LINKS: dict[tuple[str, str], tuple[str, str, list[tuple[str, str]]]] = {
+    ("post", "/v1/tenants"): (
+        "id",
+        "tenant_id",
+        [("get", "/v1/tenants/{tenant_id}"), ("patch", "/v1/tenants/{tenant_id}")],
+    ),
+    ("post", "/v1/keys"): (
+        "id",
+        "key_id",
+        [(m, "/v1/keys/{key_id}") for m in ("get", "patch", "delete")],
+    ),
+    ("post", "/v1/models/deploy"): (
+        "endpoint_id",
+        "endpoint_id",
+        [(m, "/v1/endpoints/{endpoint_id}") for m in ("get", "patch", "delete")]
+        + [("post", "/v1/endpoints/{endpoint_id}/versions")],
+    ),
+    ("post", "/v1/files"): (
+        "id",
+        "file_id",
+        [(m, "/v1/files/{file_id}") for m in ("get", "delete")]
+        + [("get", "/v1/files/{file_id}/content")],
+    ),
+    ("post", "/v1/batches"): (
+        "id",
+        "batch_id",
+        [("get", "/v1/batches/{batch_id}"), ("post", "/v1/batches/{batch_id}/cancel")],
+    ),
+}

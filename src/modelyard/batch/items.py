@@ -29,7 +29,8 @@ from modelyard.store.tables import ApiKey, Batch, BatchItem, Tenant
 
 log = logging.getLogger(__name__)
 
-# Failures worth another try: nothing reached a model, or the model's server broke.
+# Failures worth another try: nothing reached a model, or the model's server broke (and none
+# billed: see `ItemRunner.run`).
 _TRANSIENT = {499, 500, 502, 503, 504}
 
 
@@ -98,7 +99,10 @@ class ItemRunner:
                 log.exception("batch %s item %s failed", batch_id, custom_id)
                 status = 500
                 result = {"error": {"message": repr(exc), "type": "server_error"}}
-            if status not in _TRANSIENT or attempt == self.settings.batch_item_attempts - 1:
+            # An answer with usage is final: a failure the engine worked on (a prefill cut by
+            # `no_progress_timeout_s`, billed for its prompt) would only cost as much again.
+            last = attempt == self.settings.batch_item_attempts - 1
+            if usage is not None or status not in _TRANSIENT or last:
                 break
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)

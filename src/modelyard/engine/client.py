@@ -19,7 +19,10 @@ this process), built from settings by `LocalEngineClient.load`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -137,8 +140,9 @@ class EngineClient(Protocol):
         ...
 
     async def compile_grammar(self, structured: StructuredOutput) -> StructuredOutput:
-        """`structured` with its compiled grammar attached (compiled off the event loop unless
-        cached); `ValueError` naming the problem when it does not compile."""
+        """`structured` with this request's own fresh matcher attached (its grammar compiled, or
+        from the cache, on the grammar threads: never on the event loop or the engine's thread);
+        `ValueError` naming the problem when it does not compile or breaks on its first mask."""
         ...
 
     # ----- requests ------------------------------------------------------------------------
@@ -171,6 +175,37 @@ def served_settings(settings: EngineSettings) -> EngineSettings:
     if settings.num_threads is None and settings.tensor_parallel_size == 1 and on_cpu and cores > 1:
         return settings.model_copy(update={"num_threads": cores - 1})
     return settings
+
+
+GRAMMAR_THREADS = 2
+GRAMMAR_STACK_BYTES = 256 * 1024 * 1024  # address space; only what is used is committed
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _grammar_executor() -> ThreadPoolExecutor:
+    """The grammar threads (created once, each with a large stack). Compiling a grammar and
+    probing a request's fresh matcher on its first mask run here, never on the engine's thread
+    or an event loop: llguidance compiles a grammar's chain of rules recursively, and a 48 kB
+    Lark grammar of 2,800 chained rules overflows a default 8 MiB thread stack (the whole
+    worker dies of SIGSEGV); the worker's spec bound (64 KiB) allows ~5,500 such rules, ~16 MiB
+    of stack. Two threads: hostile grammars queue behind each other instead of taking every core
+    from the engine."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+            try:
+                _executor = ThreadPoolExecutor(GRAMMAR_THREADS, "modelyard-grammar")
+                # Threads start on submit, one per task that finds none idle: start them all
+                # now, while the size is set (each task waits until every thread runs one).
+                started = threading.Barrier(GRAMMAR_THREADS)
+                futures = [_executor.submit(started.wait) for _ in range(GRAMMAR_THREADS)]
+                for future in futures:
+                    future.result()
+            finally:
+                threading.stack_size(previous)
+        return _executor
 
 
 class LocalEngineClient:
@@ -247,11 +282,12 @@ class LocalEngineClient:
             check_adapter(self._core.runner, params.lora)
 
     async def compile_grammar(self, structured: StructuredOutput) -> StructuredOutput:
-        grammars = self._core.grammars
-        compiled = grammars.cached(structured)
-        if compiled is None:
-            compiled = await asyncio.to_thread(grammars.compile, structured)
-        return StructuredOutput(structured.kind, structured.spec, compiled)
+        context = contextvars.copy_context()
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(
+            _grammar_executor(), context.run, self._core.grammars.prepare, structured
+        )
+        return StructuredOutput(structured.kind, structured.spec, prepared)
 
     # ----- requests ------------------------------------------------------------------------
 

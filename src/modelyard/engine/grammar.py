@@ -4,9 +4,20 @@ The grammar library is llguidance (chosen by measurement, see BENCHMARKS.md: it 
 schema in about a millisecond where xgrammar takes 5-40, masks a batch of 32 in under a
 millisecond on this CPU, and needs no extra runtime packages). `GrammarCompiler` builds the
 library's tokenizer view lazily (a third of a second, on the first structured request, not at
-start), compiles each (kind, spec) once into a template matcher, and keeps the last
-`capacity` of them (LRU). A sequence gets a copy of the template (`GrammarState`), which
-follows its output tokens; its mask is built by `modelyard.engine.grammar_mask`.
+start), checks each (kind, spec) once into a `CompiledGrammar` (the grammar's text, known to
+build) and keeps the last `capacity` of them (LRU). Only that text is shared: every request gets
+a fresh matcher of its own (`CompiledGrammar.instance`, about a millisecond), since llguidance's
+copies of one matcher share its lexer, and a lexer that broke for one request (a hostile regex
+exhausting it) would break, or "complete" empty, every later request with the same grammar.
+Each sequence of the request gets a copy of that matcher (`GrammarState`), which follows its
+output tokens; its mask is built by `modelyard.engine.grammar_mask`.
+
+Cost is bounded (`LIMITS`, llguidance's fuel and size limits, a fifth to a twentieth of its
+defaults; every schema, regex and grammar of the test suite and benchmark fits with room): a
+matcher is built and its first mask computed ("probed") where it is compiled, off the engine's
+thread (the worker compiles in a thread of its own with a large stack: a grammar's rule chain
+is compiled recursively). A grammar that breaks there is the request's 400; one that breaks in a
+later step fails in one step bounded by the per-step fuel.
 
 JSON is generated compact-but-readable (`", "` and `": "` separators, no free whitespace): a
 small model given free whitespace can emit newlines until `max_tokens` and never close the
@@ -43,6 +54,12 @@ if TYPE_CHECKING:
 
 DEFAULT_CACHE_CAPACITY = 256
 MAX_ERROR_CHARS = 400
+# llguidance's ParserLimits (defaults: 1M, 200k, 250k states, 500k symbols): a hostile regex such
+# as `(x{1000}){1000}` took 1.2-4.6 s of its first mask under the defaults, ~0.1 s under these.
+INITIAL_LEXER_FUEL = 50_000
+STEP_LEXER_FUEL = 50_000
+MAX_LEXER_STATES = 50_000  # 1-2 kB each
+MAX_GRAMMAR_SIZE = 100_000
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 SAFE_INTEGER = 2**53 - 1
@@ -153,18 +170,65 @@ class Closers:
     brace: torch.Tensor
 
 
-class CompiledGrammar:
-    """A grammar compiled for one tokenizer: a matcher in its start state, copied per sequence."""
+def limits() -> Any:
+    """The `LLParserLimits` every matcher is built with (see the constants above)."""
+    import llguidance
 
-    def __init__(self, template: Any, vocab_size: int, closers: Closers, json: bool) -> None:
-        self._template = template
+    return llguidance.LLParserLimits(
+        initial_lexer_fuel=INITIAL_LEXER_FUEL,
+        step_lexer_fuel=STEP_LEXER_FUEL,
+        max_lexer_states=MAX_LEXER_STATES,
+        max_grammar_size=MAX_GRAMMAR_SIZE,
+        verbose_errors=False,
+    )
+
+
+def build_matcher(ll_tokenizer: Any, text: str) -> Any:
+    """A fresh matcher of grammar `text`, its first mask computed (a copy's too: a broken lexer
+    shows in the next matcher that uses it); `GrammarError` when it breaks."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(ll_tokenizer, text, log_level=0, limits=limits())
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise GrammarError(_short(probe.get_error()))
+    if matcher.is_error():
+        raise GrammarError(_short(matcher.get_error()))
+    return matcher
+
+
+class RequestGrammar:
+    """One request's matcher in its start state (its own, shared with no other request),
+    copied for each of its sequences."""
+
+    def __init__(self, matcher: Any, compiled: CompiledGrammar) -> None:
+        self._matcher = matcher
+        self.compiled = compiled
+
+    def state(self, max_tokens: int) -> GrammarState:
+        c = self.compiled
+        closing_from = max_tokens - closing_window(max_tokens) if c.json else max_tokens + 1
+        return GrammarState(self._matcher.deep_copy(), c.words, c.closers, closing_from)
+
+
+class CompiledGrammar:
+    """A grammar checked for one tokenizer: its llguidance text, a fresh matcher per request."""
+
+    def __init__(
+        self, text: str, ll_tokenizer: Any, vocab_size: int, closers: Closers, json: bool
+    ) -> None:
+        self.text = text
+        self._ll_tokenizer = ll_tokenizer
         self.words = (vocab_size + 31) // 32  # int32 words of one row's bitmask
         self.closers = closers
         self.json = json  # only JSON closes early: in a regex or EBNF a quote is just text
 
-    def state(self, max_tokens: int) -> GrammarState:
-        closing_from = max_tokens - closing_window(max_tokens) if self.json else max_tokens + 1
-        return GrammarState(self._template.deep_copy(), self.words, self.closers, closing_from)
+    def instance(self) -> RequestGrammar:
+        """A fresh matcher for one request (`GrammarError` if it breaks on its first mask)."""
+        return RequestGrammar(build_matcher(self._ll_tokenizer, self.text), self)
 
 
 class GrammarCompiler:
@@ -226,36 +290,44 @@ class GrammarCompiler:
     def compile(self, structured: StructuredOutput) -> CompiledGrammar:
         """The compiled grammar (from the cache when there); `GrammarError` naming the problem."""
         compiled = self.cached(structured)
-        if compiled is not None:
-            return compiled
-        import llguidance
+        return compiled if compiled is not None else self._compile(structured)[0]
 
+    def prepare(self, structured: StructuredOutput) -> RequestGrammar:
+        """A fresh matcher for one request of `structured` (its grammar compiled, or from the
+        cache); `GrammarError` naming the problem. Runs off the engine's thread."""
+        compiled = self.cached(structured)
+        return compiled.instance() if compiled is not None else self._compile(structured)[1]
+
+    def _compile(self, structured: StructuredOutput) -> tuple[CompiledGrammar, RequestGrammar]:
         text = grammar_text(structured)
-        template = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
-        if template.is_error() and structured.kind is StructuredKind.JSON_SCHEMA:
+        try:
+            matcher = build_matcher(self.ll_tokenizer, text)
+        except GrammarError:
+            if structured.kind is not StructuredKind.JSON_SCHEMA:
+                raise
             # Maybe the string bound made a pattern unsatisfiable: the schema as given.
             text = grammar_text(structured, strings_bounded=False)
-            template = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
-        if template.is_error():
-            raise GrammarError(_short(template.get_error()))
+            matcher = build_matcher(self.ll_tokenizer, text)
         json_kinds = (StructuredKind.JSON_OBJECT, StructuredKind.JSON_SCHEMA)
         compiled = CompiledGrammar(
-            template, self.vocab_size, self.closers, structured.kind in json_kinds
+            text, self.ll_tokenizer, self.vocab_size, self.closers, structured.kind in json_kinds
         )
+        # Cached only once it built: a grammar that broke is compiled (and refused) again.
         with self._lock:
             self.compiles += 1
             self._cache[structured.key] = compiled
             self._cache.move_to_end(structured.key)
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
-        return compiled
+        return compiled, RequestGrammar(matcher, compiled)
 
     def matcher(self, structured: StructuredOutput, max_tokens: int) -> GrammarState:
-        """A new sequence's own matcher (n>1: one each) for its `structured` output."""
-        compiled = structured.compiled
-        if not isinstance(compiled, CompiledGrammar):  # a direct engine caller: compile here
-            compiled = self.compile(structured)
-        return compiled.state(max_tokens)
+        """A new sequence's own matcher (n>1: one each) for its `structured` output: a copy of
+        its request's fresh matcher (`prepare`), never a matcher another request used."""
+        prepared = structured.compiled
+        if not isinstance(prepared, RequestGrammar):  # a direct engine caller: prepare here
+            prepared = self.prepare(structured)
+        return prepared.state(max_tokens)
 
 
 class GrammarState:
@@ -277,7 +349,9 @@ class GrammarState:
 
     @property
     def complete(self) -> bool:
-        """Nothing more can follow: the output is a full sentence of the grammar."""
+        """Nothing more can follow: the output is a full sentence of the grammar (a broken
+        matcher is stopped too: `GrammarViolation`, never an empty "complete" output)."""
+        self.check()
         return bool(self.matcher.is_stopped())
 
     def check(self) -> None:

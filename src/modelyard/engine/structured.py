@@ -4,7 +4,8 @@
 schema as JSON text, a regular expression, a JSON list of choices, or an EBNF (GBNF/Lark-style)
 grammar. The worker builds it from `response_format` / `guided_*` (or from a tool choice) and
 compiles it before the request is queued (`modelyard.engine.grammar`); `compiled` carries that
-compiled grammar into the engine so that nothing is compiled on the engine's thread.
+request's own matcher (`RequestGrammar`) into the engine so that nothing is compiled on the
+engine's thread.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class StructuredKind(enum.StrEnum):
 class StructuredOutput:
     kind: StructuredKind
     spec: str = ""
-    # The compiled grammar (engine.grammar.CompiledGrammar) once the worker compiled it; not part
+    # The request's matcher (engine.grammar.RequestGrammar) once the worker prepared it; not part
     # of the identity, so two requests with the same (kind, spec) compare and hash equal.
     compiled: Any = field(default=None, compare=False, hash=False, repr=False)
 

@@ -161,10 +161,15 @@ class Gateway:
             result = orjson.loads(content)
             if route.upstream_model and isinstance(result, dict) and "model" in result:
                 result["model"] = route.model_name
-            if status != 200:
+            if status != 200 and not call.prompt_tokens:
                 await self.accounting.close(call, served=False)
                 return status, result, None
-            take_usage(call, result.get("usage") or {})
+            if status != 200:
+                # The engine worked on the prompt before failing (a timeout in prefill): billed
+                # for that work like an API call's (`Relay.unary`), never free.
+                call.status = "error"
+            else:
+                take_usage(call, result.get("usage") or {})
             # A batch item's record is returned, not queued: the runner commits it together
             # with the item's result, so neither can exist without the other.
             event = await self.accounting.close(call, served=True)

@@ -5,6 +5,10 @@ A request may ask for one constraint only: two at once (`response_format` json_s
 `guided_regex`, say) is a 400 naming both. A schema, regex or grammar that does not compile is a
 400 naming the field; the engine never sees it. The tools path builds its own `StructuredOutput`
 (from the tools' parameter schemas) and compiles it with `compile_structured` too.
+
+Compiling (and each request's fresh matcher, probed on its first mask) runs on the engine
+client's grammar threads (`EngineClient.compile_grammar`), with stacks sized for what
+`MAX_SPEC_CHARS` allows (see `engine/client.py`).
 """
 
 from __future__ import annotations
@@ -127,8 +131,9 @@ def structured_output_from_request(req: StructuredFields) -> StructuredOutput | 
 async def compile_structured(
     engine: EngineClient, structured: StructuredOutput | None, param: str = "response_format"
 ) -> StructuredOutput | None:
-    """`structured` with its compiled grammar attached (compiled in a thread, cached by the
-    engine's grammar cache), or a 400 naming `param` when it does not compile."""
+    """`structured` with this request's own matcher attached (compiled on a grammar thread, the
+    grammar cached by the engine's grammar cache), or a 400 naming `param` when it does not
+    compile or breaks on its first mask."""
     if structured is None:
         return None
     try:
