@@ -226,6 +226,7 @@ DOMAIN_ONLY_PACKAGES = ("gateway", "control", "batch")
 
 def _wire_error_uses(path: Path) -> list[int]:
     """Lines of `path` that import or name `APIError` (however it is reached)."""
+
     def names(node: ast.AST) -> set[str]:
         if isinstance(node, ast.ImportFrom):
             return {a.name for a in node.names}
