@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from modelyard.core.errors import DomainError
 from modelyard.gateway.auth import Authenticator, generate_key
 from modelyard.protocol.errors import APIError
 from modelyard.store import repository as repo
@@ -42,9 +43,10 @@ def add_key(db: Database) -> tuple[str, str]:
 
 
 async def refused(auth: Authenticator, key: str) -> APIError:
-    with pytest.raises(APIError) as info:
+    """The refusal as the platform's edge answers it (a domain error shaped into HTTP)."""
+    with pytest.raises(DomainError) as info:
         await auth.authenticate(f"Bearer {key}")
-    return info.value
+    return APIError.from_domain(info.value)
 
 
 async def test_keys_during_a_database_outage(database: Database) -> None:

@@ -309,3 +309,54 @@ def test_control_and_gateway_import_without_torch() -> None:
     # And importing every other module of those packages, as a process would, loads no torch.
     plain = _probe("plain")
     assert plain["torch"] is False
+
+
+# Inside the platform only domain errors (`core/errors.py`) are raised; the HTTP-shaped
+# `APIError` belongs to the edges (api/, worker/, protocol/), which turn domain errors into it.
+DOMAIN_ONLY_PACKAGES = ("gateway", "control", "batch")
+
+
+def _wire_error_uses(path: Path) -> list[int]:
+    """Lines of `path` that import or name `APIError` (however it is reached)."""
+
+    def names(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.ImportFrom):
+            return {a.name for a in node.names}
+        if isinstance(node, ast.Name):
+            return {node.id}
+        return {node.attr} if isinstance(node, ast.Attribute) else set()
+
+    tree = ast.parse(path.read_text(), str(path))
+    return [node.lineno for node in ast.walk(tree) if "APIError" in names(node)]
+
+
+def test_gateway_control_and_batch_raise_only_domain_errors() -> None:
+    found = [
+        f"  {path.relative_to(SRC.parent)}:{line}"
+        for part in DOMAIN_ONLY_PACKAGES
+        for path in sorted((SRC / part).rglob("*.py"))
+        for line in _wire_error_uses(path)
+    ]
+    assert not found, (
+        "APIError used where only domain errors (modelyard.core.errors) belong; raise the "
+        "domain error and let the edge shape it:\n" + "\n".join(found)
+    )
+
+
+def test_every_domain_error_is_raised_somewhere() -> None:
+    from modelyard.core import errors
+
+    defined = {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type)
+        and issubclass(value, errors.DomainError)
+        and value is not errors.DomainError
+    }
+    named: set[str] = set()
+    for path in SRC.rglob("*.py"):
+        if path == SRC / "core" / "errors.py":
+            continue
+        named |= {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)}
+    unused = sorted(defined - named)
+    assert not unused, f"domain errors nobody raises (remove them or raise them): {unused}"

@@ -21,6 +21,7 @@ from aiohttp import web
 from starlette.requests import Request
 
 from modelyard.config import PlatformSettings
+from modelyard.core.errors import DomainError
 from modelyard.core.routing import EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.auth import Authenticator, generate_key
 from modelyard.gateway.metering import UsageEvent, UsageRecorder
@@ -28,7 +29,7 @@ from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.proxy import Gateway
 from modelyard.gateway.quota import MemoryQuotaCounter, month_of
 from modelyard.gateway.ratelimit import MemoryRateLimiter
-from modelyard.protocol.errors import APIError
+from modelyard.protocol.errors import status_of
 from modelyard.registry_client import RegistryClient
 from modelyard.store import repository as repo
 from modelyard.store.db import Database, sqlite_url
@@ -318,9 +319,9 @@ async def test_random_bad_keys_leave_the_auth_cache_bounded(database: Database) 
     auth = Authenticator(database, cache_ttl_s=60.0, cache_size=100, negative_cache_size=50)
     principal = await auth.authenticate(f"Bearer {key}")
     for _ in range(10_000):
-        with pytest.raises(APIError) as info:
+        with pytest.raises(DomainError) as info:
             await auth.authenticate(f"Bearer sk-my-{secrets.token_urlsafe(32)}")
-        assert info.value.status == 401
+        assert status_of(info.value) == 401
     assert auth.cached <= 100 + 50
     # The real key is still cached: revoked behind the cache's back, it still authenticates.
     with database.session() as s:

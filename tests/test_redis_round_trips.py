@@ -17,7 +17,7 @@ import pytest
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.connection import Connection
 
-from modelyard.core.errors import RateLimited
+from modelyard.core.errors import QuotaExceeded, RateLimited
 from modelyard.core.identity import Limits, Principal
 from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
@@ -31,7 +31,6 @@ from modelyard.gateway.quota import (
     open_limits_store,
 )
 from modelyard.gateway.ratelimit import RedisRateLimiter
-from modelyard.protocol.errors import APIError
 from modelyard.store.db import Database
 from modelyard.store.repository import now
 from tests.chaos_harness import RedisServer
@@ -149,9 +148,12 @@ async def refusals(redis_url: str, db_path: Path) -> None:
         month = month_of(now())
         await quota.seed(p.tenant_id, month, 10**12)
         call = Call(p, route, "chat.completions", "req-q", 40, NO_LIMITS)
-        with pytest.raises(APIError) as refused:
+        with pytest.raises(QuotaExceeded) as refused:
             await accounting.admit_at_once(call, "m")
-        assert refused.value.code == "insufficient_quota"
+        assert (refused.value.type, refused.value.code) == (
+            "insufficient_quota",
+            "insufficient_quota",
+        )
         assert refused.value.headers["x-ratelimit-remaining-requests"] == "10000"
         assert await quota.used(p.tenant_id, month) == 10**12
         assert await slots.held(f"{p.tenant_id}:requests") == 0

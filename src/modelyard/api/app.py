@@ -27,10 +27,10 @@ from modelyard.api.preauth import PreAuthenticate
 from modelyard.api.routes_metrics import install_metrics
 from modelyard.api.services import Lifecycle, Services
 from modelyard.api.text_guard import StorableText
+from modelyard.core.errors import DomainError
 from modelyard.core.identity import Principal
 from modelyard.core.loop_monitor import watching_loop
 from modelyard.gateway.request_context import GatewayRequestContext
-from modelyard.protocol.errors import APIError
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.oip import install_oip_error_handlers
 
@@ -91,7 +91,7 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
             return None
         try:
             principal = await services.auth.authenticate(authorization)
-        except APIError:
+        except DomainError:  # no key, a bad one, or keys cannot be checked now
             return None
         return principal if principal.platform_admin else None
 

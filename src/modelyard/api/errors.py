@@ -4,8 +4,9 @@
 that turns any `DomainError` raised inside (control, batch, gateway, store) into the
 OpenAI-shaped error (the Open Inference Protocol's under `/v2`) with its status and headers, and
 one that answers a database outage with a 503. The kind -> status table is
-`protocol.errors.STATUS_BY_KIND`, so the gateway's handler path and the batch runner, which may
-not import this package, use the same mapping (`APIError.from_domain`).
+`protocol.errors.STATUS_BY_KIND`, so the gateway's stream errors and the batch runner, which may
+not import this package, use the same mapping (`status_of`, `body_of`); the OpenAI type comes
+with the error itself (`DomainError.type`).
 """
 
 from __future__ import annotations
@@ -18,18 +19,14 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.responses import Response
 
 from modelyard.core.errors import DomainError
-from modelyard.protocol.errors import STATUS_BY_KIND, APIError
+from modelyard.protocol.errors import APIError, status_of
 from modelyard.protocol.errors import install_error_handlers as install_wire_error_handlers
 from modelyard.protocol.oip import OIPError, is_oip_path
 from modelyard.protocol.responses import JSONResponse
 
 log = logging.getLogger(__name__)
 
-__all__ = ["install_error_handlers", "to_api_error"]
-
-
-def status_of(exc: DomainError) -> int:
-    return STATUS_BY_KIND.get(exc.kind, 500)
+__all__ = ["install_error_handlers", "status_of", "to_api_error"]
 
 
 def to_api_error(exc: DomainError) -> APIError:

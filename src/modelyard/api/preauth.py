@@ -70,7 +70,8 @@ class PreAuthenticate:
         return self._needs[key]
 
     async def _check(self, scope: Scope) -> None:
-        """Authenticate and check the scope for the chosen route; raise `APIError` if refused."""
+        """Authenticate and check the scope for the chosen route; raise a `DomainError`
+        if refused."""
         need = self._need(scope)
         if need is None:
             return
@@ -98,10 +99,7 @@ class PreAuthenticate:
                 checked = True
                 try:
                     await self._check(scope)
-                except APIError as exc:
-                    refusal = exc
-                    raise _Refused from None
-                except DomainError as exc:  # a missing scope
+                except DomainError as exc:  # no key, a bad one, keys uncheckable, a missing scope
                     refusal = to_api_error(exc)
                     raise _Refused from None
             return await receive()

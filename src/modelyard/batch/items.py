@@ -22,7 +22,7 @@ from modelyard.core.errors import DomainError
 from modelyard.core.identity import Principal
 from modelyard.gateway.accounting import ItemUsage
 from modelyard.gateway.metering import UsageEvent
-from modelyard.protocol.errors import APIError
+from modelyard.protocol.errors import body_of, status_of
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import ApiKey, Batch, BatchItem, Tenant
@@ -90,11 +90,8 @@ class ItemRunner:
                 status, result, usage = await self.sender.run_internal(
                     principal, kind, body, request_id
                 )
-            except APIError as exc:
-                status, result = exc.status, exc.body()
             except DomainError as exc:  # the same mapping as the platform's routes
-                error = APIError.from_domain(exc)
-                status, result = error.status, error.body()
+                status, result = status_of(exc), body_of(exc)
             except Exception as exc:  # a bug must not stop the batch: the item records it
                 log.exception("batch %s item %s failed", batch_id, custom_id)
                 status = 500

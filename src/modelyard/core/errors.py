@@ -1,10 +1,13 @@
 """Domain errors: what went wrong, in the platform's words, with no HTTP in them.
 
-Control, batch, store and gateway raise these. Each class names its `kind` (a domain word, not a
-status); the HTTP edges turn a kind into a status through one table,
-`modelyard.protocol.errors.STATUS_BY_KIND` (the platform's app does it in one exception handler,
-`modelyard.api.errors`). `code`, `param`, `retry_after_s` and `headers` travel with the error so
-the edge writes the same OpenAI-shaped body the callers expect.
+Control, batch, store and gateway raise these and nothing else (`tests/test_layers.py` keeps
+`APIError` out of them). Each class names its `kind` (a domain word, not a status) and its
+OpenAI error `type` (what the body's `error.type` says: `insufficient_quota` for a spent quota,
+`invalid_request_error` for a bad key, as OpenAI answers). The HTTP edges turn a kind into a
+status through one table, `modelyard.protocol.errors.STATUS_BY_KIND` (the platform's app does it
+in one exception handler, `modelyard.api.errors`). `code`, `param`, `retry_after_s` and
+`headers` travel with the error so the edge writes the same OpenAI-shaped body the callers
+expect.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 class DomainError(Exception):
     kind = "internal"
+    type = "server_error"  # the OpenAI error type of the body's `error.type`
 
     def __init__(
         self,
@@ -36,72 +40,70 @@ class Invalid(DomainError):
     """The request is malformed or asks for something impossible."""
 
     kind = "invalid"
+    type = "invalid_request_error"
 
 
 class Unauthorized(DomainError):
     """No or unknown credentials."""
 
     kind = "unauthorized"
+    type = "invalid_request_error"
 
 
 class Forbidden(DomainError):
     """The caller is known but may not do this."""
 
     kind = "forbidden"
+    type = "permission_error"
 
 
 class NotFound(DomainError):
     """The named thing does not exist (or the caller may not see it)."""
 
     kind = "not_found"
+    type = "not_found_error"
 
 
 class Conflict(DomainError):
     """The thing exists in a state that forbids this (already there, busy, finished)."""
 
     kind = "conflict"
+    type = "conflict_error"
 
 
 class TooLarge(DomainError):
     """The request or its payload is over a size limit."""
 
     kind = "too_large"
+    type = "invalid_request_error"
 
 
 class RateLimited(DomainError):
     """Too many requests or tokens for the caller's limits right now."""
 
     kind = "rate_limited"
+    type = "rate_limit_error"
 
 
 class QuotaExceeded(DomainError):
     """The caller's quota (monthly tokens, batch budget) is spent."""
 
     kind = "quota_exceeded"
-
-
-class Overloaded(DomainError):
-    """The platform has no room for the request right now; retrying later may succeed."""
-
-    kind = "overloaded"
+    type = "insufficient_quota"
 
 
 class Unavailable(DomainError):
     """A part the request needs is not available (not ready, failed, being replaced)."""
 
     kind = "unavailable"
+    type = "service_unavailable"
 
 
 class UpstreamFailed(DomainError):
     """A replica or other upstream answered with a failure or could not be reached."""
 
     kind = "upstream_failed"
-
-
-class TimedOut(DomainError):
-    """The request did not finish in its time limit."""
-
-    kind = "timed_out"
+    type = "server_error"
 
 
 def model_not_found(model: str) -> NotFound:

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from modelyard.core.errors import RateLimited, Unavailable
+from modelyard.core.errors import DomainError, QuotaExceeded, RateLimited, Unavailable
 from modelyard.core.identity import Limits, Principal
 from modelyard.core.prefix_affinity import PrefixHint
 from modelyard.core.routing import EndpointRoute
@@ -42,7 +42,7 @@ from modelyard.gateway.quota import (
 from modelyard.gateway.ratelimit import Decision, RateLimiter
 from modelyard.gateway.ratelimit_redis import RedisAdmission, RedisRateLimiter
 from modelyard.gateway.settlement import RedisSettlement, Settlement
-from modelyard.protocol.errors import GRAMMAR_FAILED, APIError
+from modelyard.protocol.errors import GRAMMAR_FAILED
 from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)
@@ -147,10 +147,10 @@ class Accounting:
             call.reserved = 0  # nothing taken: the refusal's settlement gives nothing back
             await self.close(call, served=False)
             if admitted.refused == "quota":
-                exc: Exception = self.quota_exceeded(p, admitted.quota_before)
+                exc: DomainError = self.quota_exceeded(p, admitted.quota_before)
             else:
                 exc = self.concurrency_exceeded(p)
-            exc.headers.update(admitted.decision.headers())  # type: ignore[attr-defined]
+            exc.headers.update(admitted.decision.headers())
             raise exc
         if p.monthly_token_quota is not None:
             call.quota_reserved, call.quota_month = call.reserved, month
@@ -217,14 +217,11 @@ class Accounting:
                 raise self.quota_exceeded(p, await self.quota.used(p.tenant_id, month))
         call.quota_reserved, call.quota_month = call.reserved, month
 
-    def quota_exceeded(self, principal: Principal, used: int) -> APIError:
-        # A wire error still: its OpenAI type (insufficient_quota) is not its status's.
+    def quota_exceeded(self, principal: Principal, used: int) -> QuotaExceeded:
         self.metrics.limited.labels("quota").inc()
-        return APIError(
-            429,
+        return QuotaExceeded(
             f"You exceeded your monthly token quota ({used} of {principal.monthly_token_quota} "
             "tokens used or reserved by requests in flight). Ask your administrator to raise it.",
-            type="insufficient_quota",
             code="insufficient_quota",
         )
 

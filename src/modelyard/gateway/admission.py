@@ -20,7 +20,7 @@ from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
 from modelyard.gateway.cache_scope import scope_prefix_cache
 from modelyard.gateway.reservation import reservation_bound
 from modelyard.protocol.embeddings import EmbeddingRequest
-from modelyard.protocol.errors import APIError, validation_error
+from modelyard.protocol.errors import validation_failure
 from modelyard.protocol.json_depth import too_deep
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 from modelyard.protocol.responses_api import ResponsesRequest
@@ -58,7 +58,8 @@ def validate(kind: str, payload: dict[str, Any]) -> Any:
     try:
         return _SCHEMAS[kind].model_validate(payload)
     except ValidationError as exc:
-        raise validation_error(exc.errors()) from exc
+        message, param, code = validation_failure(exc.errors())
+        raise Invalid(message, param=param, code=code) from exc
 
 
 def shape_for_worker(
@@ -133,7 +134,7 @@ class Admission:
             await self.accounting.hold(call)
         except BaseException as exc:
             await self.accounting.close(call, served=False)
-            if isinstance(exc, APIError | DomainError):
+            if isinstance(exc, DomainError):
                 exc.headers.update(decision.headers())
             raise
         return call

@@ -1,7 +1,9 @@
 """Answers for clients that asked not to wait (`Prefer: respond-async`) while a model loads.
 
 The request gets 202 and a polling URL at once; it runs in the background and its answer is
-kept (per tenant) for `ttl_s` seconds for `GET /v1/async/{id}`.
+kept (per tenant) for `ttl_s` seconds for `GET /v1/async/{id}`: its response, or the domain
+error it failed with, raised again to the poll so the platform's edge answers it as it would
+have answered the request.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from typing import Any
 from fastapi.responses import Response
 
 from modelyard.core.errors import DomainError, NotFound
-from modelyard.protocol.errors import APIError
 from modelyard.protocol.responses import JSONResponse
 
 
@@ -24,6 +25,7 @@ class _Entry:
     tenant_id: str
     created: float = field(default_factory=time.monotonic)
     response: Response | None = None
+    error: DomainError | None = None
     task: asyncio.Task[None] | None = None
 
 
@@ -48,10 +50,8 @@ class AsyncResults:
         async def run() -> None:
             try:
                 entry.response = await work()
-            except APIError as exc:
-                entry.response = exc.response()
             except DomainError as exc:  # kept as the answer the client polls for
-                entry.response = APIError.from_domain(exc).response()
+                entry.error = exc
 
         entry.task = asyncio.create_task(run())
         self._entries[request_id] = entry
@@ -74,6 +74,8 @@ class AsyncResults:
         entry = self._entries.get(request_id)
         if entry is None or entry.tenant_id != tenant_id:
             raise NotFound(f"no pending result {request_id!r}", code="not_found")
+        if entry.error is not None:
+            raise entry.error.with_traceback(None)  # a fresh traceback per poll, not a growing one
         if entry.response is None:
             return JSONResponse(
                 self._status(request_id, "in_progress"), status_code=202,

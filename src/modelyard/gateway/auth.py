@@ -28,9 +28,9 @@ from collections import OrderedDict
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from modelyard.core.errors import Unauthorized, Unavailable
 from modelyard.core.identity import Principal
 from modelyard.gateway.metrics import REQUEST_TENANT
-from modelyard.protocol.errors import APIError
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 
@@ -52,8 +52,8 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _unauthorized(message: str) -> APIError:
-    return APIError(401, message, type="invalid_request_error", code="invalid_api_key")
+def _unauthorized(message: str) -> Unauthorized:
+    return Unauthorized(message, code="invalid_api_key")
 
 
 class _LRU:
@@ -169,12 +169,11 @@ class Authenticator:
             self._outage = True
         found = self._known.last_good(key_hash, now - self.stale_ttl_s)
         if found is None or found[0] is None:
-            raise APIError(
-                503,
+            raise Unavailable(
                 "API keys cannot be checked right now (the platform's database is unreachable); "
                 f"please retry in {_RETRY_AFTER_S}s.",
                 code="auth_unavailable",
-                headers={"retry-after": str(_RETRY_AFTER_S)},
+                retry_after_s=_RETRY_AFTER_S,
             )
         principal, looked_up = found
         # Tried again after one cache period, not on every request of the outage.

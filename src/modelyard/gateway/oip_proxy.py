@@ -20,6 +20,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
+from modelyard.core.errors import Invalid
 from modelyard.core.logs import current_request_id
 from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call, take_usage
 from modelyard.gateway.admission import Admission
@@ -70,8 +71,8 @@ class OipProxy:
         raw = await request.body()
         try:  # parsed off the loop: the body may be megabytes of texts
             texts = await asyncio.to_thread(_texts, raw)
-        except OIPError as exc:
-            return exc.response()
+        except OIPError as exc:  # the wire's parse failure (always a 400), answered at the edge
+            raise Invalid(exc.message) from None
         # The same reservation as /v1/embeddings for the same texts.
         reserved = reservation_bound("embeddings", {"input": texts}, 0)
         call = await self.admission.admit_reserved(principal, route, model, "oip.infer", reserved)

@@ -139,8 +139,7 @@ class Gateway:
 
         Returns the worker's status and body, and the usage record to commit with the result
         with the quota it still holds (None unless it succeeded: then the runner passes it to
-        `settle_item` once the result is committed, or not); raises a `DomainError` (or the
-        wire's `APIError` for a body that fails its schema, and for the quota) for what fails
+        `settle_item` once the result is committed, or not); raises a `DomainError` for what fails
         before a worker (bad body, unknown model, quota, no replica)."""
         req = validate(kind, payload)
         route = self.admission.resolve(principal, req.model)

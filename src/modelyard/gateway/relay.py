@@ -33,7 +33,7 @@ from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.responses_stream import inspect_typed, is_final, is_typed
 from modelyard.gateway.upstream import Upstream, unavailable
 from modelyard.gateway.version_stats import tag_version
-from modelyard.protocol.errors import APIError, error_body
+from modelyard.protocol.errors import body_of, error_body
 from modelyard.protocol.openai import PROMPT_TOKENS_HEADER
 from modelyard.protocol.sse import (
     DATA_PREFIX,
@@ -175,11 +175,10 @@ class Relay:
                     else:
                         note.cancel()
                 response, replica = opening.result()
-            except (APIError, DomainError) as exc:
+            except DomainError as exc:
                 # The 200 is sent already: the failure goes to the client as an SSE error event.
-                error = exc if isinstance(exc, APIError) else APIError.from_domain(exc)
                 await refund()
-                yield sse_data(error.body())
+                yield sse_data(body_of(exc))
                 yield DONE
                 return
             finally:

@@ -1,10 +1,12 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
 
 An `APIError` is a wire error: an HTTP status and the OpenAI error body, raised only at HTTP
-edges (the platform's routes, the worker apps, the gateway's relay). `install_error_handlers`
-maps the framework's own failures (validation, malformed JSON, unknown routes) onto the same
-shape; the platform's app adds its own handlers (domain errors, database outages) in
-`modelyard.api.errors`.
+edges (the platform's routes, the worker apps); gateway, control and batch raise domain errors
+(`modelyard.core.errors`) instead, which carry their OpenAI type, and an edge shapes them here:
+`STATUS_BY_KIND` and `APIError.from_domain` (the batch runner's per-item status and body too,
+`status_of` and `body_of`). `install_error_handlers` maps the framework's own failures
+(validation, malformed JSON, unknown routes) onto the same shape; the platform's app adds its
+own handlers (domain errors, database outages) in `modelyard.api.errors`.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class DomainLike(Protocol):
     """What an edge reads from a domain error (`modelyard.core.errors.DomainError`)."""
 
     kind: str
+    type: str
     message: str
     code: str | None
     param: str | None
@@ -94,11 +97,12 @@ class APIError(Exception):
 
     @classmethod
     def from_domain(cls, exc: DomainLike) -> APIError:
-        """The wire error for a domain error: its kind's status, same message, code, param and
-        headers."""
+        """The wire error for a domain error: its kind's status, same OpenAI type, message,
+        code, param and headers."""
         return cls(
-            STATUS_BY_KIND.get(exc.kind, 500),
+            status_of(exc),
             exc.message,
+            type=exc.type,
             param=exc.param,
             code=exc.code,
             headers=dict(exc.headers),
@@ -109,6 +113,16 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def status_of(exc: DomainLike) -> int:
+    """The HTTP status of a domain error's kind."""
+    return STATUS_BY_KIND.get(exc.kind, 500)
+
+
+def body_of(exc: DomainLike) -> dict[str, Any]:
+    """The OpenAI error body of a domain error (a stream's error event, a batch item's)."""
+    return error_body(exc.message, exc.type, exc.param, exc.code)
 
 
 def error_body(
@@ -134,23 +148,26 @@ def field_path(loc: Sequence[Any]) -> str | None:
     return path or None
 
 
-def validation_error(errors: Sequence[Any]) -> APIError:
-    """The 400 for pydantic's (or FastAPI's) list of validation errors: the first one, by name."""
+def validation_failure(errors: Sequence[Any]) -> tuple[str, str | None, str]:
+    """(message, param, code) of the 400 for pydantic's (or FastAPI's) list of validation
+    errors: the first one, by name. The gateway raises them as a domain `Invalid`."""
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
-        return bad_request(
-            f"We could not parse the JSON body of your request: {first.get('msg', 'invalid JSON')}",
-            code="invalid_json",
-        )
+        msg = first.get("msg", "invalid JSON")
+        return f"We could not parse the JSON body of your request: {msg}", None, "invalid_json"
     param = field_path(first.get("loc", ()))
     if first.get("type") == "missing":
-        return bad_request(
-            f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
-        )
+        return f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
     message = first.get("msg", "invalid request")
     if param:
         message = f"Invalid value for '{param}': {message}"
-    return bad_request(message, param, "invalid_value")
+    return message, param, "invalid_value"
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The 400 for pydantic's (or FastAPI's) list of validation errors (`validation_failure`)."""
+    message, param, code = validation_failure(errors)
+    return bad_request(message, param, code)
 
 
 def install_error_handlers(app: FastAPI) -> None:
