@@ -21,7 +21,6 @@ from modelyard.control.scaling import LoadTracker
 from modelyard.control.state import EndpointState, Replica, spawn
 from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.core.status import EndpointStatus, ReplicaState, StatusTrigger
-from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint
 
@@ -154,14 +153,6 @@ class Provisioning:
                 self.replicas.release(replica)
         for replica in state.replicas:
             replica.state = ReplicaState.STOPPED
-        await asyncio.to_thread(self._mark_deleted, state.row.id)
-        state.status, state.trigger = EndpointStatus.DELETED, StatusTrigger.DELETING
+        await self.statuses.deleted(state.row.id, state)
         self.endpoints.pop(state.row.id, None)
         self.replicas.forget(state.row.id)
-
-    def _mark_deleted(self, endpoint_id: str) -> None:
-        with self.db.session() as s:
-            row = s.get(Endpoint, endpoint_id)
-            if row is not None:
-                row.deleted_at = repo.now()
-                row.status = EndpointStatus.DELETED.value

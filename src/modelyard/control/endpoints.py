@@ -85,7 +85,7 @@ class EndpointManager(Provisioning, VersionVerbs):
 
         for row, versions in await asyncio.to_thread(load):
             if row.status == EndpointStatus.DRAINING.value:  # interrupted delete: finish it
-                await asyncio.to_thread(self._mark_deleted, row.id)
+                await self.statuses.deleted(row.id)
                 continue
             # Nothing stored may stop the start: a row that no longer parses is refused alone.
             try:
@@ -193,7 +193,6 @@ class EndpointManager(Provisioning, VersionVerbs):
         if state.status is EndpointStatus.DRAINING:
             return {"endpoint_id": endpoint_id, "status": EndpointStatus.DRAINING}
         await self.statuses.set(state, EndpointStatus.DRAINING, None, StatusTrigger.DELETING)
-        state.status, state.trigger = EndpointStatus.DRAINING, StatusTrigger.DELETING
         self.routing.remove(endpoint_id)  # no new requests from here on
         self.versions.forget(endpoint_id)
         spawn(state, self._drain_and_stop(state))
