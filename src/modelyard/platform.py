@@ -31,6 +31,7 @@ from modelyard.control.backends import open_backend
 from modelyard.control.backends.base import Backend
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.registry import Registry
+from modelyard.control.takeover import ReplicaTakeover
 from modelyard.control.tenancy import Tenancy
 from modelyard.core.cluster_auth import ensure_replica_secret
 from modelyard.core.identity import Principal
@@ -79,10 +80,11 @@ class Platform:
         self,
         settings: PlatformSettings,
         backend: Backend | None = None,
-        manager_type: type[EndpointManager] = EndpointManager,
+        takeover: ReplicaTakeover | None = None,
     ) -> None:
-        """`backend` and `manager_type`: what the cluster's controller role runs instead of
-        `serve`'s (`roles.py`); `serve` passes neither."""
+        """`backend` and `takeover`: what the cluster's controller role runs with instead of
+        `serve`'s (`roles.py`: a backend whose replicas outlive it, and the takeover of those
+        its predecessor left running); `serve` passes neither."""
         self.settings = settings
         ensure_replica_secret(settings)  # before any part that talks to replicas is built
         settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -121,8 +123,14 @@ class Platform:
         journal = UsageJournal(settings.data_dir / "usage-journal", settings.usage_journal_fsync)
         self.recorder = UsageRecorder(self.db, journal=journal)
         self.backend = backend or open_backend(settings, settings.data_dir / "logs", self.registry)
-        self.endpoints = manager_type(
-            settings, self.db, self.registry, self.backend, self.routing, audit=self.audit
+        self.endpoints = EndpointManager(
+            settings,
+            self.db,
+            self.registry,
+            self.backend,
+            self.routing,
+            audit=self.audit,
+            takeover=takeover,
         )
         # The gateway reaches the control plane only through this verb (scale from zero).
         self.gateway = Gateway(

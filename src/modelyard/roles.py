@@ -8,7 +8,7 @@ Redis instead of in memory.
 - Controller: the whole control plane, but only while it holds the leader lease
   (`control/leader.py`). A standby tries for the lease every third of `controller_lease_s`; on
   taking it, it resumes from the database: bootstraps the admin key on a first start, adopts the
-  replicas its predecessor left running (`control/cluster_manager.py`), publishes the routing
+  replicas its predecessor left running (`control/takeover.py`), publishes the routing
   table, sums the gateways' load from Redis for its autoscaler, and runs the batch runner
   (whose item leases make a takeover lose and repeat nothing). A leader that loses its lease
   while running (cut off from the database) exits at once, code 3: nothing of its leadership
@@ -34,9 +34,9 @@ from modelyard.control.backends import open_backend
 from modelyard.control.backends.base import Backend
 from modelyard.control.backends.local import LocalBackend
 from modelyard.control.cluster_load import LoadAggregator
-from modelyard.control.cluster_manager import ClusterEndpointManager
 from modelyard.control.leader import LeaderLease, LeaseKeeper
 from modelyard.control.route_publisher import RoutePublisher
+from modelyard.control.takeover import ReplicaTakeover
 from modelyard.core.cluster_auth import sign_leader_url, verified_leader_url
 from modelyard.core.cluster_keys import LEADER_KEY
 from modelyard.gateway.route_mirror import RouteMirror
@@ -180,16 +180,19 @@ class ControllerRole(_Role):
     def __init__(self, settings: PlatformSettings) -> None:
         check_cluster_settings(settings)
         self.settings = settings
-        p = Platform(settings, self._backend(settings), ClusterEndpointManager)
+        backend = self._backend(settings)
+        # Replicas the previous leader left running are adopted when this one leads.
+        self.takeover = ReplicaTakeover(backend)
+        p = Platform(settings, backend, takeover=self.takeover)
         self.platform = p
-        self.manager: ClusterEndpointManager = p.endpoints  # type: ignore[assignment]
+        self.manager = p.endpoints
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.getfqdn()
         self.url = settings.advertise_url or f"http://{host}:{settings.port}"
         self.lease = LeaderLease(
             settings.resolved_database_url, lease_s=settings.controller_lease_s
         )
         self.publisher = RoutePublisher(
-            p.db, p.routing, self.manager.endpoints, held_back=self.manager.adopting.__contains__
+            p.db, p.routing, self.manager.endpoints, held_back=self.takeover.adopting.__contains__
         )
         self.aggregator = LoadAggregator(p._redis, p.routing, self.manager.activate)
         self.leading = False
@@ -255,7 +258,7 @@ class ControllerRole(_Role):
         started = time.monotonic()
         p = self.platform
         p.bootstrap = await asyncio.to_thread(p._bootstrap_admin)
-        self.manager.recorded = await asyncio.to_thread(self._recorded)
+        self.takeover.recorded = await asyncio.to_thread(self._recorded)
         await self.manager.start()
         await self.publisher.start()
         self.aggregator.start()
@@ -265,7 +268,7 @@ class ControllerRole(_Role):
         await self._advertise()
         log.info(
             "leading at %s (took over in %.2fs; %d endpoint(s) with running replicas to adopt)",
-            self.url, time.monotonic() - started, len(self.manager.adopting),
+            self.url, time.monotonic() - started, len(self.takeover.adopting),
         )  # fmt: skip
         if self.settings.default_models:
             p._loading = asyncio.create_task(p._load_in_background())

@@ -1,8 +1,10 @@
 """Endpoint provisioning: adopt a row (routing entry, autoscaler, load tracker), start its
 replicas or register it with the encoder host, and drain and stop them when it is deleted.
 
-A mixin of `EndpointManager` (control/endpoints.py): it uses the manager's collaborators
-(settings, db, routing, replicas, encoders, statuses, reconciler, backend) and holds no state.
+A collaborator of `EndpointManager` (control/endpoints.py), built by it with the manager's
+endpoints and its other collaborators; it holds no state of its own. In a cluster, a new leader's
+manager hands it a `ReplicaTakeover` (control/takeover.py): provisioning then first takes over
+the replicas the previous leader left running and starts only those still missing.
 """
 
 from __future__ import annotations
@@ -11,43 +13,54 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from modelyard.config import PlatformSettings
 from modelyard.control.autoscaler import Autoscaler
+from modelyard.control.backends.base import Backend
+from modelyard.control.encoder_pool import EncoderPool
 from modelyard.control.endpoint_config import EndpointConfig
+from modelyard.control.endpoint_status import EndpointStatuses
 from modelyard.control.model_kind import LLM, detect
+from modelyard.control.reconcile import Reconciler
+from modelyard.control.replicas import ReplicaController
 from modelyard.control.scaling import LoadTracker
 from modelyard.control.state import EndpointState, Replica, spawn
+from modelyard.control.takeover import ReplicaTakeover
+from modelyard.control.versions import Versions
 from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.core.status import EndpointStatus, ReplicaState, StatusTrigger
-from modelyard.store import repository as repo
-from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from modelyard.control.backends.base import Backend
-    from modelyard.control.encoder_pool import EncoderPool
-    from modelyard.control.endpoint_status import EndpointStatuses
-    from modelyard.control.reconcile import Reconciler
-    from modelyard.control.replicas import ReplicaController
 
+class Provisioner:
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        backend: Backend,
+        routing: RoutingTable,
+        endpoints: dict[str, EndpointState],
+        replicas: ReplicaController,
+        encoders: EncoderPool,
+        statuses: EndpointStatuses,
+        versions: Versions,
+        reconciler: Reconciler,
+        takeover: ReplicaTakeover | None = None,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.routing = routing
+        self.endpoints = endpoints  # the manager's: adopted rows join, deleted ones leave
+        self.replicas = replicas
+        self.encoders = encoders
+        self.statuses = statuses
+        self.versions = versions
+        self.reconciler = reconciler
+        self.takeover = takeover
+        self.refused: set[str] = set()  # stored endpoints whose configuration did not parse
 
-class Provisioning:
-    settings: PlatformSettings
-    db: Database
-    backend: Backend
-    routing: RoutingTable
-    endpoints: dict[str, EndpointState]
-    replicas: ReplicaController
-    encoders: EncoderPool
-    statuses: EndpointStatuses
-    reconciler: Reconciler
-    refused: set[str]  # ids of stored endpoints whose configuration did not parse at the start
-
-    def _adopt(
+    def adopt(
         self, row: Endpoint, config: EndpointConfig, path: Path | None = None
     ) -> EndpointState:
         """Run `row` with its parsed configuration (`endpoint_config.parse`, already checked)."""
@@ -75,7 +88,7 @@ class Provisioning:
         spawn(state, self._provision(state))
         return state
 
-    async def _refuse_stored(self, row: Endpoint, reason: str) -> None:
+    async def refuse_stored(self, row: Endpoint, reason: str) -> None:
         """A stored row whose configuration no longer parses: listed as failed with why (its
         owner can read and delete it), answered with a 503, never provisioned."""
         log.error("endpoint %s is not started: %s", row.id, reason)
@@ -97,6 +110,10 @@ class Provisioning:
         await self.statuses.set(state, EndpointStatus.FAILED, message, StatusTrigger.CONFIG_INVALID)
 
     async def _provision(self, state: EndpointState) -> None:
+        """Prepare the model files and start the endpoint's replicas (those a takeover did not
+        bring), or register it with the encoder host."""
+        running = await self._take_over(state)
+        state.desired = max(state.desired, running)
         try:
             if state.model_path is None:
                 if state.row.version_id is None:
@@ -111,8 +128,25 @@ class Provisioning:
         if state.kind != LLM:
             await self._provision_encoder(state)
             return
-        replicas = [self.replicas.new_replica(state) for _ in range(state.desired)]
+        missing = state.desired - running
+        replicas = [self.replicas.new_replica(state) for _ in range(missing)]
         await asyncio.gather(*(self.reconciler.start_replica(state, r) for r in replicas))
+
+    async def _take_over(self, state: EndpointState) -> int:
+        """Replicas a previous leader left running serve again (cluster mode); how many of them
+        run the endpoint's version."""
+        if self.takeover is None:
+            return 0
+        running = 0
+        async with self.takeover.adopt(state) as adopted:
+            for replica in adopted:
+                state.replicas.append(replica)
+                await self.replicas.serve(state, replica)
+                self.versions.started(state, replica)
+                running += replica.version_id == state.row.version_id
+            if adopted:
+                await self.statuses.refresh(state)
+        return running
 
     async def _provision_encoder(self, state: EndpointState) -> None:
         """An embedding or classifier model joins the shared encoder host (one per platform)."""
@@ -137,7 +171,7 @@ class Provisioning:
         self.routing.set_replicas(state.route, [replica.route])
         await self.statuses.set(state, EndpointStatus.READY, None, StatusTrigger.ENCODER_HOST_READY)
 
-    async def _drain_and_stop(self, state: EndpointState) -> None:
+    async def drain_and_stop(self, state: EndpointState) -> None:
         deadline = time.monotonic() + self.settings.replica_drain_timeout_s
         # Polls counters the gateway moves; an event per counter would cost the hot path.
         while state.route.outstanding > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
@@ -154,14 +188,6 @@ class Provisioning:
                 self.replicas.release(replica)
         for replica in state.replicas:
             replica.state = ReplicaState.STOPPED
-        await asyncio.to_thread(self._mark_deleted, state.row.id)
-        state.status, state.trigger = EndpointStatus.DELETED, StatusTrigger.DELETING
+        await self.statuses.deleted(state.row.id, state)
         self.endpoints.pop(state.row.id, None)
         self.replicas.forget(state.row.id)
-
-    def _mark_deleted(self, endpoint_id: str) -> None:
-        with self.db.session() as s:
-            row = s.get(Endpoint, endpoint_id)
-            if row is not None:
-                row.deleted_at = repo.now()
-                row.status = EndpointStatus.DELETED.value

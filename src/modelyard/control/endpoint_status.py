@@ -1,6 +1,9 @@
 """An endpoint's status: each transition names its `StatusTrigger`, is written to the database,
 and tells the gateway whether waiting can bring a replica; `next_status` reads the replicas to
-say what the status should be now."""
+say what the status should be now.
+
+`EndpointStatuses` is the only code that writes an endpoint's status, trigger or status message
+(in memory or in the database); `tests/test_status_writer.py` fails on a write anywhere else."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from dataclasses import dataclass
 from modelyard.control.state import EndpointState
 from modelyard.core.routing import RoutingTable
 from modelyard.core.status import EndpointStatus, ReplicaState, StatusTrigger
+from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint
 
@@ -64,6 +68,21 @@ class EndpointStatuses:
         that cannot wait for a write: the gateway's scale-from-zero verb."""
         state.status, state.trigger, state.message = change.status, change.trigger, change.message
         self.publish_availability(state)
+
+    async def deleted(self, endpoint_id: str, state: EndpointState | None = None) -> None:
+        """The endpoint is gone (its replicas stopped, or an interrupted delete finished at a
+        start): its row is marked deleted, and so is `state` when one runs."""
+        if state is not None:
+            state.status, state.trigger = EndpointStatus.DELETED, StatusTrigger.DELETING
+
+        def write() -> None:
+            with self.db.session() as s:
+                row = s.get(Endpoint, endpoint_id)
+                if row is not None:
+                    row.deleted_at = repo.now()
+                    row.status = EndpointStatus.DELETED.value
+
+        await asyncio.to_thread(write)
 
     def publish_availability(self, state: EndpointState) -> None:
         """Tell the gateway whether waiting can bring a replica: while none serves and the

@@ -1,9 +1,9 @@
 """Endpoint changes that keep the endpoint: a rollout to another version, a canary beside the
 stable version (add, traffic, promote, rollback) and new sampling defaults or scaling.
 
-A mixin of `EndpointManager` (control/endpoints.py): each verb checks the caller, then hands the
-work to `rollout` (a version replacing the endpoint's) or `versions` (canary, weights, promote,
-rollback, the SLO gate).
+A collaborator of `EndpointManager` (control/endpoints.py), which hands it its lookup of a
+caller's endpoint: each verb checks the caller, then hands the work to `rollout` (a version
+replacing the endpoint's) or `versions` (canary, weights, promote, rollback, the SLO gate).
 """
 
 from __future__ import annotations
@@ -11,17 +11,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from modelyard.config import PlatformSettings
 from modelyard.control import deploy as validation
 from modelyard.control import endpoint_config
 from modelyard.control.autoscaler import Autoscaler
 from modelyard.control.canary import SloPolicy
+from modelyard.control.endpoint_status import EndpointStatuses
 from modelyard.control.model_kind import LLM
+from modelyard.control.reconcile import Reconciler
+from modelyard.control.registry import Registry
+from modelyard.control.rollout import Rollouts
 from modelyard.control.scaling import LoadTracker
 from modelyard.control.state import EndpointState
 from modelyard.control.version_tracks import VersionRole
+from modelyard.control.versions import Versions
 from modelyard.core.errors import Conflict, Invalid
 from modelyard.core.identity import Principal
 from modelyard.core.routing import RoutingTable
@@ -30,25 +35,31 @@ from modelyard.protocol.management import SamplingDefaults, Scaling
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint
 
-if TYPE_CHECKING:
-    from modelyard.control.endpoint_status import EndpointStatuses
-    from modelyard.control.reconcile import Reconciler
-    from modelyard.control.registry import Registry
-    from modelyard.control.rollout import Rollouts
-    from modelyard.control.versions import Versions
-
 
 class VersionVerbs:
-    settings: PlatformSettings
-    db: Database
-    registry: Registry
-    routing: RoutingTable
-    statuses: EndpointStatuses
-    rollouts: Rollouts
-    versions: Versions
-    reconciler: Reconciler
-    _get: Callable[[Principal, str], EndpointState]  # EndpointManager's
-    refused: set[str]  # stored endpoints whose configuration did not parse: delete only
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        db: Database,
+        registry: Registry,
+        routing: RoutingTable,
+        statuses: EndpointStatuses,
+        rollouts: Rollouts,
+        versions: Versions,
+        reconciler: Reconciler,
+        find: Callable[[Principal, str], EndpointState],
+        refused: set[str],
+    ) -> None:
+        self.settings = settings
+        self.db = db
+        self.registry = registry
+        self.routing = routing
+        self.statuses = statuses
+        self.rollouts = rollouts
+        self.versions = versions
+        self.reconciler = reconciler
+        self._get = find  # the manager's: the caller's endpoint, or NotFound
+        self.refused = refused  # stored endpoints whose configuration did not parse: delete only
 
     def _changeable(self, principal: Principal, endpoint_id: str) -> EndpointState:
         """The endpoint a verb changes; one refused at the start takes no change but delete."""

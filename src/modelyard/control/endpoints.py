@@ -1,13 +1,15 @@
 """Endpoints: deploy a model version as replicas, roll it to another version, read and delete.
 
 The database holds what should exist (the endpoint rows); this manager holds what does exist
-(replica processes via a backend). Its verbs are short: each checks the caller, then hands the
-work to the module whose job it is: `deploy` (validation), `endpoint_provision` (adopt a row,
-start its replicas, drain them on delete), `endpoint_versions` (rollout, canary, traffic,
-promote, rollback, reconfigure; the work itself in `rollout` and `versions`), `reconcile` (the
-loop that keeps replicas matching what should run), `endpoint_status` (the one writer of
+(replica processes via a backend). It builds its collaborators and its verbs are short: each
+checks the caller, then hands the work to the one whose job it is: `deploy` (validation),
+`Provisioner` (`endpoint_provision`: adopt a row, start its replicas, drain them on delete),
+`VersionVerbs` (`endpoint_versions`: rollout, canary, traffic, promote, rollback, reconfigure;
+the work itself in `rollout` and `versions`), `Reconciler` (`reconcile`: the loop that keeps
+replicas matching what should run), `EndpointStatuses` (`endpoint_status`: the one writer of
 statuses) and `endpoint_view` (the JSON the API shows). On start it re-provisions every live
-endpoint in the database, with its versions.
+endpoint in the database, with its versions. A cluster's new leader hands it a `ReplicaTakeover`
+(`takeover`): the replicas its predecessor left running are adopted, not started again.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from modelyard.control import deploy as validation
 from modelyard.control.audit import AuditLog
 from modelyard.control.backends.base import Backend
 from modelyard.control.encoder_pool import EncoderPool
-from modelyard.control.endpoint_provision import Provisioning
+from modelyard.control.endpoint_provision import Provisioner
 from modelyard.control.endpoint_status import EndpointStatuses
 from modelyard.control.endpoint_versions import VersionVerbs
 from modelyard.control.endpoint_view import endpoint_view
@@ -32,12 +34,13 @@ from modelyard.control.registry import Registry
 from modelyard.control.replicas import ReplicaController
 from modelyard.control.rollout import Rollouts
 from modelyard.control.state import EndpointState, spawn
+from modelyard.control.takeover import ReplicaTakeover
 from modelyard.control.versions import Versions
 from modelyard.core.errors import Conflict, NotFound
 from modelyard.core.identity import Principal
 from modelyard.core.routing import RoutingTable
 from modelyard.core.status import EndpointStatus, StatusTrigger
-from modelyard.protocol.management import DeployRequest
+from modelyard.protocol.management import DeployRequest, SamplingDefaults, Scaling
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint, EndpointVersion
@@ -45,7 +48,7 @@ from modelyard.store.tables import Endpoint, EndpointVersion
 log = logging.getLogger(__name__)
 
 
-class EndpointManager(Provisioning, VersionVerbs):
+class EndpointManager:
     def __init__(
         self,
         settings: PlatformSettings,
@@ -54,6 +57,7 @@ class EndpointManager(Provisioning, VersionVerbs):
         backend: Backend,
         routing: RoutingTable,
         audit: AuditLog | None = None,
+        takeover: ReplicaTakeover | None = None,
     ) -> None:
         self.settings = settings
         self.db = db
@@ -61,7 +65,7 @@ class EndpointManager(Provisioning, VersionVerbs):
         self.backend = backend
         self.routing = routing
         self.endpoints: dict[str, EndpointState] = {}
-        self.refused: set[str] = set()
+        self.takeover = takeover
         self.replicas = ReplicaController(settings, backend, routing, registry, self.endpoints)
         self.encoders = EncoderPool(settings, backend, self.replicas.placement, routing)
         self.node_cache = self.replicas.node_cache
@@ -73,10 +77,22 @@ class EndpointManager(Provisioning, VersionVerbs):
             settings, self.endpoints, self.replicas, self.encoders, self.statuses, self.rollouts,
             routing, self.versions, audit,
         )  # fmt: skip
+        self.provisioner = Provisioner(
+            settings, backend, routing, self.endpoints, self.replicas, self.encoders,
+            self.statuses, self.versions, self.reconciler, takeover,
+        )  # fmt: skip
+        self.refused = self.provisioner.refused
+        self.version_verbs = VersionVerbs(
+            settings, db, registry, routing, self.statuses, self.rollouts, self.versions,
+            self.reconciler, self._get, self.refused,
+        )  # fmt: skip
 
     # ----- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.takeover is not None:  # held back from publishing before any entry is written
+            self.takeover.hold_back()
+
         def load() -> list[tuple[Endpoint, list[EndpointVersion]]]:
             with self.db.session() as s:
                 return [
@@ -85,7 +101,7 @@ class EndpointManager(Provisioning, VersionVerbs):
 
         for row, versions in await asyncio.to_thread(load):
             if row.status == EndpointStatus.DRAINING.value:  # interrupted delete: finish it
-                await asyncio.to_thread(self._mark_deleted, row.id)
+                await self.statuses.deleted(row.id)
                 continue
             # Nothing stored may stop the start: a row that no longer parses is refused alone.
             try:
@@ -94,14 +110,16 @@ class EndpointManager(Provisioning, VersionVerbs):
                     row.sampling_defaults, stored=True,
                 )  # fmt: skip
             except Exception as exc:
-                await self._refuse_stored(row, str(exc) or type(exc).__name__)
+                await self.provisioner.refuse_stored(row, str(exc) or type(exc).__name__)
                 continue
-            state = self._adopt(row, config)
+            state = self.provisioner.adopt(row, config)
             try:
                 self.versions.restore(state, versions)
             except Exception:  # its canary's stored options: the stable version serves alone
                 log.exception("endpoint %s: its versions are not restored", row.id)
                 self.versions.forget(row.id)
+        if self.takeover is not None:
+            await self.takeover.stop_orphans(set(self.endpoints) - self.refused)
         self.reconciler.start()
 
     async def stop(self) -> None:
@@ -139,7 +157,7 @@ class EndpointManager(Provisioning, VersionVerbs):
                 s.add(row)
 
         await asyncio.to_thread(insert)
-        state = self._adopt(row, config, path)
+        state = self.provisioner.adopt(row, config, path)
         return {
             "endpoint_id": row.id,
             "status": state.status,
@@ -162,6 +180,48 @@ class EndpointManager(Provisioning, VersionVerbs):
         state = self.endpoints.get(endpoint_id)
         if state is not None:
             self.reconciler.activate(state)
+
+    # ----- versions and settings (`VersionVerbs`) -----------------------------------------
+
+    async def update(self, principal: Principal, endpoint_id: str, artifact: str) -> dict[str, Any]:
+        return await self.version_verbs.update(principal, endpoint_id, artifact)
+
+    async def add_version(
+        self,
+        principal: Principal,
+        endpoint_id: str,
+        artifact: str,
+        weight: int,
+        replicas: int,
+        engine: dict[str, Any],
+        slo: dict[str, Any] | None,
+        steps: list[int] | None,
+    ) -> dict[str, Any]:
+        return await self.version_verbs.add_version(
+            principal, endpoint_id, artifact, weight, replicas, engine, slo, steps
+        )
+
+    async def set_traffic(
+        self, principal: Principal, endpoint_id: str, weights: dict[str, int]
+    ) -> dict[str, Any]:
+        return await self.version_verbs.set_traffic(principal, endpoint_id, weights)
+
+    async def promote(self, principal: Principal, endpoint_id: str) -> dict[str, Any]:
+        return await self.version_verbs.promote(principal, endpoint_id)
+
+    async def rollback(
+        self, principal: Principal, endpoint_id: str, reason: str | None
+    ) -> dict[str, Any]:
+        return await self.version_verbs.rollback(principal, endpoint_id, reason)
+
+    async def reconfigure(
+        self,
+        principal: Principal,
+        endpoint_id: str,
+        sampling: SamplingDefaults | None,
+        scaling: Scaling | None,
+    ) -> None:
+        await self.version_verbs.reconfigure(principal, endpoint_id, sampling, scaling)
 
     # ----- read and delete -------------------------------------------------------------------
 
@@ -193,10 +253,9 @@ class EndpointManager(Provisioning, VersionVerbs):
         if state.status is EndpointStatus.DRAINING:
             return {"endpoint_id": endpoint_id, "status": EndpointStatus.DRAINING}
         await self.statuses.set(state, EndpointStatus.DRAINING, None, StatusTrigger.DELETING)
-        state.status, state.trigger = EndpointStatus.DRAINING, StatusTrigger.DELETING
         self.routing.remove(endpoint_id)  # no new requests from here on
         self.versions.forget(endpoint_id)
-        spawn(state, self._drain_and_stop(state))
+        spawn(state, self.provisioner.drain_and_stop(state))
         return {"endpoint_id": endpoint_id, "status": EndpointStatus.DRAINING}
 
     async def wait_ready(self, endpoint_id: str, timeout_s: float) -> str:

@@ -5,6 +5,9 @@ One whose process exited leaves routing and is replaced (with backoff); one whos
 comes back when a probe passes, and after `replica_health_failures` failed probes in a row it is
 killed (SIGTERM, then SIGKILL) and replaced, so a hung or broken engine never holds its slot for
 good. A healthy probe also brings the replica's load report and its admission limit.
+
+`ReplicaHealth` is a collaborator of `ReplicaController` (control/replicas.py): it probes and
+takes replicas out, and returns the ones it took out; the controller gives back their devices.
 """
 
 from __future__ import annotations
@@ -27,18 +30,19 @@ _BROKEN_STOP_TIMEOUT_S = 1.0
 
 
 class ReplicaHealth:
-    """The health half of `ReplicaController` (which provides these attributes)."""
+    """Probes replicas and takes the dead and the broken out of routing (and stops them)."""
 
-    settings: PlatformSettings
-    backend: Backend
-    routing: RoutingTable
-    _http: httpx.AsyncClient
-
-    def drop_route(self, state: EndpointState, replica: Replica) -> None:
-        raise NotImplementedError
-
-    def release(self, replica: Replica) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        backend: Backend,
+        routing: RoutingTable,
+        http: httpx.AsyncClient,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.routing = routing
+        self._http = http
 
     async def probe(self, replica: Replica) -> str | None:
         """Health check; keeps the replica's load report and sets its admission limit. None if
@@ -69,10 +73,12 @@ class ReplicaHealth:
             self.routing.set_capacity(replica.route, min(limit, slots) if slots else limit)
         return None
 
-    async def check_health(self, state: EndpointState) -> None:
+    async def check(self, state: EndpointState) -> list[Replica]:
         """Probe every serving replica: the dead leave and are replaced, a failing one leaves
         routing at once and is killed and replaced after `replica_health_failures` failures in
-        a row, the rest report their load."""
+        a row, the rest report their load. Returns the replicas taken out (stopped, their
+        devices still held: the caller releases them)."""
+        replaced: list[Replica] = []
         for replica in list(state.replicas):
             if replica.state not in (ReplicaState.READY, ReplicaState.UNHEALTHY):
                 continue
@@ -81,6 +87,7 @@ class ReplicaHealth:
             if not self.backend.alive(replica.handle):
                 code = self.backend.exit_status(replica.handle)
                 await self._replace(state, replica, f"exited with code {code}")
+                replaced.append(replica)
                 continue
             problem = await self.probe(replica)
             if problem is None:
@@ -95,10 +102,12 @@ class ReplicaHealth:
             if not self.backend.alive(replica.handle):  # it died while being probed
                 code = self.backend.exit_status(replica.handle)
                 await self._replace(state, replica, f"exited with code {code}")
+                replaced.append(replica)
             elif replica.health_failures >= self.settings.replica_health_failures:
                 await self._replace(
                     state, replica, f"{problem} ({replica.health_failures} times in a row)"
                 )
+                replaced.append(replica)
             else:
                 # No new requests until a probe passes: a request sent there would hang or fail.
                 replica.state = ReplicaState.UNHEALTHY
@@ -108,6 +117,7 @@ class ReplicaHealth:
         state.replicas = [
             r for r in state.replicas if r.state not in (ReplicaState.FAILED, ReplicaState.STOPPED)
         ]
+        return replaced
 
     async def _replace(self, state: EndpointState, replica: Replica, why: str) -> None:
         """Take a dead or broken replica out for good (killed if it still runs); `converge`
@@ -115,9 +125,9 @@ class ReplicaHealth:
         replica.state = ReplicaState.FAILED
         state.failures += 1
         replica.error = state.last_error = f"replica {replica.replica_id} {why}"
-        self.drop_route(state, replica)
+        if replica.route is not None:
+            self.routing.drop_replica(state.route, replica.route)
         log.warning("replica %s of %s replaced: %s", replica.replica_id, state.row.id, why)
         if replica.handle is not None and self.backend.alive(replica.handle):
             # SIGTERM, then SIGKILL: a stopped (SIGSTOP) or wedged process ignores the first.
             await self.backend.stop(replica.handle, timeout_s=_BROKEN_STOP_TIMEOUT_S)
-        self.release(replica)

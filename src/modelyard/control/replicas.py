@@ -2,9 +2,9 @@
 
 A replica starts from a warm-pool worker of its version when there is one, else from this node's
 cache of the model files; it joins the routing table once healthy, with its admission limit from
-its KV capacity. Every tick its health is probed (`ReplicaHealth`): the dead and the broken are
-replaced. `converge` starts or drains replicas until the live ones match what the autoscaler
-wants.
+its KV capacity. Every tick its health is probed (a `ReplicaHealth` collaborator): the dead and
+the broken are replaced, and their devices given back here. `converge` starts or drains
+replicas until the live ones match what the autoscaler wants.
 
 The controller reports what came of a start (`ReplicaOutcome`) and which replicas `converge`
 wants started; the endpoint's manager acts on both (status, the good version, the start itself).
@@ -66,7 +66,7 @@ def scale_down_order(live: list[Replica], placement: Placement) -> list[Replica]
     return others + [serving[i] for i in placement.drain_order(list(serving))]
 
 
-class ReplicaController(ReplicaHealth):
+class ReplicaController:
     def __init__(
         self,
         settings: PlatformSettings,
@@ -90,6 +90,7 @@ class ReplicaController(ReplicaHealth):
             settings, backend, registry, self.node_cache, self.default_engine_env(), self.placement
         )
         self._http = httpx.AsyncClient(timeout=settings.health_probe_timeout_s)
+        self.health = ReplicaHealth(settings, backend, routing, self._http)
         # Engine settings of a version other than the endpoint's own (a canary's overrides), by
         # (endpoint id, version id); written by `control/versions.py`.
         self.version_engine: dict[tuple[str, str], dict[str, str]] = {}
@@ -281,7 +282,7 @@ class ReplicaController(ReplicaHealth):
         replica.route = ReplicaRoute(
             replica.replica_id, replica.handle.url, version_id=replica.version_id
         )
-        await self.probe(replica)  # its load report and admission limit, before traffic
+        await self.health.probe(replica)  # its load report and admission limit, before traffic
         self.routing.add_replica(state.route, replica.route)
         good = current and replica.version_id != state.row.good_version_id
         return ReplicaOutcome(served=True, version_good=good)
@@ -292,6 +293,12 @@ class ReplicaController(ReplicaHealth):
             {f"MODELYARD_{k.upper()}": str(v) for k, v in self.settings.worker_engine.items()}
         )
         return env
+
+    async def check_health(self, state: EndpointState) -> None:
+        """Each tick: probe the endpoint's replicas (`ReplicaHealth.check`); the devices of the
+        ones taken out come back."""
+        for replica in await self.health.check(state):
+            self.release(replica)
 
     def drop_route(self, state: EndpointState, replica: Replica) -> None:
         if replica.route is not None:

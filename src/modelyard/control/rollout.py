@@ -88,5 +88,4 @@ class Rollouts:
             f"({why[:300]}); serving the last good version {version.model_name}:{version.version}"
         )
         log.warning("endpoint %s: %s", state.row.id, message)
-        state.status, state.trigger = EndpointStatus.ROLLING_BACK, StatusTrigger.ROLLED_BACK
         return StatusChange(EndpointStatus.DEGRADED, message, StatusTrigger.ROLLED_BACK)
