@@ -73,7 +73,7 @@ def _upload(port: int, key: str, size: int) -> tuple[int, int]:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
         sock.sendall(head + _PREAMBLE)
         sent = 0
-        chunk = b"x" * 65536
+        chunk = (b"x" * 1023 + b"\n") * 64  # 64 KiB of 1 KiB lines (a batch line is bounded)
         sock.setblocking(False)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

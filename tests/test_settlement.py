@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import update
 
+from modelyard.gateway.reservation import reservation_bound
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint
 from tests.platform_harness import (
@@ -216,8 +217,9 @@ def test_oip_embeddings_are_billed_in_tokens_against_quota_and_tpm(
             assert "quota" in r.text
             break
     assert statuses[-1] == 429 and set(statuses[:-1]) <= {200}
-    # And the key's TPM.
-    limited = Tenant(platform, tpm_limit=tokens * 2)
+    # And the key's TPM: room for one call's reservation (its upper bound) and a half.
+    bound = reservation_bound("embeddings", {"input": texts}, 0)
+    limited = Tenant(platform, tpm_limit=bound + bound // 2)
     codes = [
         limited.http.post("/v2/models/minilm/infer", json=oip_body(*texts)).status_code
         for _ in range(4)
@@ -228,7 +230,8 @@ def test_oip_embeddings_are_billed_in_tokens_against_quota_and_tpm(
 def test_batch_items_count_against_the_quota(platform: PlatformProcess) -> None:
     """Batch items settle through the same accounting: their committed rows count against
     the tenant's quota (they used to raise an AttributeError each and count nothing)."""
-    t = Tenant(platform, quota=60)
+    # One item (its prompt and 20 tokens) uses more than the quota of 30 on its own.
+    t = Tenant(platform, quota=30)
     client = platform.openai(t.key)
     lines = [batch_line(f"i{i}", max_tokens=20, model=TINY, ignore_eos=True) for i in range(3)]
     file = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
@@ -239,7 +242,7 @@ def test_batch_items_count_against_the_quota(platform: PlatformProcess) -> None:
     assert batch.status == "completed", batch
     rows = wait_usage(t.api, lambda rows: len(rows) >= 1)
     used = sum(int(r["prompt_tokens"]) + int(r["completion_tokens"]) for r in rows)
-    assert used >= 60  # the items admitted before the quota was spent spent it
+    assert used >= 30  # the items admitted before the quota was spent spent it
     # What the items used is on the tenant's quota: the next request is refused.
     body = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     r = t.http.post("/v1/chat/completions", json=body)

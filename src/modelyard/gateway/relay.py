@@ -214,12 +214,14 @@ class Relay:
                 buffer += chunk
                 while EVENT_END in buffer:
                     event, buffer = buffer.split(EVENT_END, 1)
-                    if _inspect(call, _stamp(call, event), wants_usage):
-                        if event == DONE_EVENT or is_final(event):
+                    bare = _stamp(call, event)  # the end is known by the event, stamp off
+                    if _inspect(call, bare, wants_usage):
+                        final = bare == DONE_EVENT or is_final(bare)
+                        if final:
                             # Billed (journaled on disk) before the client sees the end.
                             await self.accounting.close(call, served=True)
                         yield event + EVENT_END
-                        delivered = event == DONE_EVENT or is_final(event)
+                        delivered = final
             complete = True
         except (TimeoutError, aiohttp.ClientError) as exc:
             call.status = "error"
