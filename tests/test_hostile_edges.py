@@ -32,6 +32,7 @@ from tests.platform_harness import (
     jsonl,
     read_jsonl,
     tiny_models_env,
+    usage_rows,
     wait_batch,
     wait_request_ids,
     wait_status,
@@ -264,3 +265,35 @@ def test_a_metrics_key_reads_no_configuration(
         f"{platform.url}/v1/endpoints", headers={"authorization": f"Bearer {world['a_inference']}"}
     )
     assert r.status_code == 200 and world["evil"] in {e["endpoint_id"] for e in r.json()["data"]}
+
+
+def test_a_stored_formula_leaves_the_usage_export_as_text(
+    platform: PlatformProcess, world: dict[str, Any]
+) -> None:
+    """A model name that starts like a formula can no longer be deployed, but rows from before
+    that bound (or written by anyone who can write the database) still reach an admin's
+    spreadsheet: the export quotes the cell, so a spreadsheet shows it as text."""
+    from sqlalchemy import create_engine, insert
+
+    from modelyard.store.repository import now
+    from modelyard.store.tables import UsageRecord
+
+    url = platform.env.get("MODELYARD_DATABASE_URL") or (
+        f"sqlite:///{platform.data_dir / 'modelyard.db'}"
+    )
+    row = {
+        "request_id": f"legacy-{os.getpid()}-{id(world)}", "tenant_id": "tn-legacy",
+        "key_id": "key-legacy", "endpoint_id": None, "model": EVIL_NAME[:200],
+        "version_id": None, "kind": "chat.completions", "prompt_tokens": 1,
+        "completion_tokens": 1, "cached_tokens": 0, "latency_ms": 1.0, "ttft_ms": None,
+        "status_code": 200, "status": "ok", "batch": False, "created_at": now(),
+    }  # fmt: skip
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(insert(UsageRecord).values(**row))
+    finally:
+        engine.dispose()
+    rows = {r["request_id"]: r for r in usage_rows(platform.api())}
+    cell = rows[row["request_id"]]["model"]
+    assert cell.startswith("'=HYPERLINK(") and cell[1:] == row["model"], repr(cell)
