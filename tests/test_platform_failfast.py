@@ -380,10 +380,14 @@ def test_a_killed_single_replica_is_a_clean_503_then_replaced(
 
 @pytest.fixture(scope="module")
 def one_slot_platform(
-    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+    platform_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
 ) -> Iterator[PlatformProcess]:
+    """Both store modes: a tenant's tier comes from its stored row and admission is a limit."""
     env = {
+        **platform_env,
         "MODELYARD_WORKER_ENGINE": ENGINE,
+        # /metrics (the queue the test watches) skips the stopped replica's series quickly.
+        "MODELYARD_METRICS_SCRAPE_TIMEOUT_S": "0.2",
         # No health tick while the test runs: its stopped worker holds the one slot, unprobed.
         "MODELYARD_HEALTH_CHECK_INTERVAL_S": "3600",
         "MODELYARD_ADMISSION_TOKENS_PER_REQUEST": "1000000000",  # one request per replica
@@ -394,6 +398,14 @@ def one_slot_platform(
         yield p
     finally:
         p.stop()
+
+
+def _gauge(text: str, name: str, endpoint: str) -> float:
+    """The value of gauge `name` for `endpoint` in a /metrics exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'endpoint="{endpoint}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} for {endpoint} on /metrics")
 
 
 def test_tenants_tiers_order_the_queue_and_the_free_tier_is_refused_first(
@@ -416,23 +428,33 @@ def test_tenants_tiers_order_the_queue_and_the_free_tier_is_refused_first(
             r = client.post("/v1/chat/completions", json=body, timeout=60.0)
         done[name] = (r.status_code, r.headers.get("x-request-id", ""), r.text)
 
+    def arrived(in_flight: int, queued: int, refused: tuple[str, ...] = ()) -> bool:
+        """The gateway holds `in_flight` sent and `queued` waiting for the endpoint, and has
+        answered `refused`: the last request has arrived (its place is taken)."""
+        text = api.get("/metrics").text
+        return (
+            _gauge(text, "modelyard_gateway_requests_in_flight", endpoint) == in_flight
+            and _gauge(text, "modelyard_gateway_queue_depth", endpoint) == queued
+            and all(n in done for n in refused)
+        )
+
+    # Each request is sent once the one before it has arrived (arrival order at the gateway).
     arrivals = [
-        ("hold", "standard"),  # takes the one slot, and hangs there
-        ("free-1", "free"),
-        ("free-2", "free"),  # the queue (4) is now half full: free's share
-        ("free-3", "free"),  # refused: the rest is kept for higher tiers
-        ("priority", "priority"),
-        ("standard", "standard"),  # past standard's share (3): displaces free-2
-    ]
+        ("hold", "standard", (1, 0, ())),  # takes the one slot, and hangs there
+        ("free-1", "free", (1, 1, ())),
+        ("free-2", "free", (1, 2, ())),  # the queue (4) is now half full: free's share
+        ("free-3", "free", (1, 2, ("free-3",))),  # refused: the rest is kept for higher tiers
+        ("priority", "priority", (1, 3, ())),
+        ("standard", "standard", (1, 3, ("free-2",))),  # past standard's share (3): displaces
+    ]  # free-2
     os.kill(replica["pid"], signal.SIGSTOP)
     threads = []
     try:
-        for name, tier in arrivals:
+        for name, tier, state in arrivals:
             thread = threading.Thread(target=ask, args=(name, tier))
             thread.start()
             threads.append(thread)
-            time.sleep(1.0)  # arrival order at the gateway
-        _wait_for(lambda: "free-3" in done and "free-2" in done, "the refusals", 10)
+            _wait_for(lambda s=state: arrived(*s), f"{name} to arrive at the gateway", 30)
     finally:
         os.kill(replica["pid"], signal.SIGCONT)
     for thread in threads:

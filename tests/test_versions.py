@@ -8,6 +8,7 @@ weights survive a restart (SQLite, and PostgreSQL + Redis)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -300,26 +301,54 @@ def test_a_rollback_races_streams_in_flight_and_a_dying_canary_is_retried(
     api = platform.api()
     endpoint = deploy(api, "ver-c", "ver:1", hardware={"max_replicas": 2})
     v1 = api.get(f"/v1/endpoints/{endpoint}").json()["version_id"]
-    add_canary(api, endpoint, "ver:2", 50, slo=NO_GATE)
+    v2 = add_canary(api, endpoint, "ver:2", 50, slo=NO_GATE)["versions"]["canary"]["version_id"]
     results: list[str] = []
+    started_on: list[str] = []
+    # The rollback and the streams' answers start together: every stream has its first token
+    # (it is under way on its version) when the rollback is sent, and none has read on yet.
+    go = threading.Barrier(9, timeout=120)
+    rolled_back = threading.Event()
+    finished_before_rollback: list[int] = []
 
     def stream(i: int) -> None:
-        payload = {"model": "ver-c", "messages": HI, "max_tokens": 48, "stream": True,
-                   "user": f"racer-{i}", "ignore_eos": True}  # fmt: skip
+        payload = {"model": "ver-c", "messages": HI, "max_tokens": 200, "stream": True,
+                   "user": f"racer-{i}", "ignore_eos": True,
+                   "stream_options": {"include_usage": True}}  # fmt: skip
         with api.stream("POST", "/v1/chat/completions", json=payload) as r:
-            text = "".join(r.iter_text())
+            started_on.append(r.headers.get(VERSION_HEADER, ""))
+            lines = r.iter_lines()
+            text = ""
+            for line in lines:
+                text += line + "\n"
+                if line.startswith("data: "):
+                    break
+            go.wait()
+            text += "\n".join(lines)
+            if not rolled_back.is_set():
+                finished_before_rollback.append(i)
         whole = r.status_code == 200 and text.rstrip().endswith("data: [DONE]")
-        ok = whole and '"error"' not in text
-        results.append("ok" if ok else f"{r.status_code} {text[-200:]}")
+        tokens = sum(json.loads(x[6:])["usage"]["completion_tokens"] for x in text.splitlines()
+                     if x.startswith('data: {') and '"usage":{' in x.replace(" ", ""))  # fmt: skip
+        ok = whole and '"error"' not in text and tokens >= 200
+        results.append("ok" if ok else f"{r.status_code} {tokens} {text[-200:]}")
 
     racers = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
     for t in racers:
         t.start()
-    time.sleep(0.3)  # the streams are under way on both versions
-    assert api.post(f"/v1/endpoints/{endpoint}/rollback").status_code == 200
+    go.wait()
+    r = api.post(f"/v1/endpoints/{endpoint}/rollback")
+    rolled_back.set()
+    assert r.status_code == 200, r.text
+    assert r.json()["weights"] == {v1: 100}
     for t in racers:
         t.join()
+    # The race was run: streams were under way on both versions when the rollback came.
+    assert set(started_on) == {v1, v2}, started_on
+    # The rules: a stream under way ends whole on the version it started on, whatever the
+    # rollback moved meanwhile; new requests go to the version rolled back to.
     assert results == ["ok"] * 8
+    assert {ask(api, "ver-c", user=f"racer-{i}").headers[VERSION_HEADER] for i in range(8)} == {v1}
+    print(f"streams finished before the rollback answered: {len(finished_before_rollback)}/8")
 
     # A canary replica that dies under load: requests it refused go to the stable version.
     body = add_canary(api, endpoint, "ver:2", 50, slo=NO_GATE)

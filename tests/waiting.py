@@ -1,0 +1,45 @@
+"""Waiting on observable state: `wait_until` polls a predicate until it holds (or fails the test
+naming what never happened), so a test never sleeps a guessed time and hopes.
+
+A fixed `time.sleep` is kept in tests only for the passage of time itself (a TTL or a lease
+that must lapse, an idle connection, a fault that lasts a while, the pace of a load generator),
+each with a comment saying so."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_until(
+    predicate: Callable[[], T], what: str, timeout: float = 60.0, interval: float = 0.05
+) -> T:
+    """The first truthy value of `predicate()`; an AssertionError naming `what` (and the last
+    value seen) if none comes within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}: {value!r}")
+        time.sleep(interval)
+
+
+async def async_wait_until(
+    predicate: Callable[[], T], what: str, within_s: float = 60.0, interval: float = 0.02
+) -> T:
+    """`wait_until` for a test on an event loop: the loop runs on while it polls."""
+    timeout = within_s
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}: {value!r}")
+        await asyncio.sleep(interval)
