@@ -37,6 +37,7 @@ from modelyard.gateway.ratelimit import MemoryRateLimiter
 from modelyard.protocol.errors import STATUS_BY_KIND
 from tests.platform_harness import PlatformProcess, create_key, deploy, wait_status
 from tests.tiny_models import build_model
+from tests.waiting import async_wait_until
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 ENGINE = json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"})
@@ -100,7 +101,10 @@ async def _admit_all(
     tasks = []
     for call in arrivals:
         tasks.append(asyncio.create_task(request(call)))
-        await asyncio.sleep(0.01)  # arrival order is the order of the list
+        # Arrival order is the order of the list: each one queues before the next is sent.
+        await async_wait_until(
+            lambda: route.waiting + len(refused) == len(tasks), "the request to queue"
+        )
     while len(admitted) + len(refused) < len(arrivals):
         count = len(admitted)
         route.release(replica)
@@ -141,14 +145,13 @@ async def test_a_new_request_does_not_overtake_a_waiter_of_its_tier() -> None:
     route, replica = _route(routing)
     gateway = _gateway(routing)
     waiting = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
-    await asyncio.sleep(0.05)
-    assert route.waiting == 1
+    await async_wait_until(lambda: route.waiting == 1, "the first request to queue")
     # A slot frees, and before the waiter runs a newcomer of the same tier asks: it queues
     # behind it; a priority newcomer may take the slot at once.
     replica.outstanding -= 1
     late = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
-    await asyncio.sleep(0.05)
-    assert not late.done() and route.waiting == 2
+    await async_wait_until(lambda: route.waiting == 2, "the newcomer to queue")
+    assert not late.done()
     route.notify()
     assert await waiting is replica
     replica.outstanding += 1
@@ -156,8 +159,10 @@ async def test_a_new_request_does_not_overtake_a_waiter_of_its_tier() -> None:
     replica.outstanding -= 1  # a slot frees; the priority newcomer outranks the waiter
     assert await gateway._replica(_call(route, "priority"), set()) is replica
     replica.outstanding += 1
+    # An absence is watched for a while: woken by the slot's release, the newcomer looks and
+    # waits on (no state tells that it has looked).
     await asyncio.sleep(0.05)
-    assert not late.done()
+    assert not late.done() and route.waiting == 1
     late.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await late
@@ -171,9 +176,18 @@ async def test_under_overload_the_lower_tier_is_refused_first() -> None:
     route, _ = _route(routing)
     gateway = _gateway(routing, queue_size=4)
 
+    asked: list[asyncio.Task[ReplicaRoute | None]] = []
+
+    def decided() -> tuple[int, int]:
+        return route.waiting, sum(t.done() for t in asked)
+
     async def ask(tier: str) -> asyncio.Task[ReplicaRoute | None]:
+        """A request of `tier`, once the gateway has decided on it: it queued (the queue
+        grew), or it was refused or displaced a waiter (a request ended)."""
+        before = decided()
         task = asyncio.create_task(gateway._replica(_call(route, tier), set()))
-        await asyncio.sleep(0.02)
+        asked.append(task)
+        await async_wait_until(lambda: decided() != before, f"a decision on a {tier} request")
         return task
 
     free = [await ask("free") for _ in range(3)]
@@ -213,11 +227,12 @@ async def test_an_unavailable_endpoint_fails_at_once_and_wakes_its_waiters() -> 
     routing = RoutingTable()
     route, replica = _route(routing)
     # The control plane has a replica starting.
-    gateway = _gateway(routing, activate=lambda _endpoint_id: None)
+    activated: list[str] = []
+    gateway = _gateway(routing, activate=activated.append)
     routing.mark_unready(replica, route)
     # No replica serves, and nothing said waiting is pointless: a request waits (loading)...
     waiting = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
-    await asyncio.sleep(0.05)
+    await async_wait_until(lambda: activated, "the request to ask for a replica and wait")
     assert not waiting.done()
     # ...until the control plane says none will come up by waiting; then it is a 503 at once.
     routing.set_unavailable(route, "its model failed to start", 30)
