@@ -187,7 +187,7 @@ def test_redis_restarted_under_traffic(chaos: Chaos, redis_server: RedisServer) 
     mid_stream = send(chaos.p.url, key, "tiny", stream=True, max_tokens=80,
                       on_first_data=redis_server.kill)  # fmt: skip
     TALLY["redis killed"] += 1
-    time.sleep(1.0)
+    time.sleep(1.0)  # the outage's length under traffic (a fault that lasts, not a wait)
     redis_server.start()
     outcomes = [*traffic.finish(), mid_stream, *recovered(chaos, key)]
     print("redis restart:", summary(outcomes), "mid-stream:", mid_stream)
@@ -213,7 +213,7 @@ def test_postgres_restarted_under_traffic(chaos: Chaos, postgres_server: Postgre
     time.sleep(1.5)  # the auth cache (1 s) has expired: the traffic's key is looked up again
     during = [send(chaos.p.url, k, "tiny", stream=False, max_tokens=4)
               for k in (key, unused, "sk-my-no-such-key")]  # fmt: skip
-    time.sleep(0.5)
+    time.sleep(0.5)  # the outage goes on a while under traffic (a fault's length, not a wait)
     postgres_server.start()
     outcomes = traffic.finish() + recovered(chaos, key)
     print("postgres restart:", summary(outcomes), "during:", during)
