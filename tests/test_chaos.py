@@ -63,6 +63,9 @@ from tests.platform_harness import (
 )
 from tests.tiny_models import build_model
 
+# Each test restarts a database or the platform under traffic: past 2 min on 2 vCPU.
+pytestmark = pytest.mark.timeout(420)
+
 # Faults injected and requests checked, for the table in docs/security.md (printed at the end).
 TALLY: collections.Counter[str] = collections.Counter()
 
