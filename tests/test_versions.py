@@ -34,6 +34,7 @@ from tests.platform_harness import (
     wait_status,
 )
 from tests.tiny_models import build_model
+from tests.waiting import wait_until
 
 HI = [{"role": "user", "content": "hi"}]
 NO_GATE = {"min_samples": 1_000_000}  # these tests move traffic by hand: no SLO rollback
@@ -196,6 +197,18 @@ class Load:
         for t in self._threads:
             t.join()
 
+    def answered(self) -> int:
+        return sum(self.served.values()) + len(self.failures)
+
+    def wait_answered(self, more: int = 6, version: str | None = None) -> None:
+        """Until `more` further requests are answered (served by `version`, if given)."""
+        if version is None:
+            target = self.answered() + more
+            wait_until(lambda: self.answered() >= target, f"{more} more answers under load")
+        else:
+            target = self.served[version] + more
+            wait_until(lambda: self.served[version] >= target, f"{more} answers by {version}")
+
 
 def test_header_usage_stickiness_and_a_rollback_under_load(platform: PlatformProcess) -> None:
     api = platform.api()
@@ -241,9 +254,9 @@ def test_header_usage_stickiness_and_a_rollback_under_load(platform: PlatformPro
     # A manual rollback under steady load: no request fails, no replica starts.
     before = replica_ids(api, endpoint)
     with Load(api, "ver-a") as load:
-        time.sleep(1.0)
+        load.wait_answered()  # under load before the rollback...
         r = api.post(f"/v1/endpoints/{endpoint}/rollback", json={"reason": "looks off"})
-        time.sleep(1.0)
+        load.wait_answered(version=v1)  # ...and after it
     assert r.status_code == 200, r.text
     done = r.json()
     print(f"manual rollback took {done['took_ms']} ms (traffic moved before the write)")
@@ -282,9 +295,9 @@ def test_promote_keeps_the_previous_version_warm_and_rollback_loads_nothing(
         assert ask(api, "ver-b").headers[VERSION_HEADER] == v2
 
     with Load(api, "ver-b") as load:
-        time.sleep(0.5)
+        load.wait_answered()
         r = api.post(f"/v1/endpoints/{endpoint}/rollback")
-        time.sleep(1.0)
+        load.wait_answered(version=v1)  # the warm previous version serves at once
     assert r.status_code == 200, r.text
     assert load.failures == [] and load.served[v1] > 0
     view = api.get(f"/v1/endpoints/{endpoint}").json()
@@ -356,9 +369,13 @@ def test_a_rollback_races_streams_in_flight_and_a_dying_canary_is_retried(
                   and i["state"] == "ready")  # fmt: skip
     sent_before = {r["request_id"] for r in usage_rows(api)}
     with Load(api, "ver-c") as load:
-        time.sleep(0.5)
+        load.wait_answered()
         os.kill(canary["pid"], signal.SIGKILL)
-        time.sleep(1.5)
+        wait_until(
+            lambda: api.get(f"/v1/endpoints/{endpoint}").json()["versions"]["fallbacks"] > 0,
+            "a request meant for the dead canary to fall back to the stable version",
+        )
+        load.wait_answered()
     assert load.failures == [], load.failures
     assert load.served[v1] > 0
     view = api.get(f"/v1/endpoints/{endpoint}").json()
