@@ -8,8 +8,9 @@ each with a comment saying so."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -31,13 +32,19 @@ def wait_until(
 
 
 async def async_wait_until(
-    predicate: Callable[[], T], what: str, within_s: float = 60.0, interval: float = 0.02
+    predicate: Callable[[], T | Awaitable[T]],
+    what: str,
+    within_s: float = 60.0,
+    interval: float = 0.02,
 ) -> T:
-    """`wait_until` for a test on an event loop: the loop runs on while it polls."""
+    """`wait_until` for a test on an event loop: the loop runs on while it polls, and the
+    predicate may be a coroutine function (a look at Redis, say)."""
     timeout = within_s
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if time.monotonic() > deadline:
