@@ -460,8 +460,8 @@ def test_tenants_tiers_order_the_queue_and_the_free_tier_is_refused_first(
         ("free-2", "free", (1, 2, ())),  # the queue (4) is now half full: free's share
         ("free-3", "free", (1, 2, ("free-3",))),  # refused: the rest is kept for higher tiers
         ("priority", "priority", (1, 3, ())),
-        ("standard", "standard", (1, 3, ("free-2",))),  # past standard's share (3): displaces
-    ]  # free-2
+        ("standard", "standard", (1, 3, ("free-2",))),  # past its share (3): ousts free-2
+    ]
     os.kill(replica["pid"], signal.SIGSTOP)
     threads = []
     try:
