@@ -2,8 +2,9 @@
 naming what never happened), so a test never sleeps a guessed time and hopes.
 
 A fixed `time.sleep` is kept in tests only for the passage of time itself (a TTL or a lease
-that must lapse, an idle connection, a fault that lasts a while, the pace of a load generator),
-each with a comment saying so."""
+that must lapse, an idle connection, a fault that lasts a while, an absence watched for a while,
+the pace of a load generator), each with a comment saying so; a sleep inside a polling loop
+like these is the poll's interval."""
 
 from __future__ import annotations
 
