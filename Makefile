@@ -29,8 +29,17 @@ test: $(STAMP) chromium
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	# Two processes, each taking whole test files (module fixtures start once): most tests wait
-	# on workers and platforms they start, so two share the 2 cores of CI well.
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	# on workers and platforms they start, so two share the 2 cores of CI well. Files go out in
+	# the order tests/conftest.py sorts them (longest first): --no-loadscope-reorder keeps
+	# xdist from re-sorting them by their number of tests.
+	# Under coverage (pyproject's [tool.coverage]): every process writes its own data file in
+	# the repository's root (COVERAGE_FILE), combined and checked against the floor at the end.
+	rm -f .coverage .coverage.*
+	COVERAGE_FILE=$(CURDIR)/.coverage $(BIN)/python -m coverage run -m pytest \
+		-n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m coverage combine --quiet
+	@echo "line coverage of src/modelyard, % (fails below [tool.coverage.report] fail_under):"
+	$(BIN)/python -m coverage report --format=total
 
 # The console's browser tests drive Debian's Chromium (never a downloaded browser): install it
 # through the system package manager when it is missing, as root; otherwise say why not.
@@ -63,4 +72,4 @@ llama-server: $(STAMP)
 	nice $(BIN)/python benchmarks/llama_cpp_build.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .coverage .coverage.*

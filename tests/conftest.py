@@ -37,8 +37,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # The test files that take a minute or more (measured on 2 vCPU), longest first. `make test`
-# runs two xdist processes that take whole files in collection order, so these start first and
-# the processes finish together instead of one waiting out the other's last long file.
+# runs two xdist processes that take whole files (`--dist loadfile`) in collection order, which
+# this hook sets: `--no-loadscope-reorder` stops xdist from re-sorting the files by how many
+# tests each has. So these start first and the processes finish together instead of one
+# waiting out the other's last long file.
 _LONGEST_FILES = [
     "test_versions.py",
     "test_tensor_parallel.py",
@@ -48,6 +50,7 @@ _LONGEST_FILES = [
     "test_platform_lifecycle.py",
     "test_chaos.py",
     "test_platform_scaling.py",
+    "test_platform_encoders.py",  # both store modes: about 5 min
     "test_model_parity.py",
     "test_smollm2.py",
     "test_ray_backend.py",

@@ -172,6 +172,7 @@ def _fuzz(operation: Any, base_url: str, key: str, examples: int, counter: list[
     run()
 
 
+@pytest.mark.timeout(360)  # hundreds of generated requests: 140 s on a busy 2 vCPU
 @pytest.mark.parametrize("who", list(EXAMPLES))
 def test_every_operation_survives_generated_requests(
     platform: PlatformProcess, keys: dict[str, str], who: str

@@ -61,7 +61,7 @@ async def test_keys_during_a_database_outage(database: Database) -> None:
         # A key seen before keeps working from its last good lookup.
         for _ in range(3):
             assert await auth.authenticate(f"Bearer {known}") == principal
-            await asyncio.sleep(0.06)
+            await asyncio.sleep(0.06)  # the cache's TTL (0.05 s) lapses: looked up again
         # A key with no good lookup (never used here, or not a key at all) cannot be checked:
         # a 503 that says when to retry, not a 500 and not served unchecked.
         for key in (never_used, "sk-my-not-a-key"):
@@ -70,7 +70,7 @@ async def test_keys_during_a_database_outage(database: Database) -> None:
             assert error.headers["retry-after"].isdigit()
         # Staleness is bounded: past stale_ttl_s the last good lookup is not served either.
         auth.stale_ttl_s = 0.0
-        await asyncio.sleep(0.06)
+        await asyncio.sleep(0.06)  # the cache's TTL lapses (time itself, not a wait)
         assert (await refused(auth, known)).status == 503
         auth.stale_ttl_s = 300.0
     finally:
@@ -81,7 +81,7 @@ async def test_keys_during_a_database_outage(database: Database) -> None:
         assert row is not None
         row.revoked_at = repo.now()
     auth.db = database
-    await asyncio.sleep(0.06)
+    await asyncio.sleep(0.06)  # the cache's TTL lapses (time itself, not a wait)
     assert (await refused(auth, known)).status == 401
     assert (await auth.authenticate(f"Bearer {never_used}")).tenant_id
 
@@ -98,7 +98,7 @@ async def test_a_hung_database_counts_as_down_after_the_lookup_timeout(database:
     down = Database(f"postgresql+psycopg://postgres@127.0.0.1:{hung.getsockname()[1]}/test")
     auth.db = down
     try:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the cache's TTL lapses (time itself, not a wait)
         loop = asyncio.get_running_loop()
         started = loop.time()
         assert await auth.authenticate(f"Bearer {known}") == principal

@@ -58,6 +58,7 @@ from tests.platform_harness import (
     wait_usage,
 )
 from tests.tiny_models import build_model
+from tests.waiting import async_wait_until
 
 ENGINE = json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"})
 line = batch_line
@@ -390,7 +391,9 @@ def test_revoking_the_key_stops_its_batch_and_its_billing(setup: Setup) -> None:
     # Billed exactly the items that finished, and nothing after.
     rows = wait_usage(setup.admin, lambda r: len(r) >= len(out), tenant_id=setup.tenant)
     assert {r["request_id"] for r in rows} == {o["response"]["request_id"] for o in out}
-    time.sleep(1.0)  # a runner still sending would bill more within this
+    # An absence can only be watched for a while (no state says "nothing more will come"): a
+    # runner still sending would bill more within this window.
+    time.sleep(1.0)
     assert len(usage_rows(setup.admin, tenant_id=setup.tenant)) == len(out)
     assert reader.batches.retrieve(batch.id).request_counts.completed == len(out)
 
@@ -563,6 +566,28 @@ class Runner:
             routing=self.routing,
         )
         self.tmp = tmp
+        # What the runner did, counted through to the real calls: the looks it took at an
+        # endpoint's load (before sending an item) and its passes over the active batches. A
+        # test that something is NOT done waits for a few of these instead of a guessed time.
+        self.looks = 0
+        self.passes = 0
+        resolve, active_ids = self.routing.resolve, self.runner._active_ids
+
+        def counted_resolve(*args: Any, **kwargs: Any) -> EndpointRoute | None:
+            self.looks += 1
+            return resolve(*args, **kwargs)
+
+        def counted_active_ids() -> list[str]:
+            self.passes += 1
+            return active_ids()
+
+        self.routing.resolve = counted_resolve  # type: ignore[method-assign]
+        self.runner._active_ids = counted_active_ids  # type: ignore[method-assign]
+
+    async def after(self, count: str, more: int = 3) -> None:
+        """Once the runner has taken `more` further looks (`count` "looks") or passes."""
+        target = getattr(self, count) + more
+        await async_wait_until(lambda: getattr(self, count) >= target, f"{more} more {count}", 30)
 
     def tenant(self, name: str, **ceilings: Any) -> Principal:
         with self.db.session() as s:
@@ -638,11 +663,11 @@ async def test_batch_items_wait_while_interactive_requests_fill_the_endpoint(
     r.runner.start()
     try:
         await r.until([batch], {"in_progress"})
-        await asyncio.sleep(0.5)
+        await r.after("looks")  # the runner looked at the endpoint, and held its item back
         assert r.gateway.sent == []  # the replica is full of interactive requests
         queued = route.queue.join(0, 256)  # and one more waits for admission
         replica.outstanding = 1  # a slot frees: it is the queued request's
-        await asyncio.sleep(0.5)
+        await r.after("looks")
         assert r.gateway.sent == []
         route.queue.leave(queued)  # admitted; then the interactive load is gone
         replica.outstanding = 0
@@ -696,7 +721,7 @@ async def test_a_deleted_input_file_fails_the_batch_once(
     r.runner.start()
     try:
         await r.until([batch], {"failed"}, within_s=10)
-        await asyncio.sleep(0.5)  # a few more polls: the batch is not looked at again
+        await r.after("passes")  # a few more polls: the batch is not looked at again
     finally:
         await r.runner.stop()
     view = r.status(batch)

@@ -63,6 +63,9 @@ from tests.platform_harness import (
 )
 from tests.tiny_models import build_model
 
+# Each test restarts a database or the platform under traffic: past 2 min on 2 vCPU.
+pytestmark = pytest.mark.timeout(420)
+
 # Faults injected and requests checked, for the table in docs/security.md (printed at the end).
 TALLY: collections.Counter[str] = collections.Counter()
 
@@ -187,7 +190,7 @@ def test_redis_restarted_under_traffic(chaos: Chaos, redis_server: RedisServer) 
     mid_stream = send(chaos.p.url, key, "tiny", stream=True, max_tokens=80,
                       on_first_data=redis_server.kill)  # fmt: skip
     TALLY["redis killed"] += 1
-    time.sleep(1.0)
+    time.sleep(1.0)  # the outage's length under traffic (a fault that lasts, not a wait)
     redis_server.start()
     outcomes = [*traffic.finish(), mid_stream, *recovered(chaos, key)]
     print("redis restart:", summary(outcomes), "mid-stream:", mid_stream)
@@ -213,7 +216,7 @@ def test_postgres_restarted_under_traffic(chaos: Chaos, postgres_server: Postgre
     time.sleep(1.5)  # the auth cache (1 s) has expired: the traffic's key is looked up again
     during = [send(chaos.p.url, k, "tiny", stream=False, max_tokens=4)
               for k in (key, unused, "sk-my-no-such-key")]  # fmt: skip
-    time.sleep(0.5)
+    time.sleep(0.5)  # the outage goes on a while under traffic (a fault's length, not a wait)
     postgres_server.start()
     outcomes = traffic.finish() + recovered(chaos, key)
     print("postgres restart:", summary(outcomes), "during:", during)
@@ -268,6 +271,8 @@ def test_worker_killed_under_streaming_and_unary_load(chaos: Chaos) -> None:
         target=lambda: unary.append(send(chaos.p.url, key, "tiny", False, 300))
     )
     thread.start()
+    # Left as a fixed sleep: nothing observable tells the unary request in flight apart from
+    # the traffic's (the stream after it kills the worker on its first token either way).
     time.sleep(0.2)
     mid_stream = send(chaos.p.url, key, "tiny", True, 300, on_first_data=kill_workers)
     thread.join(90)

@@ -12,9 +12,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from modelyard.control.cluster_load import LoadAggregator
+from modelyard.core.cluster_keys import ACTIVATE_KEY
 from modelyard.core.routing import EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.traffic_report import TrafficReporter
 from tests.databases import fresh_redis
+from tests.waiting import async_wait_until
 
 
 @pytest.fixture()
@@ -47,7 +49,10 @@ def test_counters_summed_by_difference_and_activations_delivered(redis_url: str)
             await g1.report()
             await g2.report()
             g1.activate("ep-1")
-            await asyncio.sleep(0.1)  # the activation is sent in the background
+            # The activation is sent in the background: once it is in Redis.
+            await async_wait_until(
+                lambda: client.sismember(ACTIVATE_KEY, "ep-1"), "the activation in Redis"
+            )
             await aggregator.tick()
             assert c_route.replicas[0].outstanding == 1 + 2 + 3
             assert c_route.requests_total == 15

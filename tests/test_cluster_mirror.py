@@ -9,12 +9,14 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import text
 
 from modelyard.core.routing import RoutingTable
 from modelyard.gateway.route_mirror import RouteMirror
 from modelyard.store import routing_entries
 from modelyard.store.db import Database
 from tests.databases import fresh_postgres
+from tests.waiting import async_wait_until
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +95,25 @@ def test_newer_generations_apply_in_place_older_ones_never(db: Database) -> None
     asyncio.run(run())
 
 
+def listening(db: Database) -> bool:
+    """A session of the database is listening on the routes' channel (PostgreSQL says so)."""
+    sql = text(
+        "select count(*) from pg_stat_activity where datname = current_database() "
+        "and query ilike :listen"
+    )
+    with db.session() as s:
+        return bool(s.scalar(sql, {"listen": f"LISTEN {routing_entries.CHANNEL}%"}))
+
+
 def test_notification_wakes_the_mirror(db: Database) -> None:
     async def run() -> None:
         routing = RoutingTable()
         mirror = RouteMirror(db, routing, refresh_s=60.0)  # the poll alone would take a minute
         await mirror.start()
         try:
-            await asyncio.sleep(0.5)  # listening
+            await async_wait_until(
+                lambda: asyncio.to_thread(listening, db), "the mirror to LISTEN", 30
+            )
             write(db, 100, entry([("rep-c", True)]))
             for _ in range(100):
                 if routing.get("ep-1") is not None:

@@ -45,7 +45,7 @@ async def _send(tmp_path: Path, wait_s: float, seen: list[str]) -> int:
     runner, url = await _replica(seen)
 
     async def fresh_entry() -> None:  # what the mirror does when the new generation arrives
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the scenario: the new generation arrives late (not a wait)
         routing.set_replicas(route, [ReplicaRoute("rep-new", url)])
 
     task = asyncio.create_task(fresh_entry())

@@ -37,6 +37,7 @@ from tests.tiny_encoders import (
     export_onnx,
     minilm_folder,
 )
+from tests.waiting import async_wait_until
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -286,7 +287,8 @@ async def test_late_items_wait_at_most_the_window() -> None:
     fn = Recorder()
     batcher = DynamicBatcher(fn, max_batch_size=32, max_wait_ms=10)
     first = asyncio.ensure_future(batcher.submit(1))
-    await asyncio.sleep(0.1)  # well past the window: the first batch has gone alone
+    # Nothing else came within the window: the first batch goes alone.
+    await async_wait_until(lambda: fn.batches == [[1]], "the first batch to go alone", 10)
     assert await first == 2 and await batcher.submit(2) == 4
     assert fn.batches == [[1], [2]]
     batcher.close()
@@ -298,7 +300,7 @@ async def test_cancelled_callers_do_not_break_the_batch() -> None:
     tasks = [asyncio.ensure_future(batcher.submit(i)) for i in range(4)]
     await asyncio.sleep(0)
     tasks[1].cancel()  # still queued: it drops out of the batch
-    await asyncio.sleep(0.06)
+    await async_wait_until(lambda: fn.batches, "the batch to start running", 10)
     tasks[2].cancel()  # its batch is running: the others still get theirs
     assert await tasks[0] == 0 and await tasks[3] == 6
     assert tasks[1].cancelled() and tasks[2].cancelled()

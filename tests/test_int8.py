@@ -184,6 +184,7 @@ SMOL_PROMPTS = [
 ]
 
 
+@pytest.mark.timeout(480)  # SmolLM2 quantized and compared: 220 s on a busy 2 vCPU
 def test_smollm2_int8_close_to_fp32(smollm2_folder: Path) -> None:
     from modelyard.engine.models.loader import read_model_config
     from modelyard.engine.tokenizer import Tokenizer
@@ -197,6 +198,7 @@ def test_smollm2_int8_close_to_fp32(smollm2_folder: Path) -> None:
 
 
 @needs_fbgemm
+@pytest.mark.timeout(900)  # SmolLM2 under w8a8 and fp32: 460 s on a busy 2 vCPU
 def test_smollm2_w8a8_close_to_fp32(smollm2_folder: Path) -> None:
     """Int8 activations cost accuracy: bounds from BENCHMARKS.md's measurement, with margin;
     FBGEMM's packed weights take ~1.8 bytes each (counted as 2), the tied head its own copy."""

@@ -268,6 +268,7 @@ def test_bad_adapters_are_refused(tiny: tuple[Path, dict[str, Path]], tmp_path: 
         plain.add_request("p", PROMPT, params, lora="a1")
 
 
+@pytest.mark.timeout(300)  # SmolLM2 with an adapter: 125 s on a busy 2 vCPU
 def test_smollm2_adapter_and_base_in_one_batch(smollm2_folder: Path, tmp_path: Path) -> None:
     adapter = make_adapter(
         smollm2_folder,

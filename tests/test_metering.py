@@ -228,7 +228,7 @@ async def test_a_flush_waits_for_the_batch_another_flush_is_writing(
             await asyncio.sleep(0.01)
         assert not recorder._pending
         reading = asyncio.create_task(recorder.flush())  # the export's
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # an absence, watched for a while (no state says "still waits")
         assert not reading.done()  # it waits for the batch in flight
         assert len(journal.path.read_bytes().splitlines()) == 1  # still on disk
     finally:

@@ -24,8 +24,8 @@ from tests.platform_harness import (
     create_key,
     create_tenant,
     deploy,
-    usage_rows,
     wait_status,
+    wait_usage,
 )
 from tests.tiny_encoders import build_classifier, export_onnx, minilm_folder
 
@@ -41,9 +41,13 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def platform(
-    tmp_path_factory: pytest.TempPathFactory, folders: dict[str, Path], cache_dir: Path
+    platform_env: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+    folders: dict[str, Path],
+    cache_dir: Path,
 ) -> Iterator[PlatformProcess]:
-    env = {"MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    """Both store modes: encoder requests are metered and rate limited like any other."""
+    env = {**platform_env, "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5"}
     p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
     try:
         admin = p.api()
@@ -74,8 +78,12 @@ def test_embeddings_through_the_gateway_are_exact_and_metered(
     assert resp.usage.prompt_tokens == sum(counts) == resp.usage.total_tokens
     decoded = client.embeddings.create(model="minilm", input=SENTENCES[0])  # base64 on the wire
     assert np.allclose(decoded.data[0].embedding, got[0], atol=1e-6)
-    time.sleep(0.3)
-    rows = [r for r in usage_rows(platform.api(), tenant_id=tenant_id) if r["kind"] == "embeddings"]
+    rows = wait_usage(
+        platform.api(),
+        lambda rows: len([r for r in rows if r["kind"] == "embeddings"]) >= 2,
+        tenant_id=tenant_id,
+    )
+    rows = [r for r in rows if r["kind"] == "embeddings"]
     assert sorted(int(r["prompt_tokens"]) for r in rows) == sorted([sum(counts), counts[0]])
     assert all(r["model"] == "minilm" and r["completion_tokens"] == "0" for r in rows)
 
@@ -106,8 +114,12 @@ def test_open_inference_protocol_through_the_gateway(
                           "data": ["good movie", "bad movie"]}]}  # fmt: skip
     r = http.post("/v2/models/clf/infer", json=triton)
     assert r.status_code == 200
-    time.sleep(0.3)
-    rows = [r for r in usage_rows(platform.api(), tenant_id=tenant_id) if r["kind"] == "oip.infer"]
+    rows = wait_usage(
+        platform.api(),
+        lambda rows: len([r for r in rows if r["kind"] == "oip.infer"]) >= 3,
+        tenant_id=tenant_id,
+    )
+    rows = [r for r in rows if r["kind"] == "oip.infer"]
     assert len(rows) == 3  # one metered request each, billed the tokens its texts took
     assert {r["prompt_tokens"] for r in rows} == {str(body["parameters"]["usage"]["prompt_tokens"])}
     assert int(rows[0]["prompt_tokens"]) > 0

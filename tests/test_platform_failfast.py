@@ -37,6 +37,7 @@ from modelyard.gateway.ratelimit import MemoryRateLimiter
 from modelyard.protocol.errors import STATUS_BY_KIND
 from tests.platform_harness import PlatformProcess, create_key, deploy, wait_status
 from tests.tiny_models import build_model
+from tests.waiting import async_wait_until
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 ENGINE = json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"})
@@ -100,7 +101,10 @@ async def _admit_all(
     tasks = []
     for call in arrivals:
         tasks.append(asyncio.create_task(request(call)))
-        await asyncio.sleep(0.01)  # arrival order is the order of the list
+        # Arrival order is the order of the list: each one queues before the next is sent.
+        await async_wait_until(
+            lambda: route.waiting + len(refused) == len(tasks), "the request to queue"
+        )
     while len(admitted) + len(refused) < len(arrivals):
         count = len(admitted)
         route.release(replica)
@@ -141,14 +145,13 @@ async def test_a_new_request_does_not_overtake_a_waiter_of_its_tier() -> None:
     route, replica = _route(routing)
     gateway = _gateway(routing)
     waiting = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
-    await asyncio.sleep(0.05)
-    assert route.waiting == 1
+    await async_wait_until(lambda: route.waiting == 1, "the first request to queue")
     # A slot frees, and before the waiter runs a newcomer of the same tier asks: it queues
     # behind it; a priority newcomer may take the slot at once.
     replica.outstanding -= 1
     late = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
-    await asyncio.sleep(0.05)
-    assert not late.done() and route.waiting == 2
+    await async_wait_until(lambda: route.waiting == 2, "the newcomer to queue")
+    assert not late.done()
     route.notify()
     assert await waiting is replica
     replica.outstanding += 1
@@ -156,8 +159,10 @@ async def test_a_new_request_does_not_overtake_a_waiter_of_its_tier() -> None:
     replica.outstanding -= 1  # a slot frees; the priority newcomer outranks the waiter
     assert await gateway._replica(_call(route, "priority"), set()) is replica
     replica.outstanding += 1
+    # An absence is watched for a while: woken by the slot's release, the newcomer looks and
+    # waits on (no state tells that it has looked).
     await asyncio.sleep(0.05)
-    assert not late.done()
+    assert not late.done() and route.waiting == 1
     late.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await late
@@ -171,9 +176,18 @@ async def test_under_overload_the_lower_tier_is_refused_first() -> None:
     route, _ = _route(routing)
     gateway = _gateway(routing, queue_size=4)
 
+    asked: list[asyncio.Task[ReplicaRoute | None]] = []
+
+    def decided() -> tuple[int, int]:
+        return route.waiting, sum(t.done() for t in asked)
+
     async def ask(tier: str) -> asyncio.Task[ReplicaRoute | None]:
+        """A request of `tier`, once the gateway has decided on it: it queued (the queue
+        grew), or it was refused or displaced a waiter (a request ended)."""
+        before = decided()
         task = asyncio.create_task(gateway._replica(_call(route, tier), set()))
-        await asyncio.sleep(0.02)
+        asked.append(task)
+        await async_wait_until(lambda: decided() != before, f"a decision on a {tier} request")
         return task
 
     free = [await ask("free") for _ in range(3)]
@@ -213,11 +227,12 @@ async def test_an_unavailable_endpoint_fails_at_once_and_wakes_its_waiters() -> 
     routing = RoutingTable()
     route, replica = _route(routing)
     # The control plane has a replica starting.
-    gateway = _gateway(routing, activate=lambda _endpoint_id: None)
+    activated: list[str] = []
+    gateway = _gateway(routing, activate=activated.append)
     routing.mark_unready(replica, route)
     # No replica serves, and nothing said waiting is pointless: a request waits (loading)...
     waiting = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
-    await asyncio.sleep(0.05)
+    await async_wait_until(lambda: activated, "the request to ask for a replica and wait")
     assert not waiting.done()
     # ...until the control plane says none will come up by waiting; then it is a 503 at once.
     routing.set_unavailable(route, "its model failed to start", 30)
@@ -380,10 +395,14 @@ def test_a_killed_single_replica_is_a_clean_503_then_replaced(
 
 @pytest.fixture(scope="module")
 def one_slot_platform(
-    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+    platform_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
 ) -> Iterator[PlatformProcess]:
+    """Both store modes: a tenant's tier comes from its stored row and admission is a limit."""
     env = {
+        **platform_env,
         "MODELYARD_WORKER_ENGINE": ENGINE,
+        # /metrics (the queue the test watches) skips the stopped replica's series quickly.
+        "MODELYARD_METRICS_SCRAPE_TIMEOUT_S": "0.2",
         # No health tick while the test runs: its stopped worker holds the one slot, unprobed.
         "MODELYARD_HEALTH_CHECK_INTERVAL_S": "3600",
         "MODELYARD_ADMISSION_TOKENS_PER_REQUEST": "1000000000",  # one request per replica
@@ -394,6 +413,14 @@ def one_slot_platform(
         yield p
     finally:
         p.stop()
+
+
+def _gauge(text: str, name: str, endpoint: str) -> float:
+    """The value of gauge `name` for `endpoint` in a /metrics exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'endpoint="{endpoint}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} for {endpoint} on /metrics")
 
 
 def test_tenants_tiers_order_the_queue_and_the_free_tier_is_refused_first(
@@ -416,23 +443,33 @@ def test_tenants_tiers_order_the_queue_and_the_free_tier_is_refused_first(
             r = client.post("/v1/chat/completions", json=body, timeout=60.0)
         done[name] = (r.status_code, r.headers.get("x-request-id", ""), r.text)
 
+    def arrived(in_flight: int, queued: int, refused: tuple[str, ...] = ()) -> bool:
+        """The gateway holds `in_flight` sent and `queued` waiting for the endpoint, and has
+        answered `refused`: the last request has arrived (its place is taken)."""
+        text = api.get("/metrics").text
+        return (
+            _gauge(text, "modelyard_gateway_requests_in_flight", endpoint) == in_flight
+            and _gauge(text, "modelyard_gateway_queue_depth", endpoint) == queued
+            and all(n in done for n in refused)
+        )
+
+    # Each request is sent once the one before it has arrived (arrival order at the gateway).
     arrivals = [
-        ("hold", "standard"),  # takes the one slot, and hangs there
-        ("free-1", "free"),
-        ("free-2", "free"),  # the queue (4) is now half full: free's share
-        ("free-3", "free"),  # refused: the rest is kept for higher tiers
-        ("priority", "priority"),
-        ("standard", "standard"),  # past standard's share (3): displaces free-2
+        ("hold", "standard", (1, 0, ())),  # takes the one slot, and hangs there
+        ("free-1", "free", (1, 1, ())),
+        ("free-2", "free", (1, 2, ())),  # the queue (4) is now half full: free's share
+        ("free-3", "free", (1, 2, ("free-3",))),  # refused: the rest is kept for higher tiers
+        ("priority", "priority", (1, 3, ())),
+        ("standard", "standard", (1, 3, ("free-2",))),  # past its share (3): ousts free-2
     ]
     os.kill(replica["pid"], signal.SIGSTOP)
     threads = []
     try:
-        for name, tier in arrivals:
+        for name, tier, state in arrivals:
             thread = threading.Thread(target=ask, args=(name, tier))
             thread.start()
             threads.append(thread)
-            time.sleep(1.0)  # arrival order at the gateway
-        _wait_for(lambda: "free-3" in done and "free-2" in done, "the refusals", 10)
+            _wait_for(lambda s=state: arrived(*s), f"{name} to arrive at the gateway", 30)
     finally:
         os.kill(replica["pid"], signal.SIGCONT)
     for thread in threads:

@@ -30,6 +30,7 @@ from tests.platform_harness import (
     wait_usage,
 )
 from tests.tiny_models import build_model
+from tests.waiting import wait_until
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 ENGINE = json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"})
@@ -199,9 +200,13 @@ def test_delete_drains_in_flight_requests_then_stops_the_replica(
         chunks = [c for c in stream if c.choices]
         result["finish"] = chunks[-1].choices[0].finish_reason
 
+    def in_flight() -> int:
+        return sum(int(r["outstanding"]) for r in
+                   api.get(f"/v1/endpoints/{endpoint}").json()["replicas"]["items"])  # fmt: skip
+
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(0.5)
+    wait_until(lambda: in_flight() > 0, "the long request in flight on the replica")
     assert api.delete(f"/v1/endpoints/{endpoint}").json()["status"] == "draining"
     with pytest.raises(openai.NotFoundError):  # no new requests once draining
         platform.openai().chat.completions.create(model="drain-me", messages=MESSAGES)

@@ -22,6 +22,7 @@ import pytest
 from modelyard.registry_client import RegistryClient
 from tests.platform_harness import PlatformProcess, deploy, wait_status
 from tests.tiny_models import build_model
+from tests.waiting import wait_until
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 FAST = {"stable_window_seconds": 2, "panic_window_seconds": 1, "scale_down_delay_seconds": 1}
@@ -182,6 +183,11 @@ def test_killing_a_worker_under_50_requests_loses_none(
     ep = deploy(api, "pair", str(tiny_dir), public=True,
                 hardware={"min_replicas": 2, "max_replicas": 2})  # fmt: skip
     victim = endpoint(api, ep)["replicas"]["items"][0]["pid"]
+
+    def victim_outstanding() -> int:
+        items = endpoint(api, ep)["replicas"]["items"]
+        return sum(int(r["outstanding"]) for r in items if r["pid"] == victim)
+
     client = openai.AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=platform.admin_key,
                                 max_retries=0, timeout=120)  # fmt: skip
 
@@ -194,7 +200,10 @@ def test_killing_a_worker_under_50_requests_loses_none(
             return r.choices[0].finish_reason or ""
 
         tasks = [asyncio.create_task(one(i)) for i in range(50)]
-        await asyncio.sleep(1.0)
+        # The kill lands while the victim is answering: requests are in flight on it.
+        await asyncio.to_thread(
+            wait_until, lambda: victim_outstanding() > 0, "requests in flight on the victim"
+        )
         os.kill(victim, signal.SIGKILL)
         return await asyncio.gather(*tasks)
 

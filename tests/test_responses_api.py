@@ -1,6 +1,6 @@
 """The Responses API (`POST /v1/responses`, stateless): a real SmolLM2 worker driven by the
 `openai` SDK's `client.responses` and LangChain's `use_responses_api=True`; then through the
-platform's gateway (a tiny random model, SQLite mode): responses, tool calls and
+platform's gateway (a tiny random model, in both store modes): responses, tool calls and
 response_format are routed and metered like chat, a responses stream is billed from its final
 `response.completed` usage, a schema that does not compile is a 400 naming response_format,
 a batch line may carry tools, response_format and guided_choice, and LangChain pointed at
@@ -244,14 +244,19 @@ TOOLS_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def gateway(
-    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+    platform_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
 ) -> Iterator[tuple[PlatformProcess, openai.OpenAI, httpx.Client]]:
+    """Both store modes: everything through it is metered, and batches run on its store."""
     models_dir = tmp_path_factory.mktemp("responses-models")
     build_model(models_dir / TINY, "llama")
     settings_file = models_dir / TINY / "tokenizer_config.json"
     settings = json.loads(settings_file.read_text())
     settings_file.write_text(json.dumps({**settings, "chat_template": TOOLS_TEMPLATE}))
-    env = {**tiny_models_env(models_dir), "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2"}
+    env = {
+        **platform_env,
+        **tiny_models_env(models_dir),
+        "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
+    }
     p = PlatformProcess(tmp_path_factory.mktemp("responses-data"), env).start()
     try:
         admin = p.api()

@@ -145,6 +145,7 @@ def test_a_bad_scaling_block_is_a_400_that_leaves_nothing(
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.timeout(300)  # serve started twice over bad rows: 110 s on a busy 2 vCPU
 def test_serve_starts_over_stored_endpoints_that_no_longer_parse(
     platform: PlatformProcess, models_dir: Path
 ) -> None:
@@ -187,6 +188,7 @@ def test_serve_starts_over_stored_endpoints_that_no_longer_parse(
     assert left == {good}
 
 
+@pytest.mark.timeout(300)  # two controllers and a takeover: 105 s on a busy 2 vCPU
 def test_a_standby_controller_takes_over_over_stored_endpoints_that_no_longer_parse(
     tmp_path: Path, models_dir: Path
 ) -> None:

@@ -127,6 +127,7 @@ def running(api: httpx.Client, endpoint: str) -> list[dict[str, Any]]:
     return [i for i in items if i["state"] in ("starting", "ready", "unhealthy", "draining")]
 
 
+@pytest.mark.timeout(360)  # two versions' replicas start and stop: past 2 min on 2 vCPU
 def test_a_canary_does_not_push_an_endpoint_past_max_replicas(
     platform: PlatformProcess, admin: httpx.Client, versions: None
 ) -> None:

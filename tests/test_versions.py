@@ -8,6 +8,7 @@ weights survive a restart (SQLite, and PostgreSQL + Redis)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -33,6 +34,7 @@ from tests.platform_harness import (
     wait_status,
 )
 from tests.tiny_models import build_model
+from tests.waiting import wait_until
 
 HI = [{"role": "user", "content": "hi"}]
 NO_GATE = {"min_samples": 1_000_000}  # these tests move traffic by hand: no SLO rollback
@@ -195,6 +197,18 @@ class Load:
         for t in self._threads:
             t.join()
 
+    def answered(self) -> int:
+        return sum(self.served.values()) + len(self.failures)
+
+    def wait_answered(self, more: int = 6, version: str | None = None) -> None:
+        """Until `more` further requests are answered (served by `version`, if given)."""
+        if version is None:
+            target = self.answered() + more
+            wait_until(lambda: self.answered() >= target, f"{more} more answers under load")
+        else:
+            target = self.served[version] + more
+            wait_until(lambda: self.served[version] >= target, f"{more} answers by {version}")
+
 
 def test_header_usage_stickiness_and_a_rollback_under_load(platform: PlatformProcess) -> None:
     api = platform.api()
@@ -240,9 +254,9 @@ def test_header_usage_stickiness_and_a_rollback_under_load(platform: PlatformPro
     # A manual rollback under steady load: no request fails, no replica starts.
     before = replica_ids(api, endpoint)
     with Load(api, "ver-a") as load:
-        time.sleep(1.0)
+        load.wait_answered()  # under load before the rollback...
         r = api.post(f"/v1/endpoints/{endpoint}/rollback", json={"reason": "looks off"})
-        time.sleep(1.0)
+        load.wait_answered(version=v1)  # ...and after it
     assert r.status_code == 200, r.text
     done = r.json()
     print(f"manual rollback took {done['took_ms']} ms (traffic moved before the write)")
@@ -281,9 +295,9 @@ def test_promote_keeps_the_previous_version_warm_and_rollback_loads_nothing(
         assert ask(api, "ver-b").headers[VERSION_HEADER] == v2
 
     with Load(api, "ver-b") as load:
-        time.sleep(0.5)
+        load.wait_answered()
         r = api.post(f"/v1/endpoints/{endpoint}/rollback")
-        time.sleep(1.0)
+        load.wait_answered(version=v1)  # the warm previous version serves at once
     assert r.status_code == 200, r.text
     assert load.failures == [] and load.served[v1] > 0
     view = api.get(f"/v1/endpoints/{endpoint}").json()
@@ -300,26 +314,54 @@ def test_a_rollback_races_streams_in_flight_and_a_dying_canary_is_retried(
     api = platform.api()
     endpoint = deploy(api, "ver-c", "ver:1", hardware={"max_replicas": 2})
     v1 = api.get(f"/v1/endpoints/{endpoint}").json()["version_id"]
-    add_canary(api, endpoint, "ver:2", 50, slo=NO_GATE)
+    v2 = add_canary(api, endpoint, "ver:2", 50, slo=NO_GATE)["versions"]["canary"]["version_id"]
     results: list[str] = []
+    started_on: list[str] = []
+    # The rollback and the streams' answers start together: every stream has its first token
+    # (it is under way on its version) when the rollback is sent, and none has read on yet.
+    go = threading.Barrier(9, timeout=120)
+    rolled_back = threading.Event()
+    finished_before_rollback: list[int] = []
 
     def stream(i: int) -> None:
-        payload = {"model": "ver-c", "messages": HI, "max_tokens": 48, "stream": True,
-                   "user": f"racer-{i}", "ignore_eos": True}  # fmt: skip
+        payload = {"model": "ver-c", "messages": HI, "max_tokens": 200, "stream": True,
+                   "user": f"racer-{i}", "ignore_eos": True,
+                   "stream_options": {"include_usage": True}}  # fmt: skip
         with api.stream("POST", "/v1/chat/completions", json=payload) as r:
-            text = "".join(r.iter_text())
+            started_on.append(r.headers.get(VERSION_HEADER, ""))
+            lines = r.iter_lines()
+            text = ""
+            for line in lines:
+                text += line + "\n"
+                if line.startswith("data: "):
+                    break
+            go.wait()
+            text += "\n".join(lines)
+            if not rolled_back.is_set():
+                finished_before_rollback.append(i)
         whole = r.status_code == 200 and text.rstrip().endswith("data: [DONE]")
-        ok = whole and '"error"' not in text
-        results.append("ok" if ok else f"{r.status_code} {text[-200:]}")
+        tokens = sum(json.loads(x[6:])["usage"]["completion_tokens"] for x in text.splitlines()
+                     if x.startswith('data: {') and '"usage":{' in x.replace(" ", ""))  # fmt: skip
+        ok = whole and '"error"' not in text and tokens >= 200
+        results.append("ok" if ok else f"{r.status_code} {tokens} {text[-200:]}")
 
     racers = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
     for t in racers:
         t.start()
-    time.sleep(0.3)  # the streams are under way on both versions
-    assert api.post(f"/v1/endpoints/{endpoint}/rollback").status_code == 200
+    go.wait()
+    r = api.post(f"/v1/endpoints/{endpoint}/rollback")
+    rolled_back.set()
+    assert r.status_code == 200, r.text
+    assert r.json()["weights"] == {v1: 100}
     for t in racers:
         t.join()
+    # The race was run: streams were under way on both versions when the rollback came.
+    assert set(started_on) == {v1, v2}, started_on
+    # The rules: a stream under way ends whole on the version it started on, whatever the
+    # rollback moved meanwhile; new requests go to the version rolled back to.
     assert results == ["ok"] * 8
+    assert {ask(api, "ver-c", user=f"racer-{i}").headers[VERSION_HEADER] for i in range(8)} == {v1}
+    print(f"streams finished before the rollback answered: {len(finished_before_rollback)}/8")
 
     # A canary replica that dies under load: requests it refused go to the stable version.
     body = add_canary(api, endpoint, "ver:2", 50, slo=NO_GATE)
@@ -327,9 +369,13 @@ def test_a_rollback_races_streams_in_flight_and_a_dying_canary_is_retried(
                   and i["state"] == "ready")  # fmt: skip
     sent_before = {r["request_id"] for r in usage_rows(api)}
     with Load(api, "ver-c") as load:
-        time.sleep(0.5)
+        load.wait_answered()
         os.kill(canary["pid"], signal.SIGKILL)
-        time.sleep(1.5)
+        wait_until(
+            lambda: api.get(f"/v1/endpoints/{endpoint}").json()["versions"]["fallbacks"] > 0,
+            "a request meant for the dead canary to fall back to the stable version",
+        )
+        load.wait_answered()
     assert load.failures == [], load.failures
     assert load.served[v1] > 0
     view = api.get(f"/v1/endpoints/{endpoint}").json()
