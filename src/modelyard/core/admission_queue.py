@@ -51,8 +51,11 @@ class Waiter:
 
     async def wait(self, at_most_s: float) -> None:
         """Until woken (a slot may be free for it, or it was refused) or `at_most_s` passes."""
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+        # that arrives just after the event was set, leaving a cancelled request waiting.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.woken.wait(), at_most_s)
+            async with asyncio.timeout(at_most_s):
+                await self.woken.wait()
         self.woken.clear()
 
 
