@@ -32,6 +32,7 @@ from modelyard.config import PlatformSettings
 from modelyard.control.autoscaler import Decision
 from modelyard.control.prewarm import TrafficHistory
 from modelyard.control.scaling import Scaler
+from modelyard.core.cluster_auth import worker_token
 from modelyard.core.errors import NotFound, Unavailable
 from modelyard.gateway.federation import Federation, ScrapeTarget, SeriesOwner
 from modelyard.gateway.metrics import (
@@ -60,12 +61,21 @@ PROMQL_WORDS = {
 }  # fmt: skip
 
 
+CLUSTER_SECRET = "metrics-test-cluster-secret-" + "0123456789abcdef" * 2
+
+
 @pytest.fixture(scope="module")
 def platform(
     tmp_path_factory: pytest.TempPathFactory, models_dir: Path, cache_dir: Path
 ) -> Iterator[PlatformProcess]:
     build_embedding_model(models_dir / "tiny-embed")
-    env = {**tiny_models_env(models_dir), "MODELYARD_METRICS_TOKEN": METRICS_TOKEN}
+    # A cluster secret of the test's own, so its in-process federation can scrape the replicas
+    # (they demand the token derived from it; serve would otherwise make a random one).
+    env = {
+        **tiny_models_env(models_dir),
+        "MODELYARD_METRICS_TOKEN": METRICS_TOKEN,
+        "MODELYARD_CLUSTER_SECRET": CLUSTER_SECRET,
+    }
     p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
     try:
         yield p
@@ -313,7 +323,8 @@ def test_a_replica_that_does_not_answer_is_skipped_and_counted(
     live = endpoint["replicas"]["items"][0]
     owner = SeriesOwner(world["own"], world["a"], "a-tiny", live["version_id"] or "")
     dead = ScrapeTarget("http://127.0.0.1:9", "rep-gone", {None: owner})
-    federation = Federation(timeout_s=2.0, cache_s=60.0)
+    token = {"authorization": f"Bearer {worker_token(CLUSTER_SECRET)}"}
+    federation = Federation(timeout_s=2.0, cache_s=60.0, headers=token)
     # A process that takes the connection and never answers.
     with socket.create_server(("127.0.0.1", 0)) as silent:
         hung = ScrapeTarget(f"http://127.0.0.1:{silent.getsockname()[1]}", "rep-hung", {})

@@ -144,21 +144,28 @@ async def test_a_new_request_does_not_overtake_a_waiter_of_its_tier() -> None:
     routing = RoutingTable()
     route, replica = _route(routing)
     gateway = _gateway(routing)
-    waiting = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
+
+    async def take(tier: str) -> ReplicaRoute | None:
+        """A request that takes its replica's slot the moment it has one (as the relay does,
+        with no await between), so the slot is never free for a waiter it woke on leaving."""
+        chosen = await gateway._replica(_call(route, tier), set())
+        if chosen is not None:
+            chosen.outstanding += 1
+        return chosen
+
+    waiting = asyncio.create_task(take("standard"))
     await async_wait_until(lambda: route.waiting == 1, "the first request to queue")
     # A slot frees, and before the waiter runs a newcomer of the same tier asks: it queues
     # behind it; a priority newcomer may take the slot at once.
     replica.outstanding -= 1
-    late = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))
+    late = asyncio.create_task(take("standard"))
     await async_wait_until(lambda: route.waiting == 2, "the newcomer to queue")
     assert not late.done()
     route.notify()
     assert await waiting is replica
-    replica.outstanding += 1
     assert route.waiting == 1
     replica.outstanding -= 1  # a slot frees; the priority newcomer outranks the waiter
-    assert await gateway._replica(_call(route, "priority"), set()) is replica
-    replica.outstanding += 1
+    assert await take("priority") is replica
     # An absence is watched for a while: woken by the slot's release, the newcomer looks and
     # waits on (no state tells that it has looked).
     await asyncio.sleep(0.05)
