@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from modelyard.control.backends.base import ReplicaHandle, ReplicaSpec
@@ -36,6 +37,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# One long-lived thread forks every worker (see `LocalBackend.start`).
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-spawner")
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            # Its own process group: Ctrl-C in the terminal reaches `serve`, which then
+            # drains and stops the workers in order instead of all dying at once.
+            start_new_session=True,
+        )
 
 
 class LocalBackend:
@@ -74,19 +93,13 @@ class LocalBackend:
         env.pop(PARENT_PID_ENV, None)
         if not self.detached:
             env[PARENT_PID_ENV] = str(os.getpid())
-        # Spawned from the event-loop thread on purpose: the worker's parent-death signal is
-        # tied to the thread that forked it, and this one lives as long as the platform.
-        with open(log_path, "ab") as log_file:  # noqa: ASYNC230
-            proc = subprocess.Popen(  # noqa: ASYNC220
-                cmd,
-                env=env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                # Its own process group: Ctrl-C in the terminal reaches `serve`, which then
-                # drains and stops the workers in order instead of all dying at once.
-                start_new_session=True,
-            )
+        # Spawned off the event loop (a fork and exec waits for the child's exec: half a
+        # second on a loaded machine, a stall for every tenant) on the backend's one spawner
+        # thread, which lives as long as the platform: the worker's parent-death signal is
+        # tied to the thread that forked it.
+        proc = await asyncio.get_running_loop().run_in_executor(
+            _SPAWNER, _spawn, cmd, env, log_path
+        )
         self._procs[spec.replica_id] = proc
         log.info("started replica %s (pid %d) on port %d", spec.replica_id, proc.pid, port)
         return ReplicaHandle(spec, f"http://{self.host}:{port}", proc.pid, log_path)
