@@ -1,6 +1,7 @@
 """One batch runner in a process of its own, for tests of runners sharing a database
-(`tests/test_batch_leases.py`): the real `BatchRunner` on the given database and data dir, with a
-stand-in sender that answers each item after `--hold` seconds and appends `sent OWNER REQUEST_ID`
+(`tests/batch/test_batch_leases.py`): the real `BatchRunner` on the given database and data dir,
+with a stand-in sender that answers each item after `--hold` seconds and appends
+`sent OWNER REQUEST_ID`
 to `--log` (one `os.write` per line, O_APPEND, so two processes' lines never interleave).
 
     python -m tests.batch_runner_proc --db URL --data DIR --owner NAME --lease S --hold S --log F

@@ -1,4 +1,4 @@
-"""One controller's leader lease in a process of its own, for `tests/test_leader.py`: ticks
+"""One controller's leader lease in a process of its own, for `tests/control/test_leader.py`: ticks
 `LeaderLease.acquire()` every lease/5 seconds and appends `OWNER STATE UNIX_TIME` to `--log` at
 every change of state (one `os.write` per line, O_APPEND).
 

@@ -105,8 +105,8 @@ class Autoscaler:
     walk), the last decision is kept as fields and its `Decision` and reason text are built
     only when read, and the scale-down delay keeps only the recommendations that can still be
     the highest. The arithmetic is the one of a plain evaluation, in the same order, so the
-    decisions are the same to the last bit (tests/test_autoscaler_identity.py). The clock must
-    not go backwards (a monotonic clock, or the simulator's ticks).
+    decisions are the same to the last bit (tests/control/test_autoscaler_identity.py). The clock
+    must not go backwards (a monotonic clock, or the simulator's ticks).
     """
 
     policy: ScalingPolicy

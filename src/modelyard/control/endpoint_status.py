@@ -3,7 +3,8 @@ and tells the gateway whether waiting can bring a replica; `next_status` reads t
 say what the status should be now.
 
 `EndpointStatuses` is the only code that writes an endpoint's status, trigger or status message
-(in memory or in the database); `tests/test_status_writer.py` fails on a write anywhere else."""
+(in memory or in the database); `tests/control/test_status_writer.py` fails on a write anywhere
+else."""
 
 from __future__ import annotations
 

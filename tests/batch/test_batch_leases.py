@@ -4,7 +4,7 @@ two processes (`tests/batch_runner_proc.py`) work on one batch, each claiming it
 exactly once in the results and the usage; SIGKILL one runner mid-batch and the other takes over
 its expired leases and finishes, still exactly once. The sender is a stand-in that logs what
 each runner sent (what is under test is who sends and records which item, and a deterministic
-log needs the stand-in; the gateway path is covered by tests/test_batch.py)."""
+log needs the stand-in; the gateway path is covered by tests/batch/test_batch.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from modelyard.store.tables import Batch, BatchItem, UsageRecord
 from tests.databases import fresh_postgres
 from tests.platform_harness import batch_line, jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-CONTROL = Path(__file__).resolve().parents[1] / "src" / "modelyard" / "control"
+CONTROL = Path(__file__).resolve().parents[2] / "src" / "modelyard" / "control"
 
 
 def _project_classes(tree: ast.Module) -> dict[str, str]:

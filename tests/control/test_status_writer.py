@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "modelyard"
+SRC = Path(__file__).resolve().parents[2] / "src" / "modelyard"
 WRITER = SRC / "control" / "endpoint_status.py"
 FIELDS = {"status", "trigger", "message", "status_message"}
 # Packages whose `status` fields are their own records', never an endpoint's.

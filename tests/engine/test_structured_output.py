@@ -2,7 +2,7 @@
 pydantic `parse`, LangChain's `with_structured_output`): twenty strict schemas at temperature 0
 and 1 always parse and validate; json_object, regex, choice and EBNF extras; a schema that does
 not compile is a 400 naming the field; two constraints at once are refused; streams. Through the
-platform's gateway (metered, refused, batched): tests/test_responses_api.py, on its platform."""
+platform's gateway (metered, refused, batched): tests/api/test_responses_api.py, on its platform."""
 
 from __future__ import annotations
 

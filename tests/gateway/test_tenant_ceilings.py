@@ -19,8 +19,8 @@ import pytest
 
 from modelyard.batch.validation import validate_file
 from modelyard.registry_client import RegistryClient
+from tests.control.test_versions import Load, wait_canary
 from tests.platform_harness import PlatformProcess, create_key, deploy, tiny_models_env
-from tests.test_versions import Load, wait_canary
 from tests.tiny_models import build_model
 
 # A hostile input must not hold any process's event loop (tests/loop_stalls.py).

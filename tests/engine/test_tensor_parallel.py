@@ -26,8 +26,8 @@ from modelyard.engine.models.sharding import check_tensor_parallel
 from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.tensor_parallel.wire import TensorParallelError, pack_step, unpack_step
 from tests.conftest import WorkerProcess
+from tests.engine.test_model_parity import prompts
 from tests.parity import hf_greedy, hf_logits, make_engine, record_logits, run_staggered
-from tests.test_model_parity import prompts
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.skipif(

@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from modelyard.registry_client import RegistryClient
+from tests.engine.test_lora import PROMPT, make_adapter, merged_greedy
 from tests.parity import make_engine
 from tests.platform_harness import PlatformProcess, deploy, tiny_models_env
-from tests.test_lora import PROMPT, make_adapter, merged_greedy
 from tests.tiny_models import build_model
 
 pytest.importorskip("peft")

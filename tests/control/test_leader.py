@@ -19,7 +19,7 @@ import pytest
 from modelyard.control.leader import LeaderLease, LeaderState, LeaseKeeper
 from tests.databases import POSTGRES_ADMIN_URL, postgres_unreachable, skip_or_fail
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 2.0
 
 

@@ -53,7 +53,7 @@ from tests.platform_harness import (
 )
 from tests.tiny_encoders import build_embedding_model
 
-DASHBOARD = Path(__file__).parent.parent / "deploy" / "grafana" / "modelyard.json"
+DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "modelyard.json"
 METRICS_TOKEN = "prom-scrape-token"
 PROMQL_WORDS = {
     "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from modelyard.engine.kv_cache_manager import KVCacheManager
 from modelyard.engine.scheduler import Scheduler, SchedulerOutput
 from modelyard.engine.sequence import SequenceStatus
-from tests.test_kv_cache import make_seq
+from tests.engine.test_kv_cache import make_seq
 
 
 def run_step(sched: Scheduler, out: SchedulerOutput, next_token: int = 7) -> None:

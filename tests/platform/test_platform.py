@@ -421,7 +421,7 @@ def test_malformed_and_oversized_bodies(platform: PlatformProcess, tenant: Tenan
     r = tenant.api.post("/v1/models/deploy", json={"model_name": "x",
                                                    "model_artifact": "gs://b/m"})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_artifact"
-    # s3:// is imported when its bucket is allowed (tests/test_s3_artifacts.py); none is here.
+    # s3:// is imported when its bucket is allowed (tests/store/test_s3_artifacts.py); none is here.
     r = tenant.api.post("/v1/models/deploy", json={"model_name": "x",
                                                    "model_artifact": "s3://b/m"})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "model_artifact"
