@@ -3,9 +3,10 @@
 `initdb` makes the primary, `pg_ctl` starts it, `pg_basebackup -R` copies it into a standby that
 streams its WAL, and `fail_over()` does what an operator (or Patroni) does when the primary's
 machine dies: the primary stops at once (`pg_ctl stop -m immediate`: no checkpoint, connections
-cut) and the standby is promoted (`pg_ctl promote`). `url` is the libpq multi-host URL with
-`target_session_attrs=read-write` that the platform is given, so new connections find whichever
-of the two accepts writes.
+cut) and the standby is promoted (`pg_ctl promote`); `rebuild_standby()` makes the dead one a
+standby of the new primary, so that the pair can fail over once more. `url` is the libpq
+multi-host URL with `target_session_attrs=read-write` that the platform is given, so new
+connections find whichever of the two accepts writes.
 
 Synchronous replication (`synchronous_standby_names = '*'`, the default here) is what makes a
 commit the primary acknowledged survive the primary's immediate death: the commit returns only
@@ -129,7 +130,7 @@ class StandbyPair:
         """Until the primary streams to the standby (synchronously, when asked for)."""
         wanted = "sync" if self.synchronous else "async"
         deadline = time.monotonic() + timeout
-        with psycopg.connect(self.conninfo("primary", "postgres"), autocommit=True) as conn:
+        with psycopg.connect(self.conninfo(self.primary, "postgres"), autocommit=True) as conn:
             while True:
                 rows = conn.execute("SELECT state, sync_state FROM pg_stat_replication").fetchall()
                 if ("streaming", wanted) in rows:
@@ -146,6 +147,22 @@ class StandbyPair:
         self.promote_s = time.monotonic() - started
         self.primary, self.standby = self.standby, self.primary
         return self.promote_s
+
+    def rebuild_standby(self) -> None:
+        """Make the cluster `fail_over` stopped a standby of the new primary (a fresh
+        `pg_basebackup`, as an operator rebuilds a failed primary), so that the pair can fail
+        over again. Until it streams, the new primary commits alone; then synchronously again."""
+        old = self.standby
+        shutil.rmtree(self._data(old))
+        self._run("pg_basebackup", "-h", "127.0.0.1", "-p", str(self.ports[self.primary]),
+                  "-U", "postgres", "-D", self._data(old), "-R", "-X", "stream",
+                  "-c", "fast", "--no-sync")  # fmt: skip
+        self._conf(old, [f"port = {self.ports[old]}", "synchronous_standby_names = ''"])
+        self._pg_ctl(old, "start")
+        if self.synchronous:
+            self._conf(self.primary, ["synchronous_standby_names = '*'"])
+            self._run("pg_ctl", "-D", self._data(self.primary), "reload")
+        self.wait_streaming()
 
     def in_recovery(self, name: str) -> bool:
         with psycopg.connect(self.conninfo(name), autocommit=True, connect_timeout=3) as conn:
