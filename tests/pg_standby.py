@@ -139,9 +139,12 @@ class StandbyPair:
                     raise TimeoutError(f"standby not streaming ({wanted}): {rows}\n{self.logs()}")
                 time.sleep(0.05)  # the poll's interval
 
-    def fail_over(self) -> float:
-        """Kill the primary at once, promote the standby; the seconds the promotion took."""
+    def fail_over(self, leaderless_s: float = 0.0) -> float:
+        """Kill the primary at once, promote the standby `leaderless_s` later (the time a
+        failover manager takes to decide: no server accepts writes meanwhile); the seconds the
+        promotion itself took."""
         self._pg_ctl(self.primary, "-m", "immediate", "stop")
+        time.sleep(leaderless_s)  # the outage lasts this long (a fault's length, not a wait)
         started = time.monotonic()
         self._pg_ctl(self.standby, "promote")
         self.promote_s = time.monotonic() - started

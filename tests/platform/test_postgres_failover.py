@@ -174,7 +174,9 @@ def test_writes_resume_on_the_promoted_standby_and_no_usage_row_is_lost(
             # Committed on the primary, so acknowledged to the usage writer: it must survive.
             committed_before |= usage_counts(pair, old_primary).keys()
             killed = time.monotonic()
-            pair.fail_over()
+            # The second time no server accepts writes for a while, as when a failover
+            # manager waits out its timeout: traffic goes on, writes wait or get a 503.
+            pair.fail_over(leaderless_s=3.0 * failover)
             assert not pair.in_recovery(pair.primary), "the standby was not promoted"
             new_key = wait_until(a_key_is_created, "a key created after the failover", 60, 0.1)
             writes_back_s.append(time.monotonic() - killed)
