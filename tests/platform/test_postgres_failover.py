@@ -17,6 +17,7 @@ host list (`invalid literal for int() with base 10: '…,127.0.0.1'`), so serve 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -144,9 +145,80 @@ class Load:
             t.join(120)
 
 
+class RetryCount(logging.Handler):
+    """How many times the `openai` SDK retried a request (it logs each retry)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.retries = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Retrying request"):
+            self.retries += 1
+
+    def __enter__(self) -> RetryCount:
+        sdk = logging.getLogger("openai._base_client")
+        self._level = sdk.level
+        sdk.setLevel(logging.INFO)
+        sdk.addHandler(self)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        sdk = logging.getLogger("openai._base_client")
+        sdk.removeHandler(self)
+        sdk.setLevel(self._level)
+
+
 def usage_counts(pair: StandbyPair, server: str) -> dict[str, int]:
     rows = pair.query(server, "SELECT request_id, count(*) FROM usage_records GROUP BY 1")
     return {request_id: int(n) for request_id, n in rows}
+
+
+@dataclass
+class Failovers:
+    committed_before: set[str] = field(default_factory=set)  # usage rows on the dead primaries
+    writes_back_s: list[float] = field(default_factory=list)  # kill → the first write answered
+    last_killed: str = ""
+
+
+def fail_over_twice(
+    pair: StandbyPair, platform: PlatformProcess, load: Load, tenant: str, models_dir: Path
+) -> Failovers:
+    """Two failovers under `load`, the second back to the first server (rebuilt as a standby)
+    with no writable server for 3 s first; after each, a key is created and works, and after
+    the first a new deploy becomes ready."""
+    admin = platform.api()
+    done = Failovers()
+
+    def a_key_is_created() -> dict | None:
+        r = admin.post("/v1/keys", json={"name": "after", "tenant_id": tenant})
+        assert r.status_code in (201, 503), r.text  # never a 500
+        return r.json() if r.status_code == 201 else None
+
+    since = 0.0
+    for failover in range(2):
+        wait_until(lambda t=since: load.count(t) >= 12, f"load before failover {failover + 1}")
+        done.last_killed = pair.primary
+        # Committed on the primary, so acknowledged to the usage writer: it must survive.
+        done.committed_before |= usage_counts(pair, pair.primary).keys()
+        killed = time.monotonic()
+        # The second time, as when a failover manager waits out its timeout, no server accepts
+        # writes for a while: traffic goes on, writes get a 503.
+        pair.fail_over(leaderless_s=3.0 * failover)
+        assert not pair.in_recovery(pair.primary), "the standby was not promoted"
+        new_key = wait_until(a_key_is_created, "a key created after the failover", 60, 0.1)
+        done.writes_back_s.append(time.monotonic() - killed)
+        # The new key works at once: the gateway reads it from the new primary.
+        fresh = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=new_key["key"])
+        assert fresh.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+        if failover == 0:
+            # A deploy: the control plane writes its endpoint and status rows.
+            second = deploy(admin, "tiny-after", str(models_dir / "tiny"), wait=False)
+            wait_status(admin, second, "ready")
+            pair.rebuild_standby()
+        since = time.monotonic()
+    wait_until(lambda: load.count(since) >= 12, "load going on after the failovers")
+    return done
 
 
 def test_writes_resume_on_the_promoted_standby_and_no_usage_row_is_lost(
@@ -156,46 +228,17 @@ def test_writes_resume_on_the_promoted_standby_and_no_usage_row_is_lost(
     tenant = create_tenant(admin, "failover", quota=10**9)
     key = create_key(admin, tenant, rpm_limit=100_000, tpm_limit=10**8)["key"]
     deploy(admin, "tiny", str(models_dir / "tiny"), public=True)
-
-    def a_key_is_created() -> dict | None:
-        r = admin.post("/v1/keys", json={"name": "after", "tenant_id": tenant})
-        assert r.status_code in (201, 503), r.text  # never a 500
-        return r.json() if r.status_code == 201 else None
-
-    committed_before: set[str] = set()
-    writes_back_s: list[float] = []
-    load = Load(platform.url, key).start()
-    try:
-        since = 0.0
-        # Twice: the second time from the promoted standby back to the rebuilt first server.
-        for failover in range(2):
-            wait_until(lambda t=since: load.count(t) >= 12, f"load before failover {failover + 1}")
-            old_primary = pair.primary
-            # Committed on the primary, so acknowledged to the usage writer: it must survive.
-            committed_before |= usage_counts(pair, old_primary).keys()
-            killed = time.monotonic()
-            # The second time no server accepts writes for a while, as when a failover
-            # manager waits out its timeout: traffic goes on, writes wait or get a 503.
-            pair.fail_over(leaderless_s=3.0 * failover)
-            assert not pair.in_recovery(pair.primary), "the standby was not promoted"
-            new_key = wait_until(a_key_is_created, "a key created after the failover", 60, 0.1)
-            writes_back_s.append(time.monotonic() - killed)
-            # The new key works at once: the gateway reads it from the new primary.
-            fresh = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=new_key["key"])
-            assert fresh.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
-            if failover == 0:
-                # A deploy: the control plane writes its endpoint and status rows.
-                second = deploy(admin, "tiny-after", str(models_dir / "tiny"), wait=False)
-                wait_status(admin, second, "ready")
-                pair.rebuild_standby()
-            since = time.monotonic()
-        wait_until(lambda: load.count(since) >= 12, "load going on after the failovers")
-    finally:
-        load.stop()
+    load = Load(platform.url, key)
+    with RetryCount() as sdk:
+        load.start()
+        try:
+            done = fail_over_twice(pair, platform, load, tenant, models_dir)
+        finally:
+            load.stop()
     print(
-        f"failovers: first write {', '.join(f'{s:.2f}' for s in writes_back_s)} s after the "
-        f"kill (promote {pair.promote_s:.2f} s), slowest request {load.slowest_s:.2f} s; "
-        f"{len(load.answered)} answered, {len(load.failed)} failed"
+        f"failovers: first write {', '.join(f'{s:.2f}' for s in done.writes_back_s)} s after "
+        f"the kill (promote {pair.promote_s:.2f} s), slowest request {load.slowest_s:.2f} s; "
+        f"{len(load.answered)} answered, {len(load.failed)} failed, {sdk.retries} SDK retries"
     )
     assert not load.failed, load.failed[:5]
 
@@ -209,9 +252,9 @@ def test_writes_resume_on_the_promoted_standby_and_no_usage_row_is_lost(
         every_answer_billed, "a usage row on the new primary for every answered request", 60, 0.2
     )
     assert all(n == 1 for n in counts.values()), "a request was billed twice"
-    lost = committed_before - counts.keys()
+    lost = done.committed_before - counts.keys()
     assert not lost, f"usage rows committed on an old primary are gone: {sorted(lost)[:5]}"
     with pytest.raises(psycopg.OperationalError):  # the last one killed is down
-        pair.query(old_primary, "SELECT 1")
+        pair.query(done.last_killed, "SELECT 1")
     platform.assert_no_loop_stalls()
     assert httpx.get(f"{platform.url}/health", timeout=5).status_code == 200
