@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -28,9 +29,13 @@ from pathlib import Path
 
 import psycopg
 
-from tests.conftest import free_port
-
 DATABASE = "modelyard"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def postgres_binary(name: str) -> str | None:
