@@ -232,7 +232,10 @@ class PlatformSettings(_Settings):
     port: int = 8000
     data_dir: Path = Field(Path(".modelyard"), description="SQLite file, artifacts, admin key.")
     database_url: str | None = Field(
-        None, description="SQLAlchemy URL, e.g. postgresql://user@host/db; default SQLite."
+        None,
+        description="SQLAlchemy URL, e.g. postgresql://user@host/db; default SQLite. With "
+        "standbys, libpq's multi-host form: "
+        "postgresql://user@h1:5432,h2:5432/db?target_session_attrs=read-write.",
     )
     redis_url: str | None = Field(
         None, description="Shared rate limits and quotas across gateways, e.g. redis://host:6379."
