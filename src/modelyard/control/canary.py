@@ -10,6 +10,9 @@ for streams) over the policy's sliding window and `judge`s them:
 - otherwise clean: with progressive `steps` (e.g. 5, 25, 50, 100) a clean window at one weight
   moves the canary to the next, and 100 promotes it.
 
+A rollout's canary (`SloPolicy.rollout`) is never judged: it is promoted as soon as it serves
+(`control/version_gate.py` decides what each canary's tick does).
+
 Pure: the numbers come in, a `Verdict` (the breach, and the numbers behind it) goes out.
 """
 
