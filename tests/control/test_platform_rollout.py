@@ -83,6 +83,10 @@ def test_a_broken_version_falls_back_and_a_good_one_rolls_out(
         assert "failed to load" in fallback["after"]["reason"]
         assert fallback["before"]["model_artifact"] == "roll:2"
         assert fallback["after"]["model_artifact"] == "roll:1"
+        # It is a rollback like a canary's (one path): kept as the endpoint's last rollback.
+        last = degraded["last_rollback"]
+        assert last["by"] == "system" and "failed to load" in last["reason"]
+        assert (last["from_model_artifact"], last["to_version_id"]) == ("roll:2", v1_id)
 
         r = api.patch(f"/v1/endpoints/{endpoint}", json={"model_artifact": "roll:3"})
         assert r.status_code == 202
