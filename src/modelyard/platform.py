@@ -173,6 +173,7 @@ class Platform:
             recorder=self.recorder,
             metrics=self.metrics,
             endpoints=self.endpoints,
+            versions=self.endpoints.version_verbs,
             gateway=self.gateway,
             files=self.files,
             batches=self.batches,
