@@ -54,8 +54,12 @@ def unsent(exc: LimitsUnavailable) -> bool:
     """Whether the failed call certainly never reached Redis (its connection was refused or
     never made). A timeout, or a connection cut while waiting for the answer, is ambiguous:
     the script may have run."""
-    cause = exc.__cause__
-    return cause is not None and "connecting to" in str(cause)
+    cause: BaseException | None = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError) or "connecting to" in str(cause):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 class LimitsOutage:
@@ -135,6 +139,7 @@ class LimitsOutage:
             await self.journal.save()
             return
         self.gateways = max(1, int(live))
+        self.metrics.limits_gateways.set(self.gateways)
         self.epoch = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
         now = time.monotonic()
         sweep = now - self._swept >= SWEEP_EVERY_S

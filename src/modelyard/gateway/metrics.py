@@ -146,6 +146,12 @@ class GatewayMetrics:
             "on this gateway's shares of each limit (redis_outage=fail_open) or refused.",
             registry=r,
         )
+        self.limits_gateways = Gauge(
+            "modelyard_gateway_limits_gateways",
+            "Live gateways as this gateway last counted them in Redis: during an outage each "
+            "admits on 1/N of every limit.",
+            registry=r,
+        )
         self.local_admissions = Counter(
             "modelyard_gateway_local_admissions",
             "Requests admitted on this gateway's own shares of their limits while Redis did not "
