@@ -101,7 +101,7 @@ class Accounting:
                 raise limits_unavailable() from exc
             outage.trip(exc)
             if p.max_concurrent_requests is not None:  # the script may have taken it
-                outage.journal_admission(p, (_slot_scope(p), call.request_id))
+                outage.journal_admission(p, (_slot_scope(p), call.request_id), exc)
             await self._admit_locally(call, model)
             return
         call.decision = admitted.decision

@@ -181,10 +181,12 @@ class LimitsOutage:
             log.warning("a settlement may or may not have reached Redis: its quota stays held")
             self.journal.add(s.tenant_id, self.epoch, [], s.slot)
 
-    def journal_admission(self, p: Principal, slot: tuple[str, str] | None) -> None:
-        """An admission script that failed may have taken a slot in Redis: released later
-        (the request goes on locally, or is refused)."""
-        if slot is not None:
+    def journal_admission(
+        self, p: Principal, slot: tuple[str, str] | None, exc: LimitsUnavailable
+    ) -> None:
+        """An admission script that failed after it was sent may have taken a slot in Redis:
+        released later (the request goes on locally, or is refused)."""
+        if slot is not None and not unsent(exc):
             self.journal.add(p.tenant_id, self.epoch, [], slot)
 
     async def settle_locally(
