@@ -156,7 +156,7 @@ async def guard(server: RedisServer, db: Database) -> AsyncIterator[LimitsOutage
 
 
 async def test_the_guard_sees_a_dead_redis_and_its_return(
-    server: RedisServer, guard: LimitsOutage
+    server: RedisServer, guard: LimitsOutage, db: Database
 ) -> None:
     assert not guard.degraded and guard.epoch
     epoch = guard.epoch
@@ -168,6 +168,18 @@ async def test_the_guard_sees_a_dead_redis_and_its_return(
     await async_wait_until(lambda: not guard.degraded, "the return noticed", 10)
     assert guard.epoch != epoch and guard.journal.pending == 0
     assert guard.gateways == 1
+    # A second gateway's heartbeat: both count two live gateways (the N of each share).
+    redis = open_limits_store(server.url, 0.5)
+    quota, journal = parts(redis, db)
+    other = LimitsOutage(quota, journal, LocalLimits(db), GatewayMetrics(), RedisOutage.FAIL_OPEN)
+    try:
+        await other.probe()
+        await async_wait_until(lambda: guard.gateways == 2, "two gateways counted", 10)
+        assert other.gateways == 2
+    finally:
+        await other.stop()
+        await redis.aclose()
+    await async_wait_until(lambda: guard.gateways == 1, "the stopped one forgotten", 10)
 
 
 async def test_a_hung_redis_stalls_no_caller(server: RedisServer, guard: LimitsOutage) -> None:
