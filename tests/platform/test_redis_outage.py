@@ -7,6 +7,8 @@ test kills), with the `openai` SDK as the client, in each `redis_outage` mode:
   and settled during the outage, and every request admitted during it, is journaled and
   applied to Redis once it is back: the tenant's quota counter then equals the sum of its usage
   rows, one row per answer, with no slot left held and no journal entry left.
+- in a cluster (a controller and two gateways, counted by their heartbeats): the gateways
+  together admit no more than a key's RPM limit during the outage, each its third.
 - `fail_closed`: a 503 `limits_unavailable` with Retry-After while Redis is away; served again
   once it is back.
 
@@ -18,11 +20,13 @@ The limits are Redis-only by nature, so there is no sqlite-memory variant."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import redis
@@ -32,10 +36,13 @@ from modelyard.gateway.limits_outage import GATEWAYS_KEY
 from modelyard.gateway.quota import month_of
 from modelyard.store.repository import now
 from tests.chaos_harness import RedisServer, send
+from tests.cluster_harness import RoleProcess, kill_workers, wait_leader
 from tests.databases import fresh_postgres
+from tests.loop_stalls import assert_no_loop_stalls
 from tests.platform_harness import (
     PlatformProcess,
     create_key,
+    create_tenant,
     deploy,
     tiny_models_env,
     usage_rows,
@@ -116,11 +123,7 @@ def serve(
 
 def metric(p: PlatformProcess, name: str) -> float:
     """A series without labels from the platform's /metrics (0 when absent)."""
-    text_ = p.api().get("/metrics").text
-    for line in text_.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+    return gauge(p.api().get("/metrics").text, name)
 
 
 def chat(client: openai.OpenAI, stream: bool = False) -> str:
@@ -257,3 +260,111 @@ def test_fail_open_serves_on_local_shares_and_reconciles_once(
         time.sleep(1.5)  # three heartbeats pass (the absence of a change watched a while)
         assert int(r.get(counter_key) or 0) == total
         r.close()
+
+
+def test_two_gateways_each_admit_their_share_while_redis_is_away(
+    redis_server: PersistentRedis, models_dir: Path, tmp_path: Path
+) -> None:
+    """A cluster (a controller and two `modelyard gateway`s, each counted by its heartbeat):
+    in the outage a key's RPM limit is split between the live processes, so the gateways
+    together admit no more than it; afterwards the quota counter equals the usage rows."""
+    with fresh_postgres() as database_url:
+        env = {
+            **tiny_models_env(models_dir),
+            "MODELYARD_DATABASE_URL": database_url,
+            "MODELYARD_REDIS_URL": redis_server.url,
+            "MODELYARD_DEFAULT_MODELS": "false",
+            "MODELYARD_ROUTING_REFRESH_S": "1",
+        }
+        controller = RoleProcess("controller", tmp_path / "control", env)
+        gateways = [RoleProcess("gateway", tmp_path / f"gw{i}", env) for i in (1, 2)]
+        roles = [controller, *gateways]
+        try:
+            for role in roles:
+                role.launch()
+            for role in roles:
+                role.wait_up()
+            wait_leader(redis_server.url, [controller])
+            admin_key = (tmp_path / "control" / "admin_key").read_text().strip()
+            admins = [
+                httpx.Client(
+                    base_url=g.url, headers={"authorization": f"Bearer {admin_key}"}, timeout=60
+                )
+                for g in gateways
+            ]
+            deploy(admins[0], "tiny", str(models_dir / "tiny"), public=True)
+            tenant = create_tenant(admins[0], f"split-{time.time_ns()}", quota=10**9)
+            key = create_key(admins[0], tenant, rpm_limit=6)["key"]
+            for admin in admins:  # both gateways route it (the admin's key has no limits)
+                wait_until(lambda a=admin: chat_status(a) == 200, "the route on a gateway", 60)
+
+            def live(admin: httpx.Client) -> float:
+                return gauge(admin.get("/metrics").text, "modelyard_gateway_limits_gateways")
+
+            for admin in admins:  # the controller and both gateways heartbeat
+                wait_until(lambda a=admin: live(a) == 3, "three live processes counted", 30)
+            redis_server.kill()
+            admitted = []
+            answered: list[str] = []
+            for g in gateways:
+                client = openai.OpenAI(base_url=f"{g.url}/v1", api_key=key, max_retries=0)
+                ok = 0
+                with pytest.raises(openai.RateLimitError):
+                    for _ in range(6):
+                        answered.append(chat(client))
+                        ok += 1
+                admitted.append(ok)
+            # 6 // 3 each: the gateways together stay within the key's limit.
+            assert admitted == [2, 2]
+            redis_server.start()
+            degraded = "modelyard_gateway_limits_degraded"
+            for admin in admins:
+                wait_until(
+                    lambda a=admin: gauge(a.get("/metrics").text, degraded) == 0,
+                    "admission via Redis",
+                    30,
+                )
+            r = redis_server.client()
+            counter_key = f"modelyard:quota:{tenant}:{month_of(now())}"
+            engine = create_engine(database_url)
+
+            def reconciled() -> bool:
+                with engine.connect() as conn:
+                    ids, total = conn.execute(
+                        text(
+                            "SELECT array_agg(request_id), "
+                            "sum(prompt_tokens + completion_tokens) "
+                            "FROM usage_records WHERE tenant_id = :t"
+                        ),
+                        {"t": tenant},
+                    ).one()
+                return (
+                    sorted(ids or []) == sorted(answered) and int(r.get(counter_key) or 0) == total
+                )
+
+            try:
+                wait_until(reconciled, "quota counter == the usage rows of both gateways", 30)
+            finally:
+                engine.dispose()
+                r.close()
+            assert_no_loop_stalls(*roles)
+        except BaseException:
+            for role in roles:
+                print(f"===== {role.role} {role.url}\n{role.output()[-6000:]}")
+            raise
+        finally:
+            for role in roles:
+                role.kill(signal.SIGTERM)
+            kill_workers(str(models_dir))
+
+
+def chat_status(api: httpx.Client) -> int:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    return api.post("/v1/chat/completions", json=body).status_code
+
+
+def gauge(exposition: str, name: str) -> float:
+    for line in exposition.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
