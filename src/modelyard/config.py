@@ -225,6 +225,15 @@ class PrefixCacheScope(enum.StrEnum):
     SHARED = "shared"  # one namespace for all: more hits, but the hits leak across tenants
 
 
+class RedisOutage(enum.StrEnum):
+    """What admission does while the limits store (Redis) does not answer at all."""
+
+    # Each gateway admits on its share of every limit (the limit / the live gateways), the
+    # quota from the last known counters; settlement is journaled and reconciled afterwards.
+    FAIL_OPEN = "fail_open"
+    FAIL_CLOSED = "fail_closed"  # every request whose limits live in Redis gets a 503
+
+
 class PlatformSettings(_Settings):
     """Knobs of `modelyard serve`: the gateway, the control plane and their state."""
 
@@ -244,6 +253,11 @@ class PlatformSettings(_Settings):
         1.5,
         gt=0,
         description="Connect and read timeout of each Redis call (a dead connection: one retry).",
+    )
+    redis_outage: RedisOutage = Field(
+        RedisOutage.FAIL_OPEN,
+        description="While Redis does not answer: fail_open admits on per-gateway shares of "
+        "each limit (docs/cluster.md); fail_closed answers 503 limits_unavailable.",
     )
     default_models: bool = Field(True, description="Register and deploy the bundled models.")
     max_body_bytes: int = Field(parse_size("8MiB"), description="Largest JSON request body.")

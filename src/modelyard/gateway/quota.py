@@ -4,8 +4,9 @@ at admission, settled to the real count afterwards) and the ceiling on requests 
 Both exist in process memory (one gateway) and in Redis (several gateways sharing them); every
 check-and-take is atomic, so concurrent requests cannot all pass one check: a burst overshoots
 the quota by at most one request's reservation and never exceeds the concurrency ceiling.
-When Redis cannot be reached, every Redis-backed call raises `LimitsUnavailable`: admission
-fails closed on it, settlement logs it and still records the usage.
+When Redis cannot be reached, every Redis-backed call raises `LimitsUnavailable`: the gateway
+then admits on its own shares or fails closed (`limits_outage.py`), journals the settlement,
+and still records the usage.
 """
 
 from __future__ import annotations
