@@ -21,14 +21,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from modelyard.core.errors import DomainError, QuotaExceeded, RateLimited, Unavailable
 from modelyard.core.identity import Limits, Principal
-from modelyard.core.prefix_affinity import PrefixHint
-from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.access_log import logged
+from modelyard.gateway.call import Call
 from modelyard.gateway.metering import UsageEvent, UsageRecorder, quota_moves
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import (
@@ -42,65 +41,9 @@ from modelyard.gateway.quota import (
 from modelyard.gateway.ratelimit import Decision, RateLimiter
 from modelyard.gateway.ratelimit_redis import RedisAdmission, RedisRateLimiter
 from modelyard.gateway.settlement import RedisSettlement, Settlement
-from modelyard.protocol.errors import GRAMMAR_FAILED
 from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)
-
-NO_LIMITS = Decision(
-    allowed=True,
-    reason=None,
-    retry_after_s=0.0,
-    limit_requests=None,
-    remaining_requests=None,
-    reset_requests_s=0.0,
-    limit_tokens=None,
-    remaining_tokens=None,
-    reset_tokens_s=0.0,
-)
-
-
-@dataclass
-class Call:
-    """Everything one proxied request accumulates on its way."""
-
-    principal: Principal
-    route: EndpointRoute
-    kind: str
-    request_id: str
-    reserved: int
-    decision: Decision
-    started: float = field(default_factory=time.perf_counter)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    ttft: float | None = None
-    status: str = "ok"
-    status_code: int = 200
-    batch: bool = False  # a batch item: no rate limits, metered as batch
-    quota_reserved: int = 0  # monthly quota tokens held since admission
-    quota_month: str = ""  # the month they are held in
-    slot: bool = False  # holds one of the tenant's concurrent-request slots
-    # The settlement (metering or refund), once started: runs to its end whatever the client does.
-    closing: asyncio.Task[UsageEvent | None] | None = None
-    relaying: bool = False  # the stream's relay has started (and will settle in its `finally`)
-    stamped: bool = False  # its stream's events carry the worker's token counts
-    # Which version serves it (the replica picked: a canary or the stable one), and the key that
-    # keeps a user or session on one version while the weights stay (its `user`, x-session-id).
-    version_id: str | None = None
-    affinity: str | None = None
-    prefix: PrefixHint | None = None  # where its prompt prefix is likely cached (several replicas)
-
-
-def error_status(error: Any) -> str:
-    """A usage row's status for an error a replica sent mid-stream: `error` (the replica
-    failed: its circuit breaker counts it) or `invalid_request` (the request's own fault, e.g.
-    its grammar: the replica is fine)."""
-    if not isinstance(error, dict):
-        return "error"
-    if error.get("type") == "invalid_request_error" or error.get("code") == GRAMMAR_FAILED:
-        return "invalid_request"
-    return "error"
 
 
 class Accounting:
@@ -367,18 +310,6 @@ def item_usage(call: Call, event: UsageEvent) -> ItemUsage:
     if call.quota_reserved:
         held = QuotaHold(p.tenant_id, p.key_id, p.limits, call.quota_month, call.quota_reserved)
     return ItemUsage(event, held)
-
-
-def take_usage(call: Call, usage: dict[str, Any]) -> None:
-    # Chat and completions name them prompt/completion tokens, the Responses API input/output.
-    call.prompt_tokens = int(
-        usage.get("prompt_tokens", usage.get("input_tokens", call.prompt_tokens))
-    )
-    call.completion_tokens = int(
-        usage.get("completion_tokens", usage.get("output_tokens", call.completion_tokens))
-    )
-    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-    call.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
 @contextlib.contextmanager
