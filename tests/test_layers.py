@@ -254,9 +254,10 @@ def test_no_import_cycles() -> None:
     found = {tuple(c) for part in ACYCLIC for c in import_cycles(part)}
     new = found - KNOWN_CYCLES
     gone = KNOWN_CYCLES - found
-    assert not new, "modules that import each other in a circle (move what both need into a "
-    "module of its own, or the code to where it is used):\n" + "\n".join(
-        f"  {' <-> '.join(c)}" for c in sorted(new)
+    assert not new, (
+        "modules that import each other in a circle (move what both need into a module of its "
+        "own, or the code to where it is used):\n"
+        + "\n".join(f"  {' <-> '.join(c)}" for c in sorted(new))
     )
     assert not gone, "fixed; remove from KNOWN_CYCLES:\n" + "\n".join(
         f"  {' <-> '.join(c)}" for c in sorted(gone)
