@@ -535,7 +535,8 @@ async def test_an_unreachable_redis_is_limits_unavailable(database_url: str) -> 
 
     from modelyard.core.identity import Principal
     from modelyard.core.routing import EndpointRoute
-    from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
+    from modelyard.gateway.accounting import Accounting
+    from modelyard.gateway.call import NO_LIMITS, Call
     from modelyard.gateway.metering import UsageRecorder
     from modelyard.gateway.metrics import GatewayMetrics
     from modelyard.store.db import Database

@@ -20,7 +20,8 @@ from redis.asyncio.connection import Connection
 from modelyard.core.errors import QuotaExceeded, RateLimited
 from modelyard.core.identity import Limits, Principal
 from modelyard.core.routing import EndpointRoute
-from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
+from modelyard.gateway.accounting import Accounting
+from modelyard.gateway.call import NO_LIMITS, Call
 from modelyard.gateway.metering import UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import (

@@ -21,11 +21,11 @@ from typing import Any
 from modelyard.config import PlatformSettings
 from modelyard.control.audit import AuditLog
 from modelyard.control.encoder_pool import EncoderPool
+from modelyard.control.endpoint_scaler import Scaler
 from modelyard.control.endpoint_status import EndpointStatuses, StatusChange
 from modelyard.control.model_kind import LLM
 from modelyard.control.prewarm import TrafficHistory
 from modelyard.control.replicas import ReplicaController
-from modelyard.control.scaling import Scaler
 from modelyard.control.state import EndpointState, Replica, spawn
 from modelyard.control.version_tick import VersionTicker
 from modelyard.control.versions import Versions

@@ -26,11 +26,11 @@ from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from modelyard.core.errors import DomainError, QuotaExceeded, RateLimited, Unavailable
+from modelyard.core.errors import DomainError, QuotaExceeded, RateLimited
 from modelyard.core.identity import Limits, Principal
 from modelyard.gateway.access_log import logged
-from modelyard.gateway.call import NO_LIMITS, Call, error_status, take_usage
-from modelyard.gateway.limits_outage import LimitsOutage
+from modelyard.gateway.call import Call
+from modelyard.gateway.limits_outage import LimitsOutage, limits_unavailable
 from modelyard.gateway.metering import UsageEvent, UsageRecorder, quota_moves
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import (
@@ -47,9 +47,6 @@ from modelyard.gateway.settlement import RedisSettlement, Settlement
 from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)
-
-# Callers import the request's record from here too.
-__all__ = ["NO_LIMITS", "Accounting", "Call", "ItemUsage", "error_status", "take_usage"]
 
 
 class Accounting:
@@ -370,14 +367,6 @@ def item_usage(call: Call, event: UsageEvent) -> ItemUsage:
     if call.quota_reserved:
         held = QuotaHold(p.tenant_id, p.key_id, p.limits, call.quota_month, call.quota_reserved)
     return ItemUsage(event, held)
-
-
-def limits_unavailable() -> Unavailable:
-    return Unavailable(
-        "Rate limits and quotas cannot be checked right now; please retry shortly.",
-        code="limits_unavailable",
-        retry_after_s=5,
-    )
 
 
 @contextlib.contextmanager

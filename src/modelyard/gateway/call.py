@@ -1,20 +1,24 @@
-"""What one proxied request accumulates on its way (`Call`), from admission to its one
-settlement, and what it takes from a worker's answer (its usage, the status of an error)."""
+"""`Call`: what one proxied request accumulates on its way, from admission (its principal,
+route and reservation) through the relay (the token counts its worker reports, its status) to
+its settlement (`accounting.py`); and the reading of a worker's usage and errors into it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelyard.core.identity import Principal
 from modelyard.core.prefix_affinity import PrefixHint
 from modelyard.core.routing import EndpointRoute
-from modelyard.gateway.metering import UsageEvent
 from modelyard.gateway.rate_decision import Decision
 from modelyard.protocol.errors import GRAMMAR_FAILED
 
+if TYPE_CHECKING:
+    from modelyard.gateway.metering import UsageEvent
+
+# The rate-limit decision of a request no limits apply to (a batch item, an internal call).
 NO_LIMITS = Decision(
     allowed=True,
     reason=None,

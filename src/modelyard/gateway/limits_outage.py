@@ -22,6 +22,7 @@ import time
 import uuid
 
 from modelyard.config import RedisOutage
+from modelyard.core.errors import Unavailable
 from modelyard.core.identity import Principal
 from modelyard.gateway.local_limits import LocalLimits
 from modelyard.gateway.metrics import GatewayMetrics
@@ -200,3 +201,12 @@ class LimitsOutage:
         month, reserved = held
         moves = [*s.quota_moves, (month, reserved)] if reserved else list(s.quota_moves)
         self.journal.add(s.tenant_id, self.epoch, moves, None)
+
+
+def limits_unavailable() -> Unavailable:
+    """The 503 a request gets while its limits cannot be checked (`fail_closed`)."""
+    return Unavailable(
+        "Rate limits and quotas cannot be checked right now; please retry shortly.",
+        code="limits_unavailable",
+        retry_after_s=5,
+    )

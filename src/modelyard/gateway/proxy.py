@@ -21,14 +21,7 @@ from modelyard.config import PlatformSettings
 from modelyard.core.identity import Principal
 from modelyard.core.prefix_affinity import PrefixHint, prefix_hint
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
-from modelyard.gateway.accounting import (
-    NO_LIMITS,
-    Accounting,
-    Call,
-    ItemUsage,
-    item_usage,
-    take_usage,
-)
+from modelyard.gateway.accounting import Accounting, ItemUsage, item_usage
 from modelyard.gateway.admission import (
     BATCH_PRIORITY_BASE,
     Admission,
@@ -38,6 +31,7 @@ from modelyard.gateway.admission import (
 )
 from modelyard.gateway.async_results import AsyncResults
 from modelyard.gateway.auth import Authenticator
+from modelyard.gateway.call import NO_LIMITS, Call, take_usage
 from modelyard.gateway.limits_outage import LimitsOutage
 from modelyard.gateway.local_limits import LocalLimits
 from modelyard.gateway.metering import UsageRecorder
@@ -205,8 +199,3 @@ class Gateway:
 
     async def handle_oip(self, request: Request, model: str, action: str) -> Response:
         return await self.oip.handle(request, model, action)
-
-
-# The names tests import from here.
-_Call = Call
-_NO_LIMITS = NO_LIMITS
