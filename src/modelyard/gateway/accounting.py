@@ -11,7 +11,9 @@ result: `settle_item`). It runs in a task of the usage recorder's, so a client t
 disconnects cancels its wait, never the settlement; the slot is released in the same `finally`.
 
 With the limits store (Redis) unreachable, admission fails closed (503) and settlement skips
-and logs the bookkeeping it cannot do, but still writes the usage row.
+and logs the bookkeeping it cannot do, but still writes the usage row. With Redis back but its
+quota counters lost (a restart, a failover), the first quota check rebuilds them from the usage
+rows before it checks (`quota_rebuild.py`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from modelyard.core.errors import DomainError, QuotaExceeded, RateLimited, Unavailable
 from modelyard.core.identity import Limits, Principal
@@ -35,10 +37,12 @@ from modelyard.gateway.quota import (
     ConcurrencyLimiter,
     LimitsUnavailable,
     QuotaCounter,
+    QuotaCountersLost,
     RedisConcurrencyLimiter,
     RedisQuotaCounter,
     month_of,
 )
+from modelyard.gateway.quota_rebuild import QuotaRebuild
 from modelyard.gateway.ratelimit import Decision, RateLimiter
 from modelyard.gateway.ratelimit_redis import RedisAdmission, RedisRateLimiter
 from modelyard.gateway.settlement import RedisSettlement, Settlement
@@ -46,6 +50,7 @@ from modelyard.protocol.errors import GRAMMAR_FAILED
 from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 NO_LIMITS = Decision(
     allowed=True,
@@ -128,6 +133,17 @@ class Accounting:
         )
         self.at_once = RedisAdmission(limiter, quota, slots) if in_one_redis else None
         self.settle_at_once = RedisSettlement(limiter, quota, slots) if in_one_redis else None
+        # The quota counters, rebuilt from the usage rows when Redis lost them.
+        self.quota_rebuild = QuotaRebuild(quota, recorder)
+
+    async def _counted(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`attempt` (a quota check), once more after rebuilding the counters if Redis lost
+        them (`quota_rebuild.py`); a second loss, or a failed rebuild, fails closed."""
+        try:
+            return await attempt()
+        except QuotaCountersLost:
+            await self.quota_rebuild.rebuild()
+            return await attempt()
 
     async def admit_at_once(self, call: Call, model: str) -> None:
         """`acquire` and `hold` as one Redis script: the same refusals, and on a refusal
@@ -135,11 +151,12 @@ class Accounting:
         assert self.at_once is not None
         p = call.principal
         month = month_of(now())
+        at_once = self.at_once
         with fail_closed():
-            admitted = await self.at_once.admit(
+            admitted = await self._counted(lambda: at_once.admit(
                 p.key_id, p.limits, call.reserved, p.tenant_id, month, p.monthly_token_quota,
                 _slot_scope(p), call.request_id, p.max_concurrent_requests,
-            )  # fmt: skip
+            ))  # fmt: skip
         call.decision = admitted.decision
         if not admitted.decision.allowed:
             await self.acquire_refused(admitted.decision, model, call.reserved)
@@ -210,8 +227,9 @@ class Accounting:
         assert p.monthly_token_quota is not None
         month = month_of(now())
         with fail_closed():
-            before = await self.quota.reserve(
-                p.tenant_id, month, call.reserved, p.monthly_token_quota
+            quota = p.monthly_token_quota
+            before = await self._counted(
+                lambda: self.quota.reserve(p.tenant_id, month, call.reserved, quota)
             )
             if before is None:
                 raise self.quota_exceeded(p, await self.quota.used(p.tenant_id, month))
