@@ -235,7 +235,9 @@ class PlatformSettings(_Settings):
         None, description="SQLAlchemy URL, e.g. postgresql://user@host/db; default SQLite."
     )
     redis_url: str | None = Field(
-        None, description="Shared rate limits and quotas across gateways, e.g. redis://host:6379."
+        None,
+        description="Shared rate limits and quotas across gateways: redis://host:6379[/db], or "
+        "through Sentinel redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE_NAME[/DB].",
     )
     redis_timeout_s: float = Field(
         1.5,

@@ -4,6 +4,7 @@ the Sentinels for the current primary, and asks again after a failover)."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from modelyard.core.redis_url import SentinelTarget, parse_redis_url
@@ -35,9 +36,27 @@ def open_redis(url: str, timeout_s: float) -> Redis:
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=dict(timeouts))
     return sentinel.master_for(
         target.service_name,
+        connection_class=_primary_following_connection(),
         db=target.db,
         username=target.username,
         password=target.password,
         retry=retry,
         **timeouts,
     )
+
+
+@functools.cache
+def _primary_following_connection() -> type:
+    """A Sentinel-managed connection that asks the Sentinels for the primary on EVERY connect.
+    redis-py's asks only when the pool hands a connection out: a command retried on its own
+    connection (our one retry, after the old primary died) reconnected to the dead address, so
+    the first command after a failover failed on every pooled connection."""
+    from redis.asyncio.sentinel import SentinelManagedConnection
+
+    class PrimaryFollowingConnection(SentinelManagedConnection):
+        async def _connect(self) -> None:
+            if self.connection_pool.is_master:
+                self.host, self.port = await self.connection_pool.get_master_address()
+            await super()._connect()
+
+    return PrimaryFollowingConnection
