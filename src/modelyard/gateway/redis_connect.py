@@ -34,8 +34,9 @@ def open_redis(url: str, timeout_s: float) -> Redis:
     if not isinstance(target, SentinelTarget):
         return aioredis.from_url(url, retry=retry, **timeouts)
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs=dict(timeouts))
-    return sentinel.master_for(
+    client: Redis = sentinel.master_for(
         target.service_name,
+        redis_class=_primary_client(),
         connection_class=_primary_following_connection(),
         db=target.db,
         username=target.username,
@@ -43,6 +44,24 @@ def open_redis(url: str, timeout_s: float) -> Redis:
         retry=retry,
         **timeouts,
     )
+    client.sentinels = tuple(sentinel.sentinels)  # type: ignore[attr-defined]
+    return client
+
+
+@functools.cache
+def _primary_client() -> type:
+    """The primary's client, which closes its Sentinels' connections with its own."""
+    import redis.asyncio as aioredis
+
+    class PrimaryClient(aioredis.Redis):
+        sentinels: tuple[aioredis.Redis, ...] = ()
+
+        async def aclose(self, close_connection_pool: bool | None = None) -> None:
+            await super().aclose(close_connection_pool)
+            for sentinel in self.sentinels:
+                await sentinel.aclose()
+
+    return PrimaryClient
 
 
 @functools.cache
