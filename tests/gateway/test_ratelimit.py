@@ -135,7 +135,9 @@ async def quota(request: pytest.FixtureRequest) -> AsyncIterator[QuotaCounter]:
     else:
         env: RedisEnv = request.getfixturevalue("redis_env")
         client = env.connect()
-        yield RedisQuotaCounter(client, prefix=env.prefix)
+        counter = RedisQuotaCounter(client, prefix=env.prefix)
+        await counter.rebuild("2026-01", {})  # as a gateway's start does (from no usage rows)
+        yield counter
         await client.aclose()
 
 

@@ -49,7 +49,9 @@ class PlatformSettings(SettingsBase):
         "postgresql://user@h1:5432,h2:5432/db?target_session_attrs=read-write.",
     )
     redis_url: str | None = Field(
-        None, description="Shared rate limits and quotas across gateways, e.g. redis://host:6379."
+        None,
+        description="Shared rate limits and quotas across gateways: redis://host:6379[/db], or "
+        "through Sentinel redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE_NAME[/DB].",
     )
     redis_timeout_s: float = Field(
         1.5,

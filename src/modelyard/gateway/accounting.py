@@ -13,16 +13,17 @@ disconnects cancels its wait, never the settlement; the slot is released in the 
 With the limits store (Redis) unreachable (`limits_outage.py`), admission goes on this
 gateway's shares of each limit (`redis_outage = fail_open`) or fails closed (503), and the
 settlements Redis cannot take are journaled and applied once it answers; the usage row is
-written either way.
+written either way. With Redis back but its
+quota counters lost (a restart, a failover), the first quota check rebuilds them from the usage
+rows before it checks (`quota_rebuild.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from modelyard.core.errors import DomainError, QuotaExceeded, RateLimited
 from modelyard.core.identity import Limits, Principal
 from modelyard.gateway.access_log import logged
 from modelyard.gateway.call import Call
-from modelyard.gateway.limits_outage import LimitsOutage, limits_unavailable
+from modelyard.gateway.limits_outage import LimitsOutage, fail_closed, limits_unavailable
 from modelyard.gateway.metering import UsageEvent, UsageRecorder, quota_moves
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import (
@@ -41,6 +42,7 @@ from modelyard.gateway.quota import (
     RedisQuotaCounter,
     month_of,
 )
+from modelyard.gateway.quota_rebuild import QuotaRebuild
 from modelyard.gateway.ratelimit import Decision, RateLimiter
 from modelyard.gateway.ratelimit_redis import RedisAdmission, RedisRateLimiter
 from modelyard.gateway.settlement import RedisSettlement, Settlement
@@ -76,6 +78,8 @@ class Accounting:
         self.settle_at_once = RedisSettlement(limiter, quota, slots) if in_one_redis else None
         # With the limits in Redis: what to do while it does not answer (set by the gateway).
         self.outage: LimitsOutage | None = None
+        # The quota counters, rebuilt from the usage rows when Redis lost them.
+        self.quota_rebuild = QuotaRebuild(quota, recorder)
 
     async def admit_at_once(self, call: Call, model: str) -> None:
         """`acquire` and `hold` as one Redis script: the same refusals, and on a refusal
@@ -87,11 +91,12 @@ class Accounting:
         if outage is not None and outage.degraded:
             await self._admit_locally(call, model)  # no request waits on a Redis that is away
             return
+        at_once = self.at_once
         try:
-            admitted = await self.at_once.admit(
+            admitted = await self.quota_rebuild.counted(lambda: at_once.admit(
                 p.key_id, p.limits, call.reserved, p.tenant_id, month, p.monthly_token_quota,
                 _slot_scope(p), call.request_id, p.max_concurrent_requests,
-            )  # fmt: skip
+            ))  # fmt: skip
         except LimitsUnavailable as exc:
             if outage is None:
                 log.warning("refusing a request: %s", exc)
@@ -198,8 +203,9 @@ class Accounting:
         assert p.monthly_token_quota is not None
         month = month_of(now())
         with fail_closed():
-            before = await self.quota.reserve(
-                p.tenant_id, month, call.reserved, p.monthly_token_quota
+            quota = p.monthly_token_quota
+            before = await self.quota_rebuild.counted(
+                lambda: self.quota.reserve(p.tenant_id, month, call.reserved, quota)
             )
             if before is None:
                 raise self.quota_exceeded(p, await self.quota.used(p.tenant_id, month))
@@ -367,17 +373,6 @@ def item_usage(call: Call, event: UsageEvent) -> ItemUsage:
     if call.quota_reserved:
         held = QuotaHold(p.tenant_id, p.key_id, p.limits, call.quota_month, call.quota_reserved)
     return ItemUsage(event, held)
-
-
-@contextlib.contextmanager
-def fail_closed() -> Iterator[None]:
-    """Admission while the limits store (Redis) is unreachable: refused with a 503, never let
-    through unlimited and unmetered."""
-    try:
-        yield
-    except LimitsUnavailable as exc:
-        log.warning("refusing a request: %s", exc)
-        raise limits_unavailable() from exc
 
 
 async def _tolerant(work: Awaitable[Any], what: str) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 
 from modelyard.config import RedisOutage
 from modelyard.core.errors import Unavailable
@@ -210,3 +211,14 @@ def limits_unavailable() -> Unavailable:
         code="limits_unavailable",
         retry_after_s=5,
     )
+
+
+@contextlib.contextmanager
+def fail_closed() -> Iterator[None]:
+    """Admission while the limits store (Redis) is unreachable: refused with a 503, never let
+    through unlimited and unmetered."""
+    try:
+        yield
+    except LimitsUnavailable as exc:
+        log.warning("refusing a request: %s", exc)
+        raise limits_unavailable() from exc
