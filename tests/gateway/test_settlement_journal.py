@@ -24,8 +24,8 @@ from modelyard.gateway.quota import (
     LimitsUnavailable,
     RedisConcurrencyLimiter,
     RedisQuotaCounter,
-    open_limits_store,
 )
+from modelyard.gateway.redis_connect import open_redis
 from modelyard.gateway.settlement_journal import EPOCH_KEY, SettlementJournal
 from modelyard.store import limits_journal
 from modelyard.store.db import Database, sqlite_url
@@ -63,7 +63,7 @@ def parts(redis: Redis, db: Database) -> tuple[RedisQuotaCounter, SettlementJour
 
 
 async def test_a_journaled_settlement_counts_once(server: RedisServer, db: Database) -> None:
-    redis = open_limits_store(server.url, 1.0)
+    redis = open_redis(server.url, 1.0)
     try:
         await redis.set(EPOCH_KEY, "e1")
         quota, first = parts(redis, db)
@@ -142,7 +142,7 @@ async def test_local_shares_divide_each_limit(db: Database) -> None:
 
 @pytest.fixture
 async def guard(server: RedisServer, db: Database) -> AsyncIterator[LimitsOutage]:
-    redis = open_limits_store(server.url, 0.5)
+    redis = open_redis(server.url, 0.5)
     quota, journal = parts(redis, db)
     outage = LimitsOutage(
         quota, journal, LocalLimits(db), GatewayMetrics(), RedisOutage.FAIL_OPEN, 0.1
@@ -169,7 +169,7 @@ async def test_the_guard_sees_a_dead_redis_and_its_return(
     assert guard.epoch != epoch and guard.journal.pending == 0
     assert guard.gateways == 1
     # A second gateway's heartbeat: both count two live gateways (the N of each share).
-    redis = open_limits_store(server.url, 0.5)
+    redis = open_redis(server.url, 0.5)
     quota, journal = parts(redis, db)
     other = LimitsOutage(quota, journal, LocalLimits(db), GatewayMetrics(), RedisOutage.FAIL_OPEN)
     try:
@@ -209,7 +209,7 @@ async def test_a_hung_redis_stalls_no_caller(server: RedisServer, guard: LimitsO
 async def test_a_refused_connection_is_known_unsent() -> None:
     from tests.conftest import free_port
 
-    redis = open_limits_store(f"redis://127.0.0.1:{free_port()}/0", 0.5)
+    redis = open_redis(f"redis://127.0.0.1:{free_port()}/0", 0.5)
     try:
         with pytest.raises(LimitsUnavailable) as info:
             await RedisQuotaCounter(redis).used("t1", MONTH)
