@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -121,15 +122,7 @@ class Platform:
         journal = UsageJournal(settings.data_dir / "usage-journal", settings.usage_journal_fsync)
         self.recorder = UsageRecorder(self.db, journal=journal)
         self.backend = backend or open_backend(settings, settings.data_dir / "logs", self.registry)
-        self.endpoints = EndpointManager(
-            settings,
-            self.db,
-            self.registry,
-            self.backend,
-            self.routing,
-            audit=self.audit,
-            takeover=takeover,
-        )
+        self.endpoints = self._endpoint_manager(takeover)
         # The gateway reaches the control plane only through this verb (scale from zero).
         self.gateway = Gateway(
             settings,
@@ -182,6 +175,26 @@ class Platform:
         self.bootstrap: Bootstrap | None = None
         self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's banner
         self._loading: asyncio.Task[None] | None = None
+
+    def _endpoint_manager(self, takeover: ReplicaTakeover | None) -> EndpointManager:
+        return EndpointManager(
+            self.settings,
+            self.db,
+            self.registry,
+            self.backend,
+            self.routing,
+            audit=self.audit,
+            takeover=takeover,
+        )
+
+    def renew_endpoints(self, takeover: ReplicaTakeover | None) -> None:
+        """A fresh endpoint manager in place of a stopped one (a cluster controller's next term
+        as the leader starts from the database, with nothing of its last term's state); the
+        caller hands the app the new `services`."""
+        read_stats = self.endpoints.versions.read_stats
+        self.endpoints = self._endpoint_manager(takeover)
+        self.endpoints.versions.read_stats = read_stats
+        self.services = dataclasses.replace(self.services, endpoints=self.endpoints)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.db.migrate)

@@ -11,8 +11,9 @@ Redis instead of in memory.
   replicas its predecessor left running (`control/takeover.py`), publishes the routing
   table, sums the gateways' load from Redis for its autoscaler, and runs the batch runner
   (whose item leases make a takeover lose and repeat nothing). A leader that loses its lease
-  while running (cut off from the database) exits at once, code 3: nothing of its leadership
-  lingers, and its supervisor restarts it as a standby. Replicas outlive their controller
+  while running (cut off from the database, paused past the lease) steps down at once: it
+  stops answering as the leader, stops its leader-only loops and its advertisement, and stands
+  by, trying for the lease again (no supervisor needed). Replicas outlive their controller
   (the local backend starts them detached).
 """
 
@@ -120,6 +121,7 @@ class _Role:
             leader_url=address.get,
             forget_leader=address.forget,
             takeover_wait_s=self.settings.controller_lease_s,
+            timeout_s=self.settings.control_forward_timeout_s,
         )
         return app
 
@@ -175,7 +177,13 @@ class GatewayRole(_Role):
 
 
 class ControllerRole(_Role):
-    """`modelyard controller`: the control plane while it leads; a standby otherwise."""
+    """`modelyard controller`: the control plane while it leads; a standby otherwise.
+
+    Leading comes in terms: a term starts when the lease is acquired (`_take_over`) and ends
+    when it is lost (`_step_down`): the leader-only loops stop, the advertisement goes, the
+    replicas keep running for whoever leads next, and this process stands by and tries for the
+    lease again. A next term starts from the database with a fresh endpoint manager, as a new
+    process would; terms never overlap (one lock orders them)."""
 
     def __init__(self, settings: PlatformSettings) -> None:
         check_cluster_settings(settings)
@@ -185,21 +193,30 @@ class ControllerRole(_Role):
         self.takeover = ReplicaTakeover(backend)
         p = Platform(settings, backend, takeover=self.takeover)
         self.platform = p
-        self.manager = p.endpoints
+        # Scale from zero for the batch runner's requests: always the current term's manager.
+        p.gateway.upstream.activate = lambda endpoint_id: p.endpoints.activate(endpoint_id)
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.getfqdn()
         self.url = settings.advertise_url or f"http://{host}:{settings.port}"
         self.lease = LeaderLease(
             settings.resolved_database_url, lease_s=settings.controller_lease_s
         )
+        self._term_parts()
+        self.leading = False
+        self.terms = 0  # terms led so far (logs, tests)
+        self.on_leading: Callable[[], None] | None = None  # e.g. the CLI's banner
+        self._app: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._takeover: asyncio.Task[None] | None = None
+        self._term = asyncio.Lock()  # a takeover and a step-down never run at once
+        self.keeper: LeaseKeeper | None = None
+
+    def _term_parts(self) -> None:
+        p = self.platform
+        self.manager = p.endpoints
         self.publisher = RoutePublisher(
             p.db, p.routing, self.manager.endpoints, held_back=self.takeover.adopting.__contains__
         )
         self.aggregator = LoadAggregator(p._redis, p.routing, self.manager.activate)
-        self.leading = False
-        self.on_leading: Callable[[], None] | None = None  # e.g. the CLI's banner
-        self._task: asyncio.Task[None] | None = None
-        self._takeover: asyncio.Task[None] | None = None
-        self.keeper: LeaseKeeper | None = None
 
     @staticmethod
     def _backend(settings: PlatformSettings) -> Backend:
@@ -207,8 +224,14 @@ class ControllerRole(_Role):
         log_dir = settings.data_dir / "logs"
         return open_backend(settings, log_dir, None, detached=True)
 
+    def leads(self) -> bool:
+        """Acts as the leader now: led, and the lease checked recently enough (a process woken
+        from a pause is no leader before its keeper has even looked)."""
+        return self.leading and self.lease.is_leader
+
     def asgi(self) -> Any:
-        return self.app(lambda: self.leading)
+        self._app = self.app(self.leads)
+        return self._app
 
     async def start(self) -> None:
         await self._start_shared()
@@ -216,32 +239,57 @@ class ControllerRole(_Role):
         self.keeper = LeaseKeeper(
             self.lease,
             on_acquired=lambda: loop.call_soon_threadsafe(self._begin_takeover),
-            on_lost=self._exit_lost,
+            on_lost=lambda: loop.call_soon_threadsafe(self._begin_step_down),
         )
         self.keeper.start()
         self._task = asyncio.create_task(self._keep_advertising(), name="controller-advertise")
-
-    @staticmethod
-    def _exit_lost() -> None:
-        log.error("this controller lost the leader lease; exiting (its supervisor "
-                  "restarts it as a standby)")  # fmt: skip
-        os._exit(LOST_LEASE_EXIT)
 
     def _begin_takeover(self) -> None:
         """On the loop: lead. The lease keeps being checked on its own thread meanwhile."""
         self._takeover = asyncio.create_task(self._take_over_or_exit(), name="takeover")
 
+    def _begin_step_down(self) -> None:
+        """On the loop: the lease is lost; stop acting as the leader at once, then stand by."""
+        log.error("this controller lost the leader lease: stepping down to standby")
+        self.leading = False
+        if self._takeover is not None:
+            self._takeover.cancel()  # a takeover still under way stops where it is
+        asyncio.create_task(self._step_down(), name="step-down")  # noqa: RUF006 - the lock holds it
+
     async def _take_over_or_exit(self) -> None:
-        try:
-            await self._take_over()
-        except Exception:
-            log.exception("taking over as the leader failed; exiting")
-            os._exit(LOST_LEASE_EXIT)
+        async with self._term:
+            if not self.lease.is_leader:  # lost again before this term could start
+                return
+            try:
+                await self._take_over()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("taking over as the leader failed; exiting")
+                os._exit(LOST_LEASE_EXIT)
+
+    async def _step_down(self) -> None:
+        async with self._term:
+            started = time.monotonic()
+            await self._stop_leading()
+            # The next term starts from nothing of this one: an empty table, a fresh manager.
+            p = self.platform
+            for route in list(p.routing.all_routes()):
+                p.routing.remove(route.endpoint_id)
+            self.takeover = ReplicaTakeover(p.backend)
+            p.renew_endpoints(self.takeover)
+            if self._app is not None:
+                self._app.state.services = p.services
+            self._term_parts()
+            log.warning(
+                "stepped down in %.2fs: standing by (trying for the lease every %.1fs)",
+                time.monotonic() - started, self.settings.controller_lease_s / 3,
+            )  # fmt: skip
 
     async def _keep_advertising(self) -> None:
         tick = self.settings.controller_lease_s / 3
         while True:
-            if self.leading:
+            if self.leads():
                 await self._advertise()
             await asyncio.sleep(tick)
 
@@ -253,10 +301,19 @@ class ControllerRole(_Role):
         except Exception as exc:
             log.warning("writing the leader's address to Redis failed: %s", exc)
 
+    async def _unadvertise(self) -> None:
+        """Take this controller's address out of Redis (only if it is still the one there)."""
+        redis: Any = self.platform._redis
+        with contextlib.suppress(Exception):
+            advertised = await redis.get(LEADER_KEY)
+            if verified_leader_url(self.settings.cluster_secret or "", advertised) == self.url:
+                await redis.delete(LEADER_KEY)
+
     async def _take_over(self) -> None:
         """Lead: resume from the database (see the module's docstring)."""
         started = time.monotonic()
         p = self.platform
+        self.terms += 1
         p.bootstrap = await asyncio.to_thread(p._bootstrap_admin)
         self.takeover.recorded = await asyncio.to_thread(self._recorded)
         await self.manager.start()
@@ -267,8 +324,9 @@ class ControllerRole(_Role):
         self.leading = True
         await self._advertise()
         log.info(
-            "leading at %s (took over in %.2fs; %d endpoint(s) with running replicas to adopt)",
-            self.url, time.monotonic() - started, len(self.takeover.adopting),
+            "leading at %s (term %d; took over in %.2fs; %d endpoint(s) with running replicas "
+            "to adopt)", self.url, self.terms, time.monotonic() - started,
+            len(self.takeover.adopting),
         )  # fmt: skip
         if self.settings.default_models:
             p._loading = asyncio.create_task(p._load_in_background())
@@ -285,6 +343,22 @@ class ControllerRole(_Role):
                 if not r.removed and r.entry.get("replicas")
             }
 
+    async def _stop_leading(self) -> None:
+        """Stop the leader-only loops; the replicas keep running for the next leader."""
+        p = self.platform
+        self.leading = False
+        if p._loading is not None:
+            p._loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await p._loading
+            p._loading = None
+        await p.batch_runner.stop()
+        await p.reclaimer.stop()
+        await self.aggregator.stop()
+        await self.publisher.stop()
+        await p.endpoints.stop()  # its replicas keep running for the next leader
+        await self._unadvertise()
+
     async def stop(self) -> None:
         if self.keeper is not None:
             await asyncio.to_thread(self.keeper.stop)
@@ -293,19 +367,8 @@ class ControllerRole(_Role):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        p = self.platform
-        if self.leading:
-            self.leading = False
-            if p._loading is not None:
-                p._loading.cancel()
-            await p.batch_runner.stop()
-            await p.reclaimer.stop()
-            await self.aggregator.stop()
-            await self.publisher.stop()
-            await p.endpoints.stop()  # its replicas keep running for the next leader
-            with contextlib.suppress(Exception):
-                advertised = await p._redis.get(LEADER_KEY)  # type: ignore[union-attr]
-                if verified_leader_url(self.settings.cluster_secret or "", advertised) == self.url:
-                    await p._redis.delete(LEADER_KEY)  # type: ignore[union-attr]
+        async with self._term:
+            if self.leading:
+                await self._stop_leading()
         await asyncio.to_thread(self.lease.release)
         await self._stop_shared()

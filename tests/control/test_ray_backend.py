@@ -142,12 +142,12 @@ def test_a_tensor_parallel_replica_holds_one_node_and_a_successor_adopts_it(
         assert len(set(table["bundles_to_node_id"].values())) == 1
         await first.stop_all()  # detached: the replica outlives its controller ...
         successor = RayBackend(settings, tmp_path / "logs2", detached=True)
-        adopted = successor.adopt(spec, handle.url, handle.pid)  # ... and is adopted
+        adopted = await successor.adopt(spec, handle.url, handle.pid)  # ... and is adopted
         assert successor.alive(adopted) and node_of("tp1") == table["bundles_to_node_id"][0]
         await successor.stop(adopted)
         with pytest.raises(ValueError):
             ray.get_actor(actor_name("tp1"), namespace=NAMESPACE)
-        gone = successor.adopt(spec, handle.url, handle.pid)
+        gone = await successor.adopt(spec, handle.url, handle.pid)
         assert not successor.alive(gone) and successor.exit_status(gone) == LOST_EXIT_CODE
 
     asyncio.run(run())

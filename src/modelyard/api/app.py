@@ -19,6 +19,7 @@ from modelyard.api import (
     routes_tenancy,
     routes_webhooks,
 )
+from modelyard.api.deps import get_services
 from modelyard.api.docs_page import install_docs
 from modelyard.api.errors import install_error_handlers
 from modelyard.api.openapi_edge import BEARER_OPTIONAL, install_openapi
@@ -101,17 +102,14 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
         since endpoint ids and counts are other tenants' business."""
         if await platform_admin(request) is None:
             return {"status": "ok"}
-        endpoints = services.endpoints.endpoints.values()
+        manager = get_services(request).endpoints  # a controller's current term's
         return {
             "status": "ok",
             "version": __version__,
-            "endpoints": {s.row.id: s.status for s in endpoints},
+            "endpoints": {s.row.id: s.status for s in manager.endpoints.values()},
             "routing_generation": services.routing.generation,
-            "warm_pool_idle": services.endpoints.warm_pool.idle(),
-            "node_cache": {
-                "hits": services.endpoints.node_cache.hits,
-                "misses": services.endpoints.node_cache.misses,
-            },
+            "warm_pool_idle": manager.warm_pool.idle(),
+            "node_cache": {"hits": manager.node_cache.hits, "misses": manager.node_cache.misses},
         }
 
     install_metrics(app, services)

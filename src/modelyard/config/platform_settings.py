@@ -208,6 +208,16 @@ class PlatformSettings(SettingsBase):
         description="Cluster mode: the leading controller's lease; standbys try for it every "
         "third of it (a crashed leader's lock is freed at once, a hung one's after this).",
     )
+    control_forward_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=600,
+        description="Cluster mode: how long a gateway waits for the leader's answer to a "
+        "forwarded control request before it asks the leader's /health (as long again): a "
+        "leader that answers that is busy and is waited for (up to 600 s); one that does not "
+        "is hung, and the request (its body kept, up to 1 MiB) goes once to the next leader, "
+        "or is a retryable 503 no_leader.",
+    )
     advertise_url: str | None = Field(
         None,
         description="Cluster mode: the URL other processes reach this controller at (gateways "

@@ -188,7 +188,8 @@ class LeaseKeeper:
     margin (which would make the new leader drop its own lease).
 
     It reports by verbs on the keeper's thread: `on_acquired()` once this process leads (hand it
-    to the event loop with `call_soon_threadsafe`), `on_lost()` when it no longer does (exit)."""
+    to the event loop with `call_soon_threadsafe`), `on_lost()` when it no longer does (step
+    down); it goes on trying for the lease after a loss."""
 
     def __init__(
         self, lease: LeaderLease, on_acquired: Callable[[], None], on_lost: Callable[[], None]

@@ -74,7 +74,8 @@ class ReplicaTakeover:
         for endpoint_id in [e for e in self.recorded if e not in live]:
             for record in self.recorded.pop(endpoint_id):
                 spec = ReplicaSpec(record["id"], endpoint_id, None, "")
-                await self.backend.stop(self.backend.adopt(spec, record["url"], record["pid"]), 5.0)
+                handle = await self.backend.adopt(spec, record["url"], record["pid"])
+                await self.backend.stop(handle, 5.0)
             self.adopting.discard(endpoint_id)
 
     async def _healthy_replicas(
@@ -83,7 +84,8 @@ class ReplicaTakeover:
         adopted: list[Replica] = []
         async with httpx.AsyncClient(timeout=_HEALTH_TIMEOUT_S) as http:
             for record in records:
-                handle = self.backend.adopt(_spec(state, record), record["url"], record["pid"])
+                spec = _spec(state, record)
+                handle = await self.backend.adopt(spec, record["url"], record["pid"])
                 shared_host = record["id"].startswith("encoder-host")
                 if shared_host or not record.get("ready") or not await _healthy(http, handle.url):
                     if not shared_host or self.backend.alive(handle):

@@ -47,9 +47,10 @@ class Backend(Protocol):
         """Launch the replica; returns once it is launched (not yet healthy)."""
         ...
 
-    def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:
+    async def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:
         """Take over a replica another controller started and recorded (cluster mode: the new
-        leader keeps it running); the handle's `alive`/`stop` work from here on."""
+        leader keeps it running); the handle's `alive`/`stop` work from here on. Async: finding
+        it may ask a remote cluster (Ray), which never blocks the event loop."""
         ...
 
     def alive(self, handle: ReplicaHandle) -> bool: ...

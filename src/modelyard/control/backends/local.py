@@ -104,7 +104,7 @@ class LocalBackend:
         log.info("started replica %s (pid %d) on port %d", spec.replica_id, proc.pid, port)
         return ReplicaHandle(spec, f"http://{self.host}:{port}", proc.pid, log_path)
 
-    def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:
+    async def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:
         """A worker another controller started (it runs at `url` as `pid`) is this one's now."""
         if pid is not None:
             self._adopted[spec.replica_id] = pid

@@ -174,21 +174,26 @@ class RayBackend:
         timeout = self.settings.replica_start_timeout_s
         try:
             if request.bundles:
-                running.group = ray.util.placement_group(
-                    request.bundles, strategy="STRICT_PACK", name=name, lifetime=lifetime
-                )
+                running.group = await asyncio.to_thread(
+                    ray.util.placement_group,
+                    request.bundles, strategy="STRICT_PACK", name=name, lifetime=lifetime,
+                )  # fmt: skip
                 await asyncio.wait_for(running.group.ready(), timeout)
                 for i in range(1, len(request.bundles)):
                     strategy = PlacementGroupSchedulingStrategy(running.group, i)
-                    holder = holder_cls.options(
-                        scheduling_strategy=strategy, lifetime=lifetime, **request.actor
-                    ).remote()
+                    holder = await asyncio.to_thread(
+                        holder_cls.options(
+                            scheduling_strategy=strategy, lifetime=lifetime, **request.actor
+                        ).remote
+                    )
                     running.holders.append(holder)
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(running.group, 0)
             else:
                 # Replicas spread over nodes: losing one node loses as few replicas as it can.
                 options["scheduling_strategy"] = "SPREAD"
-            running.host = host_cls.options(**options, **request.actor).remote()
+            # A named actor is registered with Ray's control store before `remote()` returns.
+            create = host_cls.options(**options, **request.actor).remote
+            running.host = await asyncio.to_thread(create)
             version = None
             if spec.version_id is not None:
                 version = await asyncio.to_thread(self._version, spec.version_id)
@@ -237,19 +242,11 @@ class RayBackend:
         with open(log_path, "a") as f:
             f.write(line + "\n")
 
-    def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:
+    async def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:
         """A replica another controller started: its actor, found by name, is watched from here
-        on (a name Ray no longer knows is a replica that is gone)."""
-        import ray
-
-        self._connect()
-        running = _Running(host=None)
-        try:
-            running.host = ray.get_actor(actor_name(spec.replica_id), namespace=NAMESPACE)
-        except ValueError:
-            running.exit = LOST_EXIT_CODE
-        with contextlib.suppress(ValueError):
-            running.group = ray.util.get_placement_group(actor_name(spec.replica_id))
+        on (a name Ray no longer knows is a replica that is gone). Joining Ray and looking the
+        actor up are blocking calls to Ray's control store: on a thread, never on the loop."""
+        running = await asyncio.to_thread(self._find, spec.replica_id)
         self._running[spec.replica_id] = running
         log_path = self.log_dir / f"{spec.replica_id}.log"
         if running.host is not None:
@@ -257,6 +254,20 @@ class RayBackend:
                 self._watch(spec.replica_id, running, log_path)
             )
         return ReplicaHandle(spec, url, pid, log_path)
+
+    def _find(self, replica_id: str) -> _Running:
+        """The named actor and placement group of a running replica (blocking: a thread's)."""
+        import ray
+
+        self._connect()
+        running = _Running(host=None)
+        try:
+            running.host = ray.get_actor(actor_name(replica_id), namespace=NAMESPACE)
+        except ValueError:
+            running.exit = LOST_EXIT_CODE
+        with contextlib.suppress(ValueError):
+            running.group = ray.util.get_placement_group(actor_name(replica_id))
+        return running
 
     def alive(self, handle: ReplicaHandle) -> bool:
         running = self._running.get(handle.spec.replica_id)
@@ -278,17 +289,9 @@ class RayBackend:
 
     async def _release(self, running: _Running) -> None:
         """Kill the actors and remove the placement group (nothing of the replica stays)."""
-        import ray
-
         if running.watch is not None:
             running.watch.cancel()
-        for actor in [running.host, *running.holders]:
-            if actor is not None:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor, no_restart=True)
-        if running.group is not None:
-            with contextlib.suppress(Exception):
-                ray.util.remove_placement_group(running.group)
+        await asyncio.to_thread(_kill, running)
 
     async def stop_all(self) -> None:
         running = list(self._running.values())
@@ -305,6 +308,19 @@ class RayBackend:
         )
         for r in running:
             await self._release(r)
+
+
+def _kill(running: _Running) -> None:
+    """Blocking calls to Ray's control store (a thread's)."""
+    import ray
+
+    for actor in [running.host, *running.holders]:
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+    if running.group is not None:
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(running.group)
 
 
 def _first_line(exc: BaseException) -> str:
