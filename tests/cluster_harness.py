@@ -11,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +20,7 @@ import redis
 from modelyard.core.cluster_auth import verified_leader_url
 from tests.conftest import free_port
 from tests.loop_stalls import stall_log_env
+from tests.platform_harness import tiny_models_env
 
 LEADER_KEY = "modelyard:controller:leader"
 # Every role of a test cluster holds the same secret unless a test says otherwise.
@@ -74,6 +75,66 @@ class RoleProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class Cluster:
+    """Two controllers (sharing a data dir: the admin key, the Files API's files) and two
+    gateways on one PostgreSQL and one Redis database, local workers of the tiny models."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        models_dir: Path,
+        database_url: str,
+        redis_url: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.redis_url = redis_url
+        self.models_dir = models_dir
+        self.env = {
+            **tiny_models_env(models_dir),
+            "MODELYARD_DATABASE_URL": database_url,
+            "MODELYARD_REDIS_URL": redis_url,
+            "MODELYARD_DEFAULT_MODELS": "false",
+            "MODELYARD_CONTROLLER_LEASE_S": "3",
+            "MODELYARD_ROUTING_REFRESH_S": "1",
+            "MODELYARD_BATCH_LEASE_S": "5",
+            **(env or {}),
+        }
+        # The controllers share a data dir (admin key, the Files API's files); gateways own one.
+        self.control_dir = tmp / "control"
+        self.controllers = [RoleProcess("controller", self.control_dir, self.env) for _ in "ab"]
+        self.gateways = [RoleProcess("gateway", tmp / f"gw{i}", self.env) for i in (1, 2)]
+
+    def leader(self) -> RoleProcess:
+        return wait_leader(self.redis_url, self.controllers)
+
+    def standby(self) -> RoleProcess:
+        leader = self.leader()
+        return next(c for c in self.controllers if c is not leader)
+
+    @property
+    def admin_key(self) -> str:
+        return (self.control_dir / "admin_key").read_text().strip()
+
+    def api(self, gateway: int = 0, key: str | None = None) -> httpx.Client:
+        headers = {"authorization": f"Bearer {key or self.admin_key}"}
+        return httpx.Client(base_url=self.gateways[gateway].url, headers=headers, timeout=60.0)
+
+    def output(self) -> str:
+        return "\n".join(
+            f"===== {p.role} {p.url}\n{p.output()[-6000:]}"
+            for p in self.controllers + self.gateways
+        )
+
+    @contextlib.contextmanager
+    def logs_on_failure(self) -> Iterator[None]:
+        """Every process's log, printed when the block fails."""
+        try:
+            yield
+        except BaseException:
+            print(self.output())
+            raise
 
 
 def leader_url(redis_url: str) -> str | None:

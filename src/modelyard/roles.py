@@ -35,11 +35,13 @@ from modelyard.control.backends import open_backend
 from modelyard.control.backends.base import Backend
 from modelyard.control.backends.local import LocalBackend
 from modelyard.control.cluster_load import LoadAggregator
+from modelyard.control.cluster_outcomes import ClusterOutcomes
 from modelyard.control.leader import LeaderLease, LeaseKeeper
 from modelyard.control.route_publisher import RoutePublisher
 from modelyard.control.takeover import ReplicaTakeover
 from modelyard.core.cluster_auth import sign_leader_url, verified_leader_url
 from modelyard.core.cluster_keys import LEADER_KEY
+from modelyard.gateway.outcome_report import OutcomeReporter
 from modelyard.gateway.route_mirror import RouteMirror
 from modelyard.gateway.traffic_report import TrafficReporter
 from modelyard.platform import Platform
@@ -110,6 +112,14 @@ class LeaderAddress:
 
 class _Role:
     platform: Platform
+    outcomes: OutcomeReporter
+
+    def _report_outcomes(self) -> None:
+        """This process's gateway adds its per-version outcomes to the cluster's (the leader's
+        canary SLO gate sums every gateway's)."""
+        p = self.platform
+        self.outcomes = OutcomeReporter(p._redis, p.routing)
+        p.gateway.upstream.stats.listener = self.outcomes.record
 
     def app(self, leads: Callable[[], bool]) -> Any:
         p = self.platform
@@ -133,9 +143,11 @@ class _Role:
         await p._seed_quotas()
         p.recorder.start()
         await p.gateway.start()
+        self.outcomes.start()
 
     async def _stop_shared(self) -> None:
         p = self.platform
+        await self.outcomes.stop()
         await p.recorder.stop()
         await p.gateway.stop()
         await p.limiter.close()
@@ -161,6 +173,7 @@ class GatewayRole(_Role):
         # Scale from zero goes to the leader through Redis, not to an in-process manager.
         p.gateway.upstream.activate = self.reporter.activate
         p.gateway.upstream.stale_route_wait_s = settings.stale_route_wait_s
+        self._report_outcomes()
 
     def asgi(self) -> Any:
         return self.app(lambda: False)
@@ -190,11 +203,15 @@ class ControllerRole(_Role):
         self.settings = settings
         backend = self._backend(settings)
         # Replicas the previous leader left running are adopted when this one leads.
-        self.takeover = ReplicaTakeover(backend)
+        self.takeover = ReplicaTakeover(backend, settings.test_adopt_delay_s)
         p = Platform(settings, backend, takeover=self.takeover)
         self.platform = p
         # Scale from zero for the batch runner's requests: always the current term's manager.
         p.gateway.upstream.activate = lambda endpoint_id: p.endpoints.activate(endpoint_id)
+        self._report_outcomes()
+        # The canary's SLO gate judges on every gateway's outcomes, summed from Redis.
+        self.cluster_outcomes = ClusterOutcomes(p._redis)
+        p.endpoints.versions.read_stats = self.cluster_outcomes.window
         host = settings.host if settings.host not in ("0.0.0.0", "::") else socket.getfqdn()
         self.url = settings.advertise_url or f"http://{host}:{settings.port}"
         self.lease = LeaderLease(
@@ -242,6 +259,7 @@ class ControllerRole(_Role):
             on_lost=lambda: loop.call_soon_threadsafe(self._begin_step_down),
         )
         self.keeper.start()
+        self.cluster_outcomes.start()
         self._task = asyncio.create_task(self._keep_advertising(), name="controller-advertise")
 
     def _begin_takeover(self) -> None:
@@ -276,7 +294,7 @@ class ControllerRole(_Role):
             p = self.platform
             for route in list(p.routing.all_routes()):
                 p.routing.remove(route.endpoint_id)
-            self.takeover = ReplicaTakeover(p.backend)
+            self.takeover = ReplicaTakeover(p.backend, self.settings.test_adopt_delay_s)
             p.renew_endpoints(self.takeover)
             if self._app is not None:
                 self._app.state.services = p.services
@@ -371,4 +389,5 @@ class ControllerRole(_Role):
             if self.leading:
                 await self._stop_leading()
         await asyncio.to_thread(self.lease.release)
+        await self.cluster_outcomes.stop()
         await self._stop_shared()

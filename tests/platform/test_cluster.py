@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cluster_harness import RoleProcess, Traffic, chat, kill_workers, wait_leader
+from tests.cluster_harness import Cluster, Traffic, chat, kill_workers
 from tests.databases import fresh_postgres, fresh_redis
 from tests.platform_harness import (
     batch_line,
@@ -31,49 +31,8 @@ from tests.platform_harness import (
     create_tenant,
     deploy,
     jsonl,
-    tiny_models_env,
     wait_request_ids,
 )
-
-
-class Cluster:
-    def __init__(self, tmp: Path, models_dir: Path, database_url: str, redis_url: str) -> None:
-        self.redis_url = redis_url
-        self.models_dir = models_dir
-        self.env = {
-            **tiny_models_env(models_dir),
-            "MODELYARD_DATABASE_URL": database_url,
-            "MODELYARD_REDIS_URL": redis_url,
-            "MODELYARD_DEFAULT_MODELS": "false",
-            "MODELYARD_CONTROLLER_LEASE_S": "3",
-            "MODELYARD_ROUTING_REFRESH_S": "1",
-            "MODELYARD_BATCH_LEASE_S": "5",
-        }
-        # The controllers share a data dir (admin key, the Files API's files); gateways own one.
-        self.control_dir = tmp / "control"
-        self.controllers = [RoleProcess("controller", self.control_dir, self.env) for _ in "ab"]
-        self.gateways = [RoleProcess("gateway", tmp / f"gw{i}", self.env) for i in (1, 2)]
-
-    def leader(self) -> RoleProcess:
-        return wait_leader(self.redis_url, self.controllers)
-
-    def standby(self) -> RoleProcess:
-        leader = self.leader()
-        return next(c for c in self.controllers if c is not leader)
-
-    @property
-    def admin_key(self) -> str:
-        return (self.control_dir / "admin_key").read_text().strip()
-
-    def api(self, gateway: int = 0, key: str | None = None) -> httpx.Client:
-        headers = {"authorization": f"Bearer {key or self.admin_key}"}
-        return httpx.Client(base_url=self.gateways[gateway].url, headers=headers, timeout=60.0)
-
-    def output(self) -> str:
-        return "\n".join(
-            f"===== {p.role} {p.url}\n{p.output()[-6000:]}"
-            for p in self.controllers + self.gateways
-        )
 
 
 @pytest.fixture(scope="module")

@@ -208,6 +208,15 @@ class PlatformSettings(SettingsBase):
         description="Cluster mode: the leading controller's lease; standbys try for it every "
         "third of it (a crashed leader's lock is freed at once, a hung one's after this).",
     )
+    test_adopt_delay_s: float = Field(
+        0.0,
+        ge=0,
+        le=600,
+        description="Test only (never set it in production): a cluster leader's adoption of "
+        "each endpoint's running replicas first waits this long on a thread, as a slow backend "
+        "(Ray's control store) would; tests/platform/test_cluster_leader.py makes it longer "
+        "than the lease.",
+    )
     control_forward_timeout_s: float = Field(
         5.0,
         gt=0,

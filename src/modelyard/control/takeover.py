@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from typing import Any
@@ -34,8 +35,9 @@ _HEALTH_TIMEOUT_S = 5.0
 
 
 class ReplicaTakeover:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, test_delay_s: float = 0.0) -> None:
         self.backend = backend
+        self.test_delay_s = test_delay_s  # `test_adopt_delay_s`: a slow backend, in tests
         self.recorded: dict[str, list[dict[str, Any]]] = {}  # endpoint id -> its replicas
         self.adopting: set[str] = set()
         self.adopted = 0  # replicas taken over (tests, logs)
@@ -82,6 +84,8 @@ class ReplicaTakeover:
         self, state: EndpointState, records: list[dict[str, Any]]
     ) -> list[Replica]:
         adopted: list[Replica] = []
+        if self.test_delay_s:
+            await asyncio.to_thread(time.sleep, self.test_delay_s)
         async with httpx.AsyncClient(timeout=_HEALTH_TIMEOUT_S) as http:
             for record in records:
                 spec = _spec(state, record)

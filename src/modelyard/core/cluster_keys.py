@@ -11,3 +11,6 @@ ACTIVATE_KEY = "modelyard:activate"
 # The leading controller's URL (gateways forward control requests there), expiring, signed
 # with the cluster secret (`cluster_auth.sign_leader_url`: `<hex HMAC> <url>`).
 LEADER_KEY = "modelyard:controller:leader"
+# `<prefix><endpoint id>:<version id>:<bucket>`: a hash of one version's outcomes at every
+# gateway over one `OUTCOME_BUCKET_S` of wall-clock time (`core/outcome_counts.py`), expiring.
+OUTCOMES_PREFIX = "modelyard:outcomes:"

@@ -6,13 +6,15 @@ the control plane reads a recent window through the `window` verb the compositio
 (`core.routing.ReadVersionStats`), and compares a canary's error rate and p95 latency with the
 stable version's. Failures are what the replica is to blame for: a 5xx answer, a timeout, a
 connection that broke; a client's own 4xx is not one. Bounded: at most `max_samples` outcomes
-per version, none older than `horizon_s`.
+per version, none older than `horizon_s`. A `listener` (cluster mode: the gateway's
+`OutcomeReporter`) hears every versioned outcome too.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from modelyard.core.routing import VersionWindow
 
@@ -33,6 +35,7 @@ class VersionStats:
         self.horizon_s = horizon_s
         self.max_samples = max_samples
         self._outcomes: dict[tuple[str, str], deque[_Outcome]] = {}
+        self.listener: Callable[[str, str, bool, float | None], None] | None = None
 
     def record(
         self, endpoint_id: str, version_id: str | None, ok: bool, latency_s: float | None
@@ -41,6 +44,8 @@ class VersionStats:
         nothing to compare, nothing kept)."""
         if version_id is None:
             return
+        if self.listener is not None:
+            self.listener(endpoint_id, version_id, ok, latency_s)
         key = (endpoint_id, version_id)
         outcomes = self._outcomes.get(key)
         if outcomes is None:
