@@ -49,7 +49,7 @@ from modelyard.store import routing_entries
 
 log = logging.getLogger(__name__)
 
-LOST_LEASE_EXIT = 3
+TAKEOVER_FAILED_EXIT = 3  # a takeover that raised: a supervisor may start it afresh
 
 
 class ClusterConfigError(ValueError):
@@ -284,7 +284,7 @@ class ControllerRole(_Role):
                 raise
             except Exception:
                 log.exception("taking over as the leader failed; exiting")
-                os._exit(LOST_LEASE_EXIT)
+                os._exit(TAKEOVER_FAILED_EXIT)
 
     async def _step_down(self) -> None:
         async with self._term:
