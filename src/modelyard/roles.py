@@ -224,6 +224,7 @@ class ControllerRole(_Role):
         self._app: Any = None
         self._task: asyncio.Task[None] | None = None
         self._takeover: asyncio.Task[None] | None = None
+        self._stepping: asyncio.Task[None] | None = None
         self._term = asyncio.Lock()  # a takeover and a step-down never run at once
         self.keeper: LeaseKeeper | None = None
 
@@ -272,7 +273,7 @@ class ControllerRole(_Role):
         self.leading = False
         if self._takeover is not None:
             self._takeover.cancel()  # a takeover still under way stops where it is
-        asyncio.create_task(self._step_down(), name="step-down")  # noqa: RUF006 - the lock holds it
+        self._stepping = asyncio.create_task(self._step_down(), name="step-down")
 
     async def _take_over_or_exit(self) -> None:
         async with self._term:

@@ -28,6 +28,7 @@ import pytest
 from modelyard.registry_client import RegistryClient
 from tests.cluster_harness import Cluster, RoleProcess, chat, kill_workers, leader_url
 from tests.databases import fresh_postgres, fresh_redis
+from tests.loop_stalls import assert_no_loop_stalls, stall_counts
 from tests.platform_harness import deploy, wait_status
 from tests.tiny_models import build_model
 from tests.waiting import wait_until
@@ -128,6 +129,7 @@ def test_a_slow_adoption_does_not_cost_the_new_leader_its_lease(cluster: Cluster
         deploy(g1, "tiny", str(cluster.models_dir / "tiny"), public=True)
         wait_until(lambda: chat(g2).status_code == 200, "tiny through gateway 2")
         pids = _replica_pids(g1, "tiny")
+        stalls = stall_counts(standby, *cluster.gateways)
         old.kill()
         try:
             assert cluster.leader() is standby
@@ -147,6 +149,8 @@ def test_a_slow_adoption_does_not_cost_the_new_leader_its_lease(cluster: Cluster
             assert standby.proc is not None and standby.proc.poll() is None
             assert "lost the leader lease" not in standby.output()
             assert _replica_pids(g2, "tiny") == pids  # the same processes, adopted
+            # The slow backend held a thread, never the new leader's event loop.
+            assert_no_loop_stalls(standby, *cluster.gateways, since=stalls)
         finally:
             old.start()  # back as the standby
 
