@@ -33,6 +33,10 @@ from tests.platform_harness import deploy, wait_status
 from tests.tiny_models import build_model
 from tests.waiting import wait_until
 
+# The module's cluster starts with the first test (four processes, two model pushes: 145 s
+# with the first test on a busy 2 vCPU), and a takeover waits out three leases.
+pytestmark = pytest.mark.timeout(420)
+
 LEASE_S = 3.0
 ADOPT_DELAY_S = 3 * LEASE_S
 FORWARD_TIMEOUT_S = 2.0
