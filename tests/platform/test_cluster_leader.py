@@ -197,7 +197,11 @@ def test_a_frozen_leader_is_left_and_once_woken_steps_down_and_leads_again(
         finally:
             _thaw(frozen)
         # Woken, it finds its lease lost and stands by: no exit, nothing of its leadership left.
-        wait_until(lambda: "stepped down" in frozen.output(), "the woken leader stepping down")
+        line = wait_until(
+            lambda: next((x for x in frozen.output().splitlines() if "stepped down" in x), None),
+            "the woken leader stepping down",
+        )
+        print(line)
         assert frozen.proc is not None and frozen.proc.poll() is None
         assert httpx.get(f"{frozen.url}/health", timeout=10).status_code == 200
         assert leader_url(cluster.redis_url) == other.url
