@@ -98,6 +98,16 @@ def platform(
         p.stop()
 
 
+@pytest.fixture(autouse=True)
+def platform_log_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The platform's log (its control plane's, Ray's replicas' notes) after a test of it
+    failed; the cluster test prints its controllers' and gateways' logs itself."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed and "platform" in request.fixturenames:
+        print(request.getfixturevalue("platform").output())
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("m") / "tiny", "llama")
