@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from modelyard.api.app import create_platform_app
@@ -363,20 +364,23 @@ class ControllerRole(_Role):
             }
 
     async def _stop_leading(self) -> None:
-        """Stop the leader-only loops; the replicas keep running for the next leader."""
+        """Stop the leader-only loops; the replicas keep running for the next leader. Each part
+        gets a lease to stop: one that does not is left (its stack logged), never the whole
+        step-down held."""
         p = self.platform
         self.leading = False
         if p._loading is not None:
             p._loading.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await p._loading
             p._loading = None
-        await p.batch_runner.stop()
-        await p.reclaimer.stop()
-        await self.aggregator.stop()
-        await self.publisher.stop()
-        await p.endpoints.stop()  # its replicas keep running for the next leader
-        await self._unadvertise()
+        for what, stopping in (
+            ("the batch runner", p.batch_runner.stop()),
+            ("the blob reclaimer", p.reclaimer.stop()),
+            ("the load aggregator", self.aggregator.stop()),
+            ("the route publisher", self.publisher.stop()),
+            ("the endpoint manager", p.endpoints.stop()),  # its replicas keep running
+            ("the advertisement", self._unadvertise()),
+        ):
+            await _bounded(what, stopping, self.settings.controller_lease_s)
 
     async def stop(self) -> None:
         if self.keeper is not None:
@@ -392,3 +396,16 @@ class ControllerRole(_Role):
         await asyncio.to_thread(self.lease.release)
         await self.cluster_outcomes.stop()
         await self._stop_shared()
+
+
+async def _bounded(what: str, stopping: Coroutine[Any, Any, None], within_s: float) -> None:
+    task = asyncio.ensure_future(stopping)
+    done, _ = await asyncio.wait({task}, timeout=within_s)
+    if done:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("stopping %s failed: %r", what, task.exception())
+        return
+    stack = io.StringIO()
+    task.print_stack(file=stack)
+    task.cancel()
+    log.error("%s did not stop within %.1fs; left behind:\n%s", what, within_s, stack.getvalue())
