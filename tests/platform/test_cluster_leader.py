@@ -202,6 +202,7 @@ def test_a_frozen_leader_is_left_and_once_woken_steps_down_and_leads_again(
             "the woken leader stepping down",
         )
         print(line)
+        assert "did not stop" not in frozen.output()  # every leader-only part stopped
         assert frozen.proc is not None and frozen.proc.poll() is None
         assert httpx.get(f"{frozen.url}/health", timeout=10).status_code == 200
         assert leader_url(cluster.redis_url) == other.url
