@@ -42,6 +42,7 @@ from modelyard.control.route_publisher import RoutePublisher
 from modelyard.control.takeover import ReplicaTakeover
 from modelyard.core.cluster_auth import sign_leader_url, verified_leader_url
 from modelyard.core.cluster_keys import LEADER_KEY
+from modelyard.gateway.leader_address import LeaderAddress
 from modelyard.gateway.outcome_report import OutcomeReporter
 from modelyard.gateway.route_mirror import RouteMirror
 from modelyard.gateway.traffic_report import TrafficReporter
@@ -75,40 +76,6 @@ def check_cluster_settings(settings: PlatformSettings) -> None:
             "gateway and controller, e.g. `openssl rand -hex 32`): it signs the leader's "
             "address and authenticates the platform to its workers"
         )
-
-
-class LeaderAddress:
-    """The leading controller's URL from Redis, cached for a second: only a URL signed with
-    the cluster secret (`core.cluster_auth`); anything else in the key is no leader at all,
-    so control requests, bearer keys and all, never go where a writer of Redis points them."""
-
-    def __init__(self, redis: Any, secret: str) -> None:
-        self.redis = redis
-        self.secret = secret
-        self._url: str | None = None
-        self._at = 0.0
-        self._refused: bytes | str | None = None  # the last unsigned value (logged once)
-
-    async def get(self) -> str | None:
-        if self._url is None or time.monotonic() - self._at > 1.0:
-            try:
-                value = await self.redis.get(LEADER_KEY)
-            except Exception as exc:
-                log.warning("reading the leader's address from Redis failed: %s", exc)
-                value = None
-            self._url = verified_leader_url(self.secret, value)
-            if value is not None and self._url is None and value != self._refused:
-                log.error(
-                    "the leader's address in Redis (%s) is not signed with this cluster's "
-                    "secret: ignored (a wrong MODELYARD_CLUSTER_SECRET, or someone wrote it)",
-                    LEADER_KEY,
-                )
-                self._refused = value
-            self._at = time.monotonic()
-        return self._url
-
-    def forget(self) -> None:
-        self._url = None
 
 
 class _Role:

@@ -12,7 +12,7 @@ from modelyard.control.cluster_outcomes import ClusterOutcomes
 from modelyard.core.outcome_counts import bin_upper_s, latency_bin
 from modelyard.core.routing import EndpointRoute, RoutingTable, VersionWindow
 from modelyard.gateway.outcome_report import OutcomeReporter
-from modelyard.gateway.quota import open_limits_store
+from modelyard.gateway.redis_connect import open_redis
 from tests.databases import fresh_redis
 
 
@@ -33,7 +33,7 @@ def test_latency_bins_bound_each_latency_within_ten_percent() -> None:
 
 def test_two_gateways_outcomes_are_judged_as_one() -> None:
     async def run(url: str) -> tuple[VersionWindow, VersionWindow, VersionWindow, list[bytes]]:
-        redis = open_limits_store(url, 5.0)
+        redis = open_redis(url, 5.0)
         try:
             gateways = [OutcomeReporter(redis, _table({"v1": 50, "v2": 50})) for _ in range(2)]
             for _ in range(10):  # the canary fails at the first gateway ...
