@@ -387,6 +387,14 @@ class PlatformSettings(_Settings):
         description="Cluster mode: the leading controller's lease; standbys try for it every "
         "third of it (a crashed leader's lock is freed at once, a hung one's after this).",
     )
+    replica_owner_leases: float = Field(
+        5.0,
+        ge=0,
+        description="Cluster mode: a replica (worker, encoder host; local or Ray) that no "
+        "controller has sent a heartbeat for this many controller_lease_s exits on its own "
+        "(every controller stopped, or none leads that long); the leader heartbeats its "
+        "replicas every third of a lease and a standby that takes over resumes it. 0: never.",
+    )
     advertise_url: str | None = Field(
         None,
         description="Cluster mode: the URL other processes reach this controller at (gateways "

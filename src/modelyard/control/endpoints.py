@@ -29,6 +29,7 @@ from modelyard.control.endpoint_provision import Provisioner
 from modelyard.control.endpoint_status import EndpointStatuses
 from modelyard.control.endpoint_versions import VersionVerbs
 from modelyard.control.endpoint_view import endpoint_view
+from modelyard.control.owner_heartbeat import OwnerHeartbeat
 from modelyard.control.reconcile import Reconciler
 from modelyard.control.registry import Registry
 from modelyard.control.replicas import ReplicaController
@@ -82,6 +83,8 @@ class EndpointManager:
             self.statuses, self.versions, self.reconciler, takeover,
         )  # fmt: skip
         self.refused = self.provisioner.refused
+        # Cluster mode: the replicas this leader owns hear from it, or exit in time.
+        self.heartbeat = OwnerHeartbeat(settings, backend)
         self.version_verbs = VersionVerbs(
             settings, db, registry, routing, self.statuses, self.rollouts, self.versions,
             self.reconciler, self._get, self.refused,
@@ -92,6 +95,7 @@ class EndpointManager:
     async def start(self) -> None:
         if self.takeover is not None:  # held back from publishing before any entry is written
             self.takeover.hold_back()
+        self.heartbeat.start()  # adopted replicas hear from their new owner as soon as adopted
 
         def load() -> list[tuple[Endpoint, list[EndpointVersion]]]:
             with self.db.session() as s:
@@ -124,6 +128,7 @@ class EndpointManager:
 
     async def stop(self) -> None:
         self.reconciler.stop()
+        await self.heartbeat.stop()
         for state in self.endpoints.values():
             for task in state.tasks:
                 task.cancel()
