@@ -155,8 +155,8 @@ class Embeddings:
                 self.ok += 1
             except openai.APIStatusError as exc:
                 retry_after = exc.response.headers.get("retry-after")
-                rid = exc.response.headers.get("x-request-id", "")
-                self.errors.append((exc.status_code, retry_after, rid + " " + exc.response.text[:300]))
+                body = exc.response.headers.get("x-request-id", "") + " " + exc.response.text
+                self.errors.append((exc.status_code, retry_after, body[:300]))
                 time.sleep(0.1)  # the pace of a client that was told to come back
             except openai.APIConnectionError as exc:
                 self.errors.append((0, None, repr(exc)))

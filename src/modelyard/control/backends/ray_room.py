@@ -9,6 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+
+def _per_node() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """(free, total) resources of every alive node, as this Ray driver sees them."""
+    from ray._private import state
+
+    return state.available_resources_per_node(), state.total_resources_per_node()
+
+
 def _number(resource: str, value: float) -> str:
     return f"{value / 2**30:.1f}" if resource == "memory" else f"{value:g}"
 
