@@ -69,6 +69,8 @@ class EndpointManager:
         self.takeover = takeover
         self.replicas = ReplicaController(settings, backend, routing, registry, self.endpoints)
         self.encoders = EncoderPool(settings, backend, self.replicas.placement, routing)
+        if takeover is not None:  # a new leader keeps the running encoder host
+            takeover.adopt_encoder_host = self.encoders.adopt
         self.node_cache = self.replicas.node_cache
         self.warm_pool = self.replicas.warm_pool
         self.statuses = EndpointStatuses(db, routing)

@@ -6,7 +6,8 @@ orphans (the worker arms that itself, see `worker.server`); a clean shutdown ter
 
 `detached=True` (the `controller` role): workers are not tied to the controller and outlive it,
 stopping or dying, so that a standby that takes over adopts them (`adopt`: a replica another
-process started, known by its pid) instead of restarting them.
+process started, known by its pid) instead of restarting them. They exit on their own when no
+controller heartbeats them for `owner_timeout_s` (`core/owner_watch.py`).
 """
 
 from __future__ import annotations
