@@ -189,7 +189,12 @@ def test_embeddings_keep_answering_through_a_takeover(cluster: Cluster) -> None:
     # The running host was adopted, not restarted: nothing was refused at all.
     assert calls.errors == [], calls.errors[:3]
     with cluster.api() as api:
-        assert {r["pid"] for r in cluster.replicas(api, cluster.encoder)} == host_pids
+
+        def host_now() -> set[int]:  # once the new leader registered the model there again
+            pids = {r["pid"] for r in cluster.replicas(api, cluster.encoder)}
+            return pids if None not in pids else set()
+
+        assert wait_until(host_now, "the encoder endpoint's host under the new leader") == host_pids
     old.start()  # back, as the standby
 
 

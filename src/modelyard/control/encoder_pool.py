@@ -143,7 +143,7 @@ class EncoderPool:
                 log.warning("the running encoder host is not adopted: %s", exc)
                 return False
             self.handle, self.started_at = handle, time.time()
-            log.info("adopted the running encoder host at %s", url)
+            log.info("adopted the running encoder host at %s (pid %s)", url, pid)
             return True
 
     async def _start(self) -> None:
