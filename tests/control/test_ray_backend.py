@@ -2,8 +2,10 @@
 (`ray.cluster_utils.Cluster`: a head without CPUs, so replicas go to the nodes). Two
 `modelyard controller`s and two gateways on PostgreSQL and Redis: a deploy through one gateway
 serves through the other; the leader SIGKILLed under traffic, its replicas (detached actors)
-serve on and the standby adopts them. A `modelyard serve` whose replicas are Ray actors: a
-deploy serves chat from replicas on both nodes; removing the node that holds one replica fails
+serve on and the standby adopts them. A detached replica nobody heartbeats exits and takes its
+actor with it. A `modelyard serve` whose replicas are Ray actors: a crashed worker's actor is
+removed when it is replaced; a deploy Ray has no room for is `unschedulable` at once, saying
+why, and serves once room frees; a deploy serves chat from replicas on both nodes; removing the node that holds one replica fails
 it: requests in flight on it are retried on the other and succeed, and the endpoint manager
 starts its replacement on the surviving node.
 
@@ -230,73 +232,6 @@ def test_two_controllers_and_two_gateways_on_ray_survive_the_leaders_death(
                     ray.kill(ray.get_actor(named["name"], namespace=NAMESPACE))
 
 
-def test_replicas_on_two_nodes_serve_and_a_lost_node_is_replaced(
-    cluster: Cluster, platform: PlatformProcess, tiny_dir: Path
-) -> None:
-    api = platform.api()
-    ep = deploy(api, "pair", str(tiny_dir), public=True,
-                hardware={"min_replicas": 2, "max_replicas": 2})  # fmt: skip
-    before = replicas(api, ep)
-    nodes = {r["id"]: node_of(r["id"]) for r in before}
-    # Spread (Ray's SPREAD strategy): one replica per node, so losing a node loses one.
-    assert len(set(nodes.values())) == 2, nodes
-    chat = platform.openai().chat.completions.create(
-        model="pair", messages=[{"role": "user", "content": "hi"}], max_tokens=4
-    )
-    assert chat.choices[0].message.content is not None
-
-    victim_replica = before[0]["id"]
-    victim = next(n for n in cluster.worker_nodes if n.node_id == nodes[victim_replica])
-    client = openai.AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=platform.admin_key,
-                                max_retries=0, timeout=120)  # fmt: skip
-
-    async def run() -> list[str]:
-        async def one(i: int) -> str:
-            r = await client.chat.completions.create(
-                model="pair", messages=[{"role": "user", "content": f"request {i}"}],
-                max_tokens=400, extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            return r.choices[0].finish_reason or ""
-
-        # Long enough (400 tokens) that those on the node are still running when it goes: at
-        # 120 a fast machine finished them first and nothing was left to retry.
-        tasks = [asyncio.create_task(one(i)) for i in range(8)]
-        # The node goes while requests run on its replica (the gateway counts them).
-        for _ in range(600):  # up to 30 s
-            loads = await asyncio.to_thread(replicas, api, ep)
-            if any(r["id"] == victim_replica and r["outstanding"] > 0 for r in loads):
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("no request reached the replica on the node to remove")
-        await asyncio.to_thread(cluster.remove_node, victim)
-        return await asyncio.gather(*tasks)
-
-    retries_before = retries(platform)
-    # Non-streaming requests in flight on the lost node were retried on the other one.
-    assert asyncio.run(run()) == ["length"] * 8
-    assert retries(platform) > retries_before
-    # The lost node's worker died with its actor: nothing answers at its address any more.
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(before[0]["address"] + "/health", timeout=5)
-
-    deadline = time.monotonic() + 120
-    while True:
-        now = replicas(api, ep)
-        ready = [r for r in now if r["state"] == "ready"]
-        if len(ready) == 2 and victim_replica not in {r["id"] for r in ready}:
-            break
-        assert time.monotonic() < deadline, f"the lost replica was not replaced: {now}"
-        time.sleep(0.5)
-    survivor = next(n for n in set(nodes.values()) if n != victim.node_id)
-    assert {node_of(r["id"]) for r in ready} == {survivor}
-    assert wait_status(api, ep, "ready")["status"] == "ready"
-    chat = platform.openai().chat.completions.create(
-        model="pair", messages=[{"role": "user", "content": "again"}], max_tokens=4
-    )
-    assert chat.choices[0].finish_reason in ("length", "stop")
-
-
 def test_a_replica_nobody_heartbeats_leaves_with_its_actor(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -406,3 +341,71 @@ def test_a_deploy_ray_has_no_room_for_says_why_and_starts_when_room_frees(
     r = api.delete(f"/v1/endpoints/{ep}")
     assert r.status_code in (200, 202, 204), r.text
     wait_status(api, ep, "gone")
+
+
+# Last: it removes a node, and its endpoint keeps the other node's CPUs.
+def test_replicas_on_two_nodes_serve_and_a_lost_node_is_replaced(
+    cluster: Cluster, platform: PlatformProcess, tiny_dir: Path
+) -> None:
+    api = platform.api()
+    ep = deploy(api, "pair", str(tiny_dir), public=True,
+                hardware={"min_replicas": 2, "max_replicas": 2})  # fmt: skip
+    before = replicas(api, ep)
+    nodes = {r["id"]: node_of(r["id"]) for r in before}
+    # Spread (Ray's SPREAD strategy): one replica per node, so losing a node loses one.
+    assert len(set(nodes.values())) == 2, nodes
+    chat = platform.openai().chat.completions.create(
+        model="pair", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert chat.choices[0].message.content is not None
+
+    victim_replica = before[0]["id"]
+    victim = next(n for n in cluster.worker_nodes if n.node_id == nodes[victim_replica])
+    client = openai.AsyncOpenAI(base_url=f"{platform.url}/v1", api_key=platform.admin_key,
+                                max_retries=0, timeout=120)  # fmt: skip
+
+    async def run() -> list[str]:
+        async def one(i: int) -> str:
+            r = await client.chat.completions.create(
+                model="pair", messages=[{"role": "user", "content": f"request {i}"}],
+                max_tokens=400, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return r.choices[0].finish_reason or ""
+
+        # Long enough (400 tokens) that those on the node are still running when it goes: at
+        # 120 a fast machine finished them first and nothing was left to retry.
+        tasks = [asyncio.create_task(one(i)) for i in range(8)]
+        # The node goes while requests run on its replica (the gateway counts them).
+        for _ in range(600):  # up to 30 s
+            loads = await asyncio.to_thread(replicas, api, ep)
+            if any(r["id"] == victim_replica and r["outstanding"] > 0 for r in loads):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("no request reached the replica on the node to remove")
+        await asyncio.to_thread(cluster.remove_node, victim)
+        return await asyncio.gather(*tasks)
+
+    retries_before = retries(platform)
+    # Non-streaming requests in flight on the lost node were retried on the other one.
+    assert asyncio.run(run()) == ["length"] * 8
+    assert retries(platform) > retries_before
+    # The lost node's worker died with its actor: nothing answers at its address any more.
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(before[0]["address"] + "/health", timeout=5)
+
+    deadline = time.monotonic() + 120
+    while True:
+        now = replicas(api, ep)
+        ready = [r for r in now if r["state"] == "ready"]
+        if len(ready) == 2 and victim_replica not in {r["id"] for r in ready}:
+            break
+        assert time.monotonic() < deadline, f"the lost replica was not replaced: {now}"
+        time.sleep(0.5)
+    survivor = next(n for n in set(nodes.values()) if n != victim.node_id)
+    assert {node_of(r["id"]) for r in ready} == {survivor}
+    assert wait_status(api, ep, "ready")["status"] == "ready"
+    chat = platform.openai().chat.completions.create(
+        model="pair", messages=[{"role": "user", "content": "again"}], max_tokens=4
+    )
+    assert chat.choices[0].finish_reason in ("length", "stop")
