@@ -5,9 +5,9 @@ serves through the other; the leader SIGKILLed under traffic, its replicas (deta
 serve on and the standby adopts them. A detached replica nobody heartbeats exits and takes its
 actor with it. A `modelyard serve` whose replicas are Ray actors: a crashed worker's actor is
 removed when it is replaced; a deploy Ray has no room for is `unschedulable` at once, saying
-why, and serves once room frees; a deploy serves chat from replicas on both nodes; removing the node that holds one replica fails
-it: requests in flight on it are retried on the other and succeed, and the endpoint manager
-starts its replacement on the surviving node.
+why, and serves once room frees; a deploy serves chat from replicas on both nodes; removing
+the node that holds one replica fails it: requests in flight on it are retried on the other and
+succeed, and the endpoint manager starts its replacement on the surviving node.
 
 The cluster starts once for the module (slow on two cores). Without `ray` the module is skipped
 with the reason; with `CI` set it fails instead.
