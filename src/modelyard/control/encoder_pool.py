@@ -129,18 +129,16 @@ class EncoderPool:
                 return self.handle.url == url  # another endpoint's record adopted it already
             spec = self._spec(host_id or repo.new_id("enc"), {})
             handle = self.backend.adopt(spec, url, pid)
-            if not self.backend.alive(handle):
-                return False
             try:
-                ok = (await self._http.get(url + "/health")).status_code == 200
-            except httpx.HTTPError:
+                ok = self.backend.alive(handle)
+                ok = ok and (await self._http.get(url + "/health")).status_code == 200
+                if ok:
+                    self._place(spec.replica_id)
+            except (httpx.HTTPError, EncoderHostError) as exc:
+                log.warning("the running encoder host is not adopted: %s", exc)
                 ok = False
             if not ok:
-                return False
-            try:
-                self._place(spec.replica_id)
-            except EncoderHostError as exc:
-                log.warning("the running encoder host is not adopted: %s", exc)
+                await self.backend.stop(handle, 5.0)
                 return False
             self.handle, self.started_at = handle, time.time()
             log.info("adopted the running encoder host at %s (pid %s)", url, pid)
