@@ -86,7 +86,9 @@ class EndpointManager:
         )  # fmt: skip
         self.refused = self.provisioner.refused
         # Cluster mode: the replicas this leader owns hear from it, or exit in time.
-        self.heartbeat = OwnerHeartbeat(settings, backend)
+        self.heartbeat = OwnerHeartbeat(
+            settings, backend, takeover.pending_urls if takeover is not None else list
+        )
         self.version_verbs = VersionVerbs(
             settings, db, registry, routing, self.statuses, self.rollouts, self.versions,
             self.reconciler, self._get, self.refused,

@@ -5,6 +5,10 @@ the encoder host. A replica that hears none for `replica_owner_leases` leases ex
 (`core/owner_watch.py`). A standby that takes over adopts the replicas and resumes the
 heartbeats; one that does not adopt a replica stops it.
 
+Until a new leader has adopted them, the replicas its predecessor recorded are heartbeated too
+(`pending`: the takeover's records not yet taken), so a takeover of many endpoints that takes
+longer than the timeout loses none of them.
+
 Runs while the endpoint manager runs (the leader's), only with a backend whose replicas have
 a watchdog (`Backend.owner_timeout_s`: the controller role's detached backends). A replica that
 does not answer is no concern of this loop: health and takeover deal with it.
@@ -15,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import httpx
 
 from modelyard.config import PlatformSettings
-from modelyard.control.backends.base import Backend, ReplicaHandle
+from modelyard.control.backends.base import Backend
 from modelyard.core.cluster_auth import replica_headers
 from modelyard.core.owner_watch import HEARTBEAT_PATH, heartbeat_interval_s
 
@@ -29,9 +34,15 @@ _CONCURRENCY = 64  # heartbeats in flight at once
 
 
 class OwnerHeartbeat:
-    def __init__(self, settings: PlatformSettings, backend: Backend) -> None:
+    def __init__(
+        self,
+        settings: PlatformSettings,
+        backend: Backend,
+        pending: Callable[[], list[str]] = list,
+    ) -> None:
         self.settings = settings
         self.backend = backend
+        self.pending = pending  # URLs of replicas recorded by the previous leader, not adopted yet
         self.interval_s = heartbeat_interval_s(settings)
         self.sent = 0  # heartbeats answered (tests, logs)
         self._http: httpx.AsyncClient | None = None
@@ -58,15 +69,15 @@ class OwnerHeartbeat:
     async def _run(self) -> None:
         gate = asyncio.Semaphore(_CONCURRENCY)
         while True:
-            handles = self.backend.owned()
-            await asyncio.gather(*(self._beat(gate, h) for h in handles))
+            urls = {h.url for h in self.backend.owned()} | set(self.pending())
+            await asyncio.gather(*(self._beat(gate, url) for url in urls))
             await asyncio.sleep(self.interval_s)
 
-    async def _beat(self, gate: asyncio.Semaphore, handle: ReplicaHandle) -> None:
+    async def _beat(self, gate: asyncio.Semaphore, url: str) -> None:
         assert self._http is not None
         async with gate:
             try:
-                r = await self._http.put(handle.url + HEARTBEAT_PATH)
+                r = await self._http.put(url + HEARTBEAT_PATH)
             except httpx.HTTPError:
                 return  # starting, or gone: the health check's concern
             if r.status_code == 200:

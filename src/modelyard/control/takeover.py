@@ -47,6 +47,11 @@ class ReplicaTakeover:
         self.adopt_encoder_host = None
         self.hosted: set[str] = set()  # endpoints on the adopted encoder host, still held back
 
+    def pending_urls(self) -> list[str]:
+        """Where the recorded replicas not taken over yet run (they are heartbeated meanwhile,
+        `control/owner_heartbeat.py`)."""
+        return [r["url"] for records in list(self.recorded.values()) for r in records]
+
     def hold_back(self) -> None:
         """Before the manager starts: no recorded endpoint is published before it is adopted."""
         self.adopting.update(self.recorded)
