@@ -232,6 +232,15 @@ def test_two_controllers_and_two_gateways_on_ray_survive_the_leaders_death(
                     ray.kill(ray.get_actor(named["name"], namespace=NAMESPACE))
 
 
+@pytest.fixture
+def platform_logs(request: pytest.FixtureRequest, platform: PlatformProcess) -> Iterator[None]:
+    """The platform's log printed when the test failed."""
+    failed_before = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed_before:
+        print(platform.output())
+
+
 def test_a_replica_nobody_heartbeats_leaves_with_its_actor(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -282,6 +291,7 @@ def handle_log(handle: Any) -> str:
     return (node_dir() / "logs" / f"{handle.spec.replica_id}.log").read_text(errors="replace")
 
 
+@pytest.mark.usefixtures("platform_logs")
 def test_a_dead_replicas_actor_is_removed(
     cluster: Cluster, platform: PlatformProcess, tiny_dir: Path
 ) -> None:
@@ -311,6 +321,7 @@ def test_a_dead_replicas_actor_is_removed(
     wait_status(api, ep, "gone")
 
 
+@pytest.mark.usefixtures("platform_logs")
 def test_a_deploy_ray_has_no_room_for_says_why_and_starts_when_room_frees(
     cluster: Cluster, platform: PlatformProcess, tiny_dir: Path
 ) -> None:
