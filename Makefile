@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.modelyard-installed
 PORT ?= 8000
 
-.PHONY: install run worker test chromium lint format bench bench-gateway llama-server clean
+.PHONY: install run worker test chromium lint typecheck format bench bench-gateway llama-server clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,7 @@ worker: $(STAMP)
 test: $(STAMP) chromium
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -m mypy
 	# Two processes, each taking whole test files (module fixtures start once): most tests wait
 	# on workers and platforms they start, so two share the 2 cores of CI well. Files go out in
 	# the order tests/conftest.py sorts them (longest first): --no-loadscope-reorder keeps
@@ -56,6 +57,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Strict typing of the packages [tool.mypy] in pyproject.toml lists (make test runs it too).
+typecheck: $(STAMP)
+	$(BIN)/python -m mypy
+
 format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
@@ -72,4 +77,4 @@ llama-server: $(STAMP)
 	nice $(BIN)/python benchmarks/llama_cpp_build.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .coverage .coverage.*
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .coverage .coverage.*

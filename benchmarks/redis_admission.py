@@ -34,7 +34,8 @@ from redis.asyncio import Redis
 
 from modelyard.core.identity import Limits, Principal
 from modelyard.core.routing import EndpointRoute
-from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
+from modelyard.gateway.accounting import Accounting
+from modelyard.gateway.call import NO_LIMITS, Call
 from modelyard.gateway.metering import UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import RedisConcurrencyLimiter, RedisQuotaCounter

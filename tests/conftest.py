@@ -55,6 +55,7 @@ _LONGEST_FILES = [
     "test_smollm2.py",
     "test_ray_backend.py",
     "test_cluster.py",
+    "test_postgres_failover.py",  # two failovers under load: 50-95 s
     "test_platform_failfast.py",
     "test_platform.py",
     "test_audit.py",

@@ -98,6 +98,7 @@ def serve(
 
     from modelyard.api.app import create_platform_app
     from modelyard.config import PlatformSettings
+    from modelyard.core.redis_url import RedisUrlError
     from modelyard.core.uvicorn_options import uvicorn_options
     from modelyard.platform import Platform
 
@@ -119,7 +120,10 @@ def serve(
         if v is not None
     }
     settings = PlatformSettings(**overrides)
-    platform = Platform(settings)
+    try:
+        platform = Platform(settings)
+    except RedisUrlError as exc:
+        raise _fail(str(exc)) from exc
     app_ = create_platform_app(platform.services, platform)
 
     def announce() -> None:
@@ -191,6 +195,7 @@ def _run_role(kind: str, host: str | None, port: int | None, data_dir: Path | No
     import uvicorn
 
     from modelyard.config import PlatformSettings
+    from modelyard.core.redis_url import RedisUrlError
     from modelyard.core.uvicorn_options import uvicorn_options
     from modelyard.roles import ClusterConfigError, ControllerRole, GatewayRole
 
@@ -202,7 +207,7 @@ def _run_role(kind: str, host: str | None, port: int | None, data_dir: Path | No
     settings = PlatformSettings(**{k: v for k, v in given.items() if v is not None})
     try:
         role = GatewayRole(settings) if kind == "gateway" else ControllerRole(settings)
-    except ClusterConfigError as exc:
+    except (ClusterConfigError, RedisUrlError) as exc:
         raise _fail(str(exc)) from exc
     if isinstance(role, ControllerRole):
 

@@ -17,7 +17,6 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 from modelyard.api.services import Services
@@ -48,9 +47,8 @@ from modelyard.gateway.ratelimit import (
     RateLimiter,
     RedisQuotaCounter,
     RedisRateLimiter,
-    month_of,
-    open_limits_store,
 )
+from modelyard.gateway.redis_connect import open_redis
 from modelyard.gateway.usage_journal import UsageJournal
 from modelyard.protocol.management import DeployRequest, SamplingDefaults
 from modelyard.store import repository as repo
@@ -110,7 +108,7 @@ class Platform:
         self.quota: QuotaCounter
         self._redis = None
         if settings.redis_url:
-            self._redis = open_limits_store(settings.redis_url, settings.redis_timeout_s)
+            self._redis = open_redis(settings.redis_url, settings.redis_timeout_s)
             self.limiter = RedisRateLimiter(self._redis)
             self.quota = RedisQuotaCounter(self._redis)
         else:
@@ -173,6 +171,7 @@ class Platform:
             recorder=self.recorder,
             metrics=self.metrics,
             endpoints=self.endpoints,
+            versions=self.endpoints.version_verbs,
             gateway=self.gateway,
             files=self.files,
             batches=self.batches,
@@ -246,15 +245,9 @@ class Platform:
             make_owner_only(self.settings.data_dir / folder)
 
     async def _seed_quotas(self) -> None:
-        now = datetime.now(UTC)
-        month_start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-
-        def load() -> dict[str, int]:
-            with self.db.session() as s:
-                return repo.tokens_used_since(s, month_start)
-
-        for tenant_id, tokens in (await asyncio.to_thread(load)).items():
-            await self.quota.seed(tenant_id, month_of(now), tokens)
+        """The quota counters from the usage rows: seeded in memory, rebuilt in Redis if it lost
+        them (`gateway/quota_rebuild.py`; every quota check rechecks that afterwards)."""
+        await self.gateway.accounting.quota_rebuild.at_start()
 
     def _bootstrap_admin(self) -> Bootstrap:
         key_file = self.settings.data_dir / ADMIN_KEY_FILE

@@ -62,8 +62,8 @@ def check_cluster_settings(settings: PlatformSettings) -> None:
         )
     if not settings.redis_url:
         raise ClusterConfigError(
-            "cluster roles need Redis (MODELYARD_REDIS_URL=redis://…) for limits, quotas and "
-            "the gateways' load"
+            "cluster roles need Redis (MODELYARD_REDIS_URL=redis://… or redis+sentinel://…) for "
+            "limits, quotas and the gateways' load"
         )
     if not settings.cluster_secret:
         raise ClusterConfigError(

@@ -26,10 +26,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelyard.config import PlatformSettings
-from modelyard.control import scaling
+from modelyard.control import endpoint_scaler
 from modelyard.control.autoscaler import Autoscaler, Decision, Observation, ScalingPolicy
+from modelyard.control.endpoint_scaler import Scaler
 from modelyard.control.prewarm import TrafficHistory, hour_of_week, should_prewarm
-from modelyard.control.scaling import LoadTracker, Scaler
+from modelyard.control.scaling import LoadTracker
 from modelyard.control.state import EndpointState, Replica
 from modelyard.core.routing import EndpointRoute, ReplicaRoute
 from modelyard.core.status import LIVE, EndpointStatus, ReplicaState
@@ -386,7 +387,9 @@ def test_the_pass_decides_as_the_full_evaluation(
     clock = [5000.0]
     epoch = 1_790_000_000.0 - clock[0]
     monkeypatch.setattr(
-        scaling, "time", SimpleNamespace(monotonic=lambda: clock[0], time=lambda: epoch + clock[0])
+        endpoint_scaler,
+        "time",
+        SimpleNamespace(monotonic=lambda: clock[0], time=lambda: epoch + clock[0]),
     )
     states, refs = [], []
     for i in range(12):

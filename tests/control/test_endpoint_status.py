@@ -4,7 +4,7 @@ loop applies it through the one status writer, naming the trigger)."""
 from __future__ import annotations
 
 from modelyard.control.endpoint_status import StatusChange, next_status
-from modelyard.control.state import EndpointState, Replica
+from modelyard.control.state import EndpointState, Replica, VersionRef
 from modelyard.core.routing import EndpointRoute
 from modelyard.core.status import EndpointStatus, ReplicaState, StatusTrigger
 from modelyard.store.tables import Endpoint
@@ -53,6 +53,7 @@ def test_scaling_to_zero_and_back() -> None:
 
 def test_failed_rollouts_and_rollbacks_keep_their_status() -> None:
     assert next_status(endpoint(EndpointStatus.FAILED, 1, FAILED)) is None
-    assert next_status(endpoint(EndpointStatus.ROLLING_OUT, 1, READY, rollout_from="v0")) is None
+    rolling = endpoint(EndpointStatus.ROLLING_OUT, 1, READY, rollout_to=VersionRef("v2", "m:2"))
+    assert next_status(rolling) is None
     rolled_back = endpoint(EndpointStatus.DEGRADED, 1, READY, trigger=StatusTrigger.ROLLED_BACK)
     assert next_status(rolled_back) is None

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from modelyard.core import gguf_header, model_files
+from modelyard.core import gguf_header, model_file_limits, model_files
 from modelyard.core.errors import Invalid
-from modelyard.core.model_files import ModelFileError, inspect_local
+from modelyard.core.model_file_limits import ModelFileError
+from modelyard.core.model_files import inspect_local
 from tests.hostile_files import HUGE, exact_numel, hostile_safetensors, safetensors_bytes
 from tests.tiny_encoders import build_embedding_model
 from tests.tiny_models import build_model
@@ -95,7 +96,7 @@ def test_each_safetensors_limit_is_refused(
 
 
 def test_a_header_longer_than_the_cap_is_refused_unread(tmp_path: Path) -> None:
-    length = model_files.MAX_SAFETENSORS_HEADER + 1
+    length = model_file_limits.MAX_SAFETENSORS_HEADER + 1
     refused(tmp_path, "model.safetensors", struct.pack("<Q", length) + b"{}", "limit")
     refused(tmp_path, "model.safetensors", struct.pack("<Q", 100) + b"{}", "overruns")
     refused(tmp_path, "model.safetensors", b"\x01", "too short")
@@ -115,17 +116,17 @@ def large_header(count: int, bad: bool = False) -> bytes:
 
 def test_a_large_header_is_checked_in_a_child_process(tmp_path: Path) -> None:
     content = large_header(5000)
-    assert len(content) > model_files.INLINE_JSON
+    assert len(content) > model_file_limits.INLINE_JSON
     assert check(tmp_path, "model.safetensors", content).param_count == 5000
     refused(tmp_path, "model.safetensors", large_header(5000, bad=True), r"\[0, 2\*\*40\)")
     big = json.dumps({"id2label": {str(i): f"label {i}" for i in range(20_000)}})
-    assert len(big) > model_files.INLINE_JSON
+    assert len(big) > model_file_limits.INLINE_JSON
     check(tmp_path, "config.json", big.encode())
     refused(tmp_path, "config.json", big.encode()[:-1], "not valid JSON")
 
 
 def test_too_many_header_entries_are_refused(tmp_path: Path) -> None:
-    count = model_files.MAX_TENSORS + 1
+    count = model_file_limits.MAX_TENSORS + 1
     header = {f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
     refused(tmp_path, "model.safetensors", safetensors_bytes(header), f"limit {count - 1}")
 
@@ -145,7 +146,7 @@ def test_too_many_header_entries_are_refused(tmp_path: Path) -> None:
         ("config.json", b'{"rope_theta": 1e999}', "not finite"),
         ("config.json", b'{"architectures": "LlamaForCausalLM"}', "architectures"),
         ("config.json", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-        ("config.json", b" " * (model_files.MAX_CONFIG_BYTES + 1), "limit"),
+        ("config.json", b" " * (model_file_limits.MAX_CONFIG_BYTES + 1), "limit"),
         ("1_Pooling/config.json", b"7", "JSON object"),
         ("modules.json", b'"x"', "JSON object or list"),
         ("adapter_config.json", b'{"r": 4096}', "r must be"),

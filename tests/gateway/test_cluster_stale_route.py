@@ -14,7 +14,7 @@ from aiohttp import web
 from modelyard.config import PlatformSettings
 from modelyard.core.errors import Unavailable
 from modelyard.core.routing import EndpointRoute, ReplicaRoute, RoutingTable
-from modelyard.gateway.accounting import Call
+from modelyard.gateway.call import Call
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.upstream import Upstream
 from tests.conftest import free_port

@@ -30,8 +30,8 @@ from modelyard.api.errors import install_error_handlers
 from modelyard.api.routes_metrics import install_metrics
 from modelyard.config import PlatformSettings
 from modelyard.control.autoscaler import Decision
+from modelyard.control.endpoint_scaler import Scaler
 from modelyard.control.prewarm import TrafficHistory
-from modelyard.control.scaling import Scaler
 from modelyard.core.cluster_auth import worker_token
 from modelyard.core.errors import NotFound, Unavailable
 from modelyard.gateway.federation import Federation, ScrapeTarget, SeriesOwner

@@ -30,8 +30,9 @@ from modelyard.config import PlatformSettings
 from modelyard.core.errors import DomainError
 from modelyard.core.identity import Limits, Principal, Tier
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.gateway.call import NO_LIMITS, Call
 from modelyard.gateway.metrics import GatewayMetrics
-from modelyard.gateway.proxy import _NO_LIMITS, Gateway, _Call
+from modelyard.gateway.proxy import Gateway
 from modelyard.gateway.quota import MemoryQuotaCounter
 from modelyard.gateway.ratelimit import MemoryRateLimiter
 from modelyard.protocol.errors import STATUS_BY_KIND
@@ -71,24 +72,24 @@ def _route(routing: RoutingTable, slots: int = 1) -> tuple[EndpointRoute, Replic
     return route, replica
 
 
-def _call(route: EndpointRoute, tier: str | None, batch: bool = False) -> _Call:
+def _call(route: EndpointRoute, tier: str | None, batch: bool = False) -> Call:
     principal = Principal(
         key_id="k", key_name="k", tenant_id="t-1", tenant_name="t", scopes=frozenset(),
         limits=Limits(None, None), monthly_token_quota=None, platform_admin=False,
         tier=Tier(tier or "standard"),
     )  # fmt: skip
-    return _Call(principal, route, "chat.completions", tier or "batch", 0, _NO_LIMITS, batch=batch)
+    return Call(principal, route, "chat.completions", tier or "batch", 0, NO_LIMITS, batch=batch)
 
 
 async def _admit_all(
-    gateway: Gateway, route: EndpointRoute, replica: ReplicaRoute, arrivals: list[_Call]
+    gateway: Gateway, route: EndpointRoute, replica: ReplicaRoute, arrivals: list[Call]
 ) -> tuple[list[str], dict[str, int]]:
     """Queue `arrivals` in order on a full replica, then free one slot at a time; the order
     they were admitted in, and the HTTP status of those refused."""
     admitted: list[str] = []
     refused: dict[str, int] = {}
 
-    async def request(call: _Call) -> None:
+    async def request(call: Call) -> None:
         try:
             chosen = await gateway._replica(call, set())
         except DomainError as exc:

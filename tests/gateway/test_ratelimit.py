@@ -135,7 +135,9 @@ async def quota(request: pytest.FixtureRequest) -> AsyncIterator[QuotaCounter]:
     else:
         env: RedisEnv = request.getfixturevalue("redis_env")
         client = env.connect()
-        yield RedisQuotaCounter(client, prefix=env.prefix)
+        counter = RedisQuotaCounter(client, prefix=env.prefix)
+        await counter.rebuild("2026-01", {})  # as a gateway's start does (from no usage rows)
+        yield counter
         await client.aclose()
 
 
@@ -535,7 +537,8 @@ async def test_an_unreachable_redis_is_limits_unavailable(database_url: str) -> 
 
     from modelyard.core.identity import Principal
     from modelyard.core.routing import EndpointRoute
-    from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
+    from modelyard.gateway.accounting import Accounting
+    from modelyard.gateway.call import NO_LIMITS, Call
     from modelyard.gateway.metering import UsageRecorder
     from modelyard.gateway.metrics import GatewayMetrics
     from modelyard.store.db import Database

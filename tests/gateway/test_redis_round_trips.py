@@ -20,7 +20,8 @@ from redis.asyncio.connection import Connection
 from modelyard.core.errors import QuotaExceeded, RateLimited
 from modelyard.core.identity import Limits, Principal
 from modelyard.core.routing import EndpointRoute
-from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
+from modelyard.gateway.accounting import Accounting
+from modelyard.gateway.call import NO_LIMITS, Call
 from modelyard.gateway.metering import UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import (
@@ -28,9 +29,9 @@ from modelyard.gateway.quota import (
     RedisConcurrencyLimiter,
     RedisQuotaCounter,
     month_of,
-    open_limits_store,
 )
 from modelyard.gateway.ratelimit import RedisRateLimiter
+from modelyard.gateway.redis_connect import open_redis
 from modelyard.store.db import Database
 from modelyard.store.repository import now
 from tests.chaos_harness import RedisServer
@@ -123,7 +124,7 @@ class GatewayLimits:
     accounting: Accounting
 
     @classmethod
-    def open(cls, redis_url: str, db_path: Path) -> GatewayLimits:
+    async def open(cls, redis_url: str, db_path: Path) -> GatewayLimits:
         redis = Redis.from_url(redis_url)
         db = Database(f"sqlite:///{db_path}")
         db.migrate()
@@ -131,6 +132,7 @@ class GatewayLimits:
         slots, limiter = RedisConcurrencyLimiter(redis), RedisRateLimiter(redis)
         recorder = UsageRecorder(db)
         accounting = Accounting(limiter, quota, slots, recorder, GatewayMetrics())
+        await accounting.quota_rebuild.at_start()  # as the gateway starts: counters built
         return cls(redis, db, quota, slots, limiter, accounting)
 
     async def close(self) -> None:
@@ -139,7 +141,7 @@ class GatewayLimits:
 
 
 async def refusals(redis_url: str, db_path: Path) -> None:
-    g = GatewayLimits.open(redis_url, db_path)
+    g = await GatewayLimits.open(redis_url, db_path)
     redis, quota, slots, limiter, accounting = g.redis, g.quota, g.slots, g.limiter, g.accounting
     route = EndpointRoute("ep-1", "tenant-1", "m", False, None, 4096)
     p = principal()
@@ -183,7 +185,7 @@ def test_a_refusal_at_admission_takes_nothing(redis_url: str, tmp_path: Path) ->
 
 
 async def settled_state(redis_url: str, db_path: Path) -> None:
-    g = GatewayLimits.open(redis_url, db_path)
+    g = await GatewayLimits.open(redis_url, db_path)
     redis, quota, slots, limiter, accounting = g.redis, g.quota, g.slots, g.limiter, g.accounting
     route = EndpointRoute("ep-1", "tenant-1", "m", False, None, 4096)
     # 60 TPM refills one token a second: the bucket's level shows what settlement gave back.
@@ -240,7 +242,7 @@ async def test_pooled_connections_survive_a_redis_restart() -> None:
     fails closed at once."""
     server = RedisServer()  # its own redis-server: this test kills it
     server.start()
-    store = open_limits_store(server.url, 1.0)
+    store = open_redis(server.url, 1.0)
     limiter = RedisRateLimiter(store)
     limits = Limits(rpm=1000, tpm=None)
     try:

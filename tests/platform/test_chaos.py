@@ -6,7 +6,8 @@ exactly one usage row, no batch item was lost or run twice, and no event loop of
 or its replicas stalled (`tests/loop_stalls.py`).
 
 What the platform does while a dependency is down (asserted here, for docs/security.md):
-- Redis down: limits fail closed (as `gateway/accounting.py` documents). A request whose
+- Redis down, with `redis_outage = fail_closed` (the default `fail_open` is
+  `tests/platform/test_redis_outage.py`'s): limits fail closed. A request whose
   limits live in Redis is refused with a 503 `limits_unavailable` and Retry-After, never served
   unlimited and unmetered; once Redis is back requests are served again, the buckets starting
   full (this Redis keeps no state across a restart). A request already being served when Redis
@@ -122,6 +123,8 @@ def chaos(
     env = {
         "MODELYARD_DATABASE_URL": postgres_server.url,
         "MODELYARD_REDIS_URL": redis_server.url,
+        # Redis down fails closed here (fail_open is tests/platform/test_redis_outage.py's).
+        "MODELYARD_REDIS_OUTAGE": "fail_closed",
         "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(models)]),
         "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
         "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
@@ -196,7 +199,7 @@ def test_redis_restarted_under_traffic(chaos: Chaos, redis_server: RedisServer) 
     print("redis restart:", summary(outcomes), "mid-stream:", mid_stream)
     # An answer that reached the client is billed once, whatever Redis did meanwhile.
     settle_usage(chaos, tenant, outcomes)
-    # Limits fail closed while Redis is away (gateway/accounting.py): a 503 that says when to
+    # Limits fail closed while Redis is away (redis_outage=fail_closed): a 503 that says when to
     # retry, never a hang or an unlimited, unmetered answer.
     assert_clean(outcomes, {503})
     refused = [o for o in outcomes if o.status == 503]

@@ -126,12 +126,12 @@ async def update_endpoint(
 ) -> JSONResponse:
     before = endpoint_snapshot(services.endpoints, endpoint_id)
     if body.sampling_defaults is not None or body.scaling is not None:
-        await services.endpoints.reconfigure(
+        await services.versions.reconfigure(
             principal, endpoint_id, body.sampling_defaults, body.scaling
         )
         result: dict[str, Any] = {"endpoint_id": endpoint_id}
     if body.model_artifact is not None:
-        result = await services.endpoints.update(principal, endpoint_id, body.model_artifact)
+        result = await services.versions.update(principal, endpoint_id, body.model_artifact)
     else:
         state = services.endpoints.endpoints[endpoint_id]
         result["status"] = state.status

@@ -91,7 +91,7 @@ async def add_version(
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     async def change() -> dict[str, Any]:
-        return await services.endpoints.add_version(
+        return await services.versions.add_version(
             principal, endpoint_id, body.model_artifact, body.weight, body.replicas, body.engine,
             body.slo.model_dump(exclude_none=True), body.steps,
         )  # fmt: skip
@@ -108,7 +108,7 @@ async def set_traffic(
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     async def change() -> dict[str, Any]:
-        return await services.endpoints.set_traffic(principal, endpoint_id, body.weights)
+        return await services.versions.set_traffic(principal, endpoint_id, body.weights)
 
     return await _audited(services, principal, endpoint_id, AuditAction.ENDPOINT_TRAFFIC, change)
 
@@ -120,7 +120,7 @@ async def promote(
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     async def change() -> dict[str, Any]:
-        return await services.endpoints.promote(principal, endpoint_id)
+        return await services.versions.promote(principal, endpoint_id)
 
     return await _audited(services, principal, endpoint_id, AuditAction.ENDPOINT_PROMOTE, change)
 
@@ -134,7 +134,7 @@ async def rollback(
 ) -> JSONResponse:
     async def change() -> dict[str, Any]:
         reason = body.reason if body is not None else None
-        return await services.endpoints.rollback(principal, endpoint_id, reason)
+        return await services.versions.rollback(principal, endpoint_id, reason)
 
     return await _audited(services, principal, endpoint_id, AuditAction.ENDPOINT_ROLLBACK, change)
 

@@ -14,6 +14,7 @@ from modelyard.batch.files import FileService
 from modelyard.batch.service import BatchService
 from modelyard.config import PlatformSettings
 from modelyard.control.audit import AuditLog
+from modelyard.control.endpoint_versions import VersionVerbs
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.registry import Registry
 from modelyard.control.tenancy import Tenancy
@@ -38,6 +39,7 @@ class Services:
     recorder: UsageRecorder
     metrics: GatewayMetrics
     endpoints: EndpointManager
+    versions: VersionVerbs  # an endpoint's version changes: rollout, canary, promote, rollback
     gateway: Gateway
     files: FileService
     batches: BatchService

@@ -10,12 +10,15 @@ for streams) over the policy's sliding window and `judge`s them:
 - otherwise clean: with progressive `steps` (e.g. 5, 25, 50, 100) a clean window at one weight
   moves the canary to the next, and 100 promotes it.
 
+A rollout's canary (`SloPolicy.rollout`) is never judged: it is promoted as soon as it serves
+(`control/version_gate.py` decides what each canary's tick does).
+
 Pure: the numbers come in, a `Verdict` (the breach, and the numbers behind it) goes out.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from modelyard.config import PlatformSettings
@@ -30,6 +33,9 @@ class SloPolicy:
     min_samples: int
     window_s: float
     steps: tuple[int, ...] = ()  # progressive weights, each after a clean window; () = manual
+    # A whole-endpoint rollout: a canary at 100 % promoted as soon as a replica of it serves,
+    # never judged; it falls back to the stable version if it cannot start.
+    rollout: bool = False
 
     @classmethod
     def defaults(cls, settings: PlatformSettings) -> SloPolicy:
@@ -41,12 +47,16 @@ class SloPolicy:
         )
 
     @classmethod
+    def for_rollout(cls, settings: PlatformSettings) -> SloPolicy:
+        return replace(cls.defaults(settings), rollout=True)
+
+    @classmethod
     def from_request(
         cls, settings: PlatformSettings, slo: dict[str, Any] | None, steps: list[int] | None
     ) -> SloPolicy:
         """The request's thresholds over the platform's defaults; steps must rise to 100."""
         base = asdict(cls.defaults(settings))
-        base.update({k: v for k, v in (slo or {}).items() if v is not None})
+        base.update({k: v for k, v in (slo or {}).items() if v is not None and k != "rollout"})
         clean = tuple(steps or ())
         if clean and (
             list(clean) != sorted(set(clean)) or clean[-1] != 100 or not 0 < clean[0] <= 100

@@ -119,7 +119,7 @@ def next_status(state: EndpointState) -> StatusChange | None:
     rolling_out until the new version serves or falls back)."""
     if state.trigger is StatusTrigger.ROLLED_BACK and state.status is EndpointStatus.DEGRADED:
         return None
-    if state.rollout_from is not None:
+    if state.rollout_to is not None:
         return None
     ready = sum(r.state is ReplicaState.READY for r in state.current)
     gone = (ReplicaState.FAILED, ReplicaState.STOPPED)

@@ -1,9 +1,10 @@
 """Endpoint changes that keep the endpoint: a rollout to another version, a canary beside the
 stable version (add, traffic, promote, rollback) and new sampling defaults or scaling.
 
-A collaborator of `EndpointManager` (control/endpoints.py), which hands it its lookup of a
-caller's endpoint: each verb checks the caller, then hands the work to `rollout` (a version
-replacing the endpoint's) or `versions` (canary, weights, promote, rollback, the SLO gate).
+Built by `EndpointManager` (control/endpoints.py), which hands it its lookup of a caller's
+endpoint; the API's routes call these verbs directly. Each checks the caller, then hands the
+work to `Versions` (control/versions.py), where every version change happens: a rollout is a
+canary at 100 % promoted as soon as it serves, and a rollback is one path for all.
 """
 
 from __future__ import annotations
@@ -18,19 +19,16 @@ from modelyard.control import deploy as validation
 from modelyard.control import endpoint_config
 from modelyard.control.autoscaler import Autoscaler
 from modelyard.control.canary import SloPolicy
-from modelyard.control.endpoint_status import EndpointStatuses
+from modelyard.control.endpoint_status import EndpointStatuses, StatusChange
 from modelyard.control.model_kind import LLM
 from modelyard.control.reconcile import Reconciler
 from modelyard.control.registry import Registry
-from modelyard.control.rollout import Rollouts
 from modelyard.control.scaling import LoadTracker
 from modelyard.control.state import EndpointState
-from modelyard.control.version_tracks import VersionRole
 from modelyard.control.versions import Versions
-from modelyard.core.errors import Conflict, Invalid
+from modelyard.core.errors import Invalid
 from modelyard.core.identity import Principal
-from modelyard.core.routing import RoutingTable
-from modelyard.core.status import EndpointStatus
+from modelyard.core.status import EndpointStatus, StatusTrigger
 from modelyard.protocol.management import SamplingDefaults, Scaling
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint
@@ -42,9 +40,7 @@ class VersionVerbs:
         settings: PlatformSettings,
         db: Database,
         registry: Registry,
-        routing: RoutingTable,
         statuses: EndpointStatuses,
-        rollouts: Rollouts,
         versions: Versions,
         reconciler: Reconciler,
         find: Callable[[Principal, str], EndpointState],
@@ -53,9 +49,7 @@ class VersionVerbs:
         self.settings = settings
         self.db = db
         self.registry = registry
-        self.routing = routing
         self.statuses = statuses
-        self.rollouts = rollouts
         self.versions = versions
         self.reconciler = reconciler
         self._get = find  # the manager's: the caller's endpoint, or NotFound
@@ -73,29 +67,27 @@ class VersionVerbs:
         return state
 
     async def update(self, principal: Principal, endpoint_id: str, artifact: str) -> dict[str, Any]:
-        """Roll the endpoint out to another registry version. Its replicas keep serving until
-        the new version's are ready; if those fail to load, the endpoint falls back."""
+        """Roll the endpoint out to another registry version (`Versions.roll_out`: a canary at
+        100 % promoted as soon as it serves). Its replicas keep serving until the new version's
+        are; if those fail to load, the endpoint falls back."""
         principal.require("admin")
         state = self._changeable(principal, endpoint_id)
         if state.kind not in (None, LLM):
             raise Invalid(
                 "encoder endpoints are updated by deploying again", param="model_artifact"
             )
-        if self.versions.of(state, VersionRole.CANARY) is not None:
-            raise Conflict(
-                "a canary runs on this endpoint: promote it or roll it back first",
-                code="canary_exists",
-            )
         version = await asyncio.to_thread(self.registry.resolve, principal.tenant_id, artifact)
         assert version is not None
+        if await self.versions.roll_out(state, version, principal.key_id or "system"):
+            ref = f"{version.model_name}:{version.version}"
+            started = StatusChange(
+                EndpointStatus.ROLLING_OUT, f"rolling out {ref}", StatusTrigger.ROLLOUT_STARTED
+            )
+            await self.statuses.apply(state, started)
+            self.reconciler.poke(state)
+        else:
+            await self.statuses.refresh(state)
         status = state.status
-        if version.version_id != state.row.version_id:
-            # A plain rollout replaces every version: a previous one kept warm goes too.
-            self.versions.forget(endpoint_id)
-            self.routing.set_weights(state.route, {})
-            rolling_out = await self.rollouts.start(state, version)
-            await self.statuses.apply(state, rolling_out)
-            status = rolling_out.status
         return {"endpoint_id": endpoint_id, "status": status, "version_id": version.version_id}
 
     async def add_version(
@@ -146,6 +138,7 @@ class VersionVerbs:
         record = await self.versions.rollback(
             state, reason or "manual rollback", principal.key_id or "system"
         )
+        await self.statuses.refresh(state)  # a rollout rolled back no longer rolls out
         self.reconciler.poke(state)
         return {
             **self.versions.view(state),

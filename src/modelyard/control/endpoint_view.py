@@ -21,10 +21,12 @@ def endpoint_view(state: EndpointState, base_url: str) -> dict[str, Any]:
         "status_message": state.message,
         "public": row.public,
         "kind": state.kind,
-        "model_artifact": row.artifact,
-        "version_id": row.version_id,
+        # The version it was asked to run (a rollout's while one runs: the row's serves until
+        # it is promoted, and shows as `rollout_from`).
+        "model_artifact": state.target.artifact,
+        "version_id": state.target.version_id,
         "good_version_id": row.good_version_id,
-        "rollout_from": state.rollout_from,
+        "rollout_from": row.version_id if state.rollout_to else None,
         # Percent of requests per version while a canary runs (`versions` has the details).
         "traffic": dict(state.route.weights),
         "last_rollback": row.last_rollback,

@@ -4,12 +4,13 @@ The database holds what should exist (the endpoint rows); this manager holds wha
 (replica processes via a backend). It builds its collaborators and its verbs are short: each
 checks the caller, then hands the work to the one whose job it is: `deploy` (validation),
 `Provisioner` (`endpoint_provision`: adopt a row, start its replicas, drain them on delete),
-`VersionVerbs` (`endpoint_versions`: rollout, canary, traffic, promote, rollback, reconfigure;
-the work itself in `rollout` and `versions`), `Reconciler` (`reconcile`: the loop that keeps
-replicas matching what should run), `EndpointStatuses` (`endpoint_status`: the one writer of
-statuses) and `endpoint_view` (the JSON the API shows). On start it re-provisions every live
-endpoint in the database, with its versions. A cluster's new leader hands it a `ReplicaTakeover`
-(`takeover`): the replicas its predecessor left running are adopted, not started again.
+`Reconciler` (`reconcile`: the loop that keeps replicas matching what should run),
+`EndpointStatuses` (`endpoint_status`: the one writer of statuses) and `endpoint_view` (the
+JSON the API shows). On start it re-provisions every live endpoint in the database, with its
+versions. The version verbs (`VersionVerbs` in `endpoint_versions`: rollout, canary, traffic,
+promote, rollback, reconfigure; the work itself in `versions`) are built here and called by
+the API directly. A cluster's new leader hands it a `ReplicaTakeover` (`takeover`): the
+replicas its predecessor left running are adopted, not started again.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from modelyard.control.owner_heartbeat import OwnerHeartbeat
 from modelyard.control.reconcile import Reconciler
 from modelyard.control.registry import Registry
 from modelyard.control.replicas import ReplicaController
-from modelyard.control.rollout import Rollouts
 from modelyard.control.state import EndpointState, spawn
 from modelyard.control.takeover import ReplicaTakeover
 from modelyard.control.versions import Versions
@@ -41,7 +41,7 @@ from modelyard.core.errors import Conflict, NotFound
 from modelyard.core.identity import Principal
 from modelyard.core.routing import RoutingTable
 from modelyard.core.status import EndpointStatus, StatusTrigger
-from modelyard.protocol.management import DeployRequest, SamplingDefaults, Scaling
+from modelyard.protocol.management import DeployRequest
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint, EndpointVersion
@@ -74,11 +74,10 @@ class EndpointManager:
         self.node_cache = self.replicas.node_cache
         self.warm_pool = self.replicas.warm_pool
         self.statuses = EndpointStatuses(db, routing)
-        self.rollouts = Rollouts(settings, db, registry, routing)
         self.versions = Versions(settings, db, routing, self.replicas)
         self.reconciler = Reconciler(
-            settings, self.endpoints, self.replicas, self.encoders, self.statuses, self.rollouts,
-            routing, self.versions, audit,
+            settings, self.endpoints, self.replicas, self.encoders, self.statuses, routing,
+            self.versions, audit,
         )  # fmt: skip
         self.provisioner = Provisioner(
             settings, backend, routing, self.endpoints, self.replicas, self.encoders,
@@ -89,10 +88,17 @@ class EndpointManager:
         self.heartbeat = OwnerHeartbeat(
             settings, backend, takeover.pending_urls if takeover is not None else list
         )
+        # The version verbs, which the API's routes call directly.
         self.version_verbs = VersionVerbs(
-            settings, db, registry, routing, self.statuses, self.rollouts, self.versions,
-            self.reconciler, self._get, self.refused,
-        )  # fmt: skip
+            settings,
+            db,
+            registry,
+            self.statuses,
+            self.versions,
+            self.reconciler,
+            self._get,
+            self.refused,
+        )
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -189,48 +195,6 @@ class EndpointManager:
         state = self.endpoints.get(endpoint_id)
         if state is not None:
             self.reconciler.activate(state)
-
-    # ----- versions and settings (`VersionVerbs`) -----------------------------------------
-
-    async def update(self, principal: Principal, endpoint_id: str, artifact: str) -> dict[str, Any]:
-        return await self.version_verbs.update(principal, endpoint_id, artifact)
-
-    async def add_version(
-        self,
-        principal: Principal,
-        endpoint_id: str,
-        artifact: str,
-        weight: int,
-        replicas: int,
-        engine: dict[str, Any],
-        slo: dict[str, Any] | None,
-        steps: list[int] | None,
-    ) -> dict[str, Any]:
-        return await self.version_verbs.add_version(
-            principal, endpoint_id, artifact, weight, replicas, engine, slo, steps
-        )
-
-    async def set_traffic(
-        self, principal: Principal, endpoint_id: str, weights: dict[str, int]
-    ) -> dict[str, Any]:
-        return await self.version_verbs.set_traffic(principal, endpoint_id, weights)
-
-    async def promote(self, principal: Principal, endpoint_id: str) -> dict[str, Any]:
-        return await self.version_verbs.promote(principal, endpoint_id)
-
-    async def rollback(
-        self, principal: Principal, endpoint_id: str, reason: str | None
-    ) -> dict[str, Any]:
-        return await self.version_verbs.rollback(principal, endpoint_id, reason)
-
-    async def reconfigure(
-        self,
-        principal: Principal,
-        endpoint_id: str,
-        sampling: SamplingDefaults | None,
-        scaling: Scaling | None,
-    ) -> None:
-        await self.version_verbs.reconfigure(principal, endpoint_id, sampling, scaling)
 
     # ----- read and delete -------------------------------------------------------------------
 

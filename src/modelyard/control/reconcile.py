@@ -1,9 +1,9 @@
 """The reconcile loop: every tick, each endpoint's replicas are made to match what should run.
 
 Dead replicas are replaced, unhealthy ones leave the routing table until they answer again (and
-are replaced if they do not), a rollout whose version keeps failing falls back, a canary is
-judged against its SLO (rolled back, moved a step, promoted) and its replicas kept (the fallback
-and the gate's moves are recorded in the audit log as the platform's doing, actor `system`),
+are replaced if they do not), the endpoint's versions tick (`control/version_tick.py`: a
+rollout promoted once it serves or fallen back when it cannot start, a canary judged against its
+SLO; the gate's moves are recorded in the audit log as the platform's doing, actor `system`),
 each endpoint's autoscaler sets how many replicas it should have (down to zero when idle; a
 request for an endpoint at zero activates it at once), and the status says what came of it.
 The shared encoder host is repaired here too. Starting a replica happens here for every caller,
@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from modelyard.config import PlatformSettings
-from modelyard.control.audit import AuditAction, AuditLog
+from modelyard.control.audit import AuditLog
 from modelyard.control.encoder_pool import EncoderPool
+from modelyard.control.endpoint_scaler import Scaler
 from modelyard.control.endpoint_status import EndpointStatuses, StatusChange
 from modelyard.control.model_kind import LLM
 from modelyard.control.prewarm import TrafficHistory
 from modelyard.control.replicas import ReplicaController
-from modelyard.control.rollout import Rollouts
-from modelyard.control.scaling import Scaler
 from modelyard.control.state import EndpointState, Replica, spawn
+from modelyard.control.version_tick import VersionTicker
 from modelyard.control.versions import Versions
 from modelyard.core.routing import RoutingTable
 from modelyard.core.status import EndpointStatus, StatusTrigger
@@ -45,7 +45,6 @@ class Reconciler:
         replicas: ReplicaController,
         encoders: EncoderPool,
         statuses: EndpointStatuses,
-        rollouts: Rollouts,
         routing: RoutingTable,
         versions: Versions,
         audit: AuditLog | None = None,
@@ -55,9 +54,9 @@ class Reconciler:
         self.replicas = replicas
         self.encoders = encoders
         self.statuses = statuses
-        self.rollouts = rollouts
         self.routing = routing
         self.versions = versions
+        self.ticker = VersionTicker(settings, versions, replicas)
         self.audit = audit
         self.history = TrafficHistory()
         self.scaler = Scaler(settings, self.history)
@@ -83,7 +82,9 @@ class Reconciler:
         outcome = await self.replicas.run(state, replica, waiting)
         self.versions.started(state, replica)
         if outcome.version_good:
-            await self.rollouts.mark_good(state)
+            await self.versions.mark_good(state)
+        if outcome.served and replica.version_id != state.row.version_id:
+            await self._versions(state)  # a rollout is promoted as soon as it serves
         if outcome.status is not None:
             await self.statuses.apply(state, outcome.status)
         if outcome.served:
@@ -113,19 +114,23 @@ class Reconciler:
     async def _versions(self, state: EndpointState) -> None:
         """The versions' tick: their replicas, the canary's SLO gate (audited)."""
         before = self._audit_view(state)
-        starts, action = await self.versions.tick(state)
-        for replica in starts:
+        done = await self.ticker.tick(state)
+        for replica in done.starts:
             spawn(state, self.start_replica(state, replica))
-        if action is not None and self.audit is not None:
+        if done.action is not None and self.audit is not None:
             after = self._audit_view(state)
-            await self.audit.record_endpoint(None, action, state.row.id, before, after)
+            if done.reason is not None:
+                after["reason"] = done.reason
+            await self.audit.record_endpoint(None, done.action, state.row.id, before, after)
+        if done.status is not None:
+            await self.statuses.apply(state, done.status)
 
     def _audit_view(self, state: EndpointState) -> dict[str, Any]:
         row = state.row
         return {
             "tenant_id": row.tenant_id,
-            "version_id": row.version_id,
-            "model_artifact": row.artifact,
+            "version_id": state.target.version_id,
+            "model_artifact": state.target.artifact,
             "weights": dict(state.route.weights),
             "last_rollback": row.last_rollback,
         }
@@ -169,16 +174,6 @@ class Reconciler:
         if state.kind != LLM:
             return  # encoder endpoints live and die with the shared host
         await self.replicas.check_health(state)
-        failed = state.row.version_id, state.row.artifact
-        rolled_back = await self.rollouts.maybe_roll_back(state)
-        if rolled_back is not None:
-            if self.audit is not None:  # the platform's doing: actor `system`, with the reason
-                after = {**self._audit_view(state), "reason": rolled_back.message}
-                before = {**after, "version_id": failed[0], "model_artifact": failed[1]}
-                del before["reason"]
-                action = AuditAction.ENDPOINT_ROLLOUT_FALLBACK
-                await self.audit.record_endpoint(None, action, state.row.id, before, after)
-            await self.statuses.apply(state, rolled_back)
         await self._versions(state)
         self.scaler.autoscale(state, self.activate)
         # A canary or a version kept warm takes its room out of max_replicas: the stable

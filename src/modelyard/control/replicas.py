@@ -288,8 +288,6 @@ class ReplicaController:
         replica.error = None  # e.g. what it waited for while it started
         state.clear_failures()
         current = replica.version_id == state.row.version_id
-        if current:
-            state.rollout_from = None
         replica.ready_after_s = time.time() - replica.started_at
         replica.route = ReplicaRoute(
             replica.replica_id, replica.handle.url, version_id=replica.version_id

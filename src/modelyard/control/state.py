@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -52,6 +52,11 @@ class Replica:
         }
 
 
+class VersionRef(NamedTuple):
+    version_id: str | None  # None: a server folder, not a registry version
+    artifact: str  # NAME:VERSION, or the folder
+
+
 @dataclass(eq=False)
 class EndpointState:
     row: Endpoint
@@ -77,12 +82,19 @@ class EndpointState:
     load: LoadTracker | None = None
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=20))
 
-    rollout_from: str | None = None  # the version a rollout in progress replaces
+    # The version a rollout in progress moves the endpoint to (`control/versions.py`: its
+    # canary at 100 %); the row's version serves until it is promoted.
+    rollout_to: VersionRef | None = None
 
     def clear_failures(self) -> None:
         """A replica served, or the version changed: no backoff, every device is a candidate."""
         self.failures = 0
         self.failed_devices.clear()
+
+    @property
+    def target(self) -> VersionRef:
+        """The version the endpoint was asked to run: a rollout's while one runs."""
+        return self.rollout_to or VersionRef(self.row.version_id, self.row.artifact)
 
     @property
     def live(self) -> list[Replica]:

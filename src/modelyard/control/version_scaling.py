@@ -141,7 +141,10 @@ def size(state: EndpointState, track: Track, replicas: ReplicaController) -> lis
     if scaled and track.autoscaler is not None and track.load is not None:
         track.autoscaler.observe(track.load.observe(now, state.route, track.weight, live))
         target = track.autoscaler.decide(now, len(live)).desired
-    target = min(target, room(state, track.version_id))
+    if track.slo.rollout:  # surges beside the stable version to the endpoint's own count
+        target = max(1, state.desired)
+    else:
+        target = min(target, room(state, track.version_id))
     track.desired = target
     missing = target - len(live)
     if missing < 0:

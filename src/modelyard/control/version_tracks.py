@@ -1,5 +1,6 @@
 """An endpoint's versions as the control plane keeps them (`Track`), their rows in
-`endpoint_versions`, and their views; the verbs that change them are `control/versions.py`'s."""
+`endpoint_versions` (read and written), and their views; the verbs that change them are
+`control/versions.py`'s."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from modelyard.control.canary import SloPolicy, Verdict, next_step
 from modelyard.control.state import EndpointState
 from modelyard.core.status import ReplicaState
 from modelyard.store import repository as repo
-from modelyard.store.tables import EndpointVersion
+from modelyard.store.db import Database
+from modelyard.store.tables import Endpoint, EndpointVersion
 
 if TYPE_CHECKING:
     from modelyard.control.version_scaling import VersionLoad
@@ -125,3 +127,16 @@ def canary_status(canary: Track, state: EndpointState) -> dict[str, Any]:
         "status": "serving" if ready else ("failing" if canary.failures else "starting"),
         "next_step": next_step(canary.slo, canary.weight) if canary.slo.steps else None,
     }
+
+
+def save_versions(db: Database, row: Endpoint, tracks: list[Track]) -> None:
+    """The endpoint's versions and its row's version fields, in one transaction (blocking)."""
+    with db.session() as s:
+        stored = s.get(Endpoint, row.id)
+        if stored is None:
+            return
+        stored.version_id, stored.artifact = row.version_id, row.artifact
+        stored.good_version_id, stored.engine_options = row.good_version_id, row.engine_options
+        stored.last_rollback = row.last_rollback
+        for t in tracks:
+            s.merge(row_of(row.id, t))

@@ -1,17 +1,20 @@
-"""Several versions behind one endpoint: a canary beside the stable version, with weights.
+"""Every change of an endpoint's version goes through here: a canary beside the stable version,
+and a rollout, which is a canary at 100 % promoted as soon as it serves.
 
 The endpoint's row names its stable version; this module keeps the others (`Track`s, one row
 each in `endpoint_versions`): a canary, which gets its own replicas and a share of the requests
 (`EndpointRoute.weights`), and after a promotion the previous stable version, whose replicas stay
 warm at weight 0 for `rollback_grace_s` so that a rollback moves traffic without loading
-anything. Verbs: `add` a canary, `set_traffic`, `promote` it, `rollback` (to the stable version
-while a canary runs, else to the previous one kept warm). Routing changes first (requests
+anything. Verbs: `add` a canary (with a rollout's policy, `roll_out`: every replica of the
+stable version serves until the canary has one serving, it surges beside them to the endpoint's
+own count, and its promotion retires them rather than keeping them warm), `set_traffic`,
+`promote` it, `rollback`. A rollback is one path for all: the manual one, the SLO gate's, a
+canary that cannot start and a rollout that cannot (its fallback); it goes to the stable version
+while a canary runs, else to the previous one kept warm. Routing changes first (requests
 follow at once), the database after.
 
-Each tick (`tick`) keeps every kept version's replicas running, retires a previous version whose
-grace ran out (its replicas drain), and judges the canary against the stable version
-(`control/canary.py`): a breach rolls it back with the reason and the numbers, a clean window
-moves it to its next progressive step, and step 100 promotes it.
+The tick that keeps the kept versions' replicas and carries out the gate's decisions is
+`control/version_tick.py`.
 """
 
 from __future__ import annotations
@@ -23,23 +26,18 @@ from datetime import timedelta
 from typing import Any
 
 from modelyard.config import EngineSettings, PlatformSettings
-from modelyard.control.canary import SloPolicy, judge, next_step
+from modelyard.control.canary import SloPolicy
 from modelyard.control.registry import ResolvedVersion
 from modelyard.control.replicas import ReplicaController
-from modelyard.control.state import EndpointState, Replica, engine_env
-from modelyard.control.version_scaling import (
-    VersionLoad,
-    canary_autoscaler,
-    max_replicas,
-    size,
-    stable_cap,
-)
+from modelyard.control.state import EndpointState, Replica, VersionRef, engine_env
+from modelyard.control.version_scaling import VersionLoad, canary_autoscaler, max_replicas
+from modelyard.control.version_scaling import stable_cap as cap_beside
 from modelyard.control.version_tracks import (
     Track,
     TrackState,
     VersionRole,
     canary_status,
-    row_of,
+    save_versions,
     track_from_row,
 )
 from modelyard.core.errors import Conflict, Invalid
@@ -47,7 +45,7 @@ from modelyard.core.routing import ReadVersionStats, RoutingTable
 from modelyard.core.status import ReplicaState
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
-from modelyard.store.tables import Endpoint, EndpointVersion
+from modelyard.store.tables import EndpointVersion
 
 log = logging.getLogger(__name__)
 
@@ -77,23 +75,24 @@ class Versions:
                 return track
         return None
 
+    def _others(self, state: EndpointState) -> dict[str, Track]:
+        """The kept versions besides the stable one (a canary, a warm previous)."""
+        return {
+            v: t
+            for v, t in self.tracks.get(state.row.id, {}).items()
+            if t.role is not VersionRole.STABLE and t.state is TrackState.SERVING
+        }
+
     def stable_cap(self, state: EndpointState) -> int:
         """The most replicas the stable version may run beside the kept versions, so that the
-        endpoint's versions together stay within its max_replicas."""
-        kept = [
-            t
-            for t in self.tracks.get(state.row.id, {}).values()
-            if t.role is not VersionRole.STABLE and t.state is TrackState.SERVING
-        ]
-        return stable_cap(state, kept) if kept else max_replicas(state)
+        endpoint's versions together stay within its max_replicas (a rollout surges above it:
+        the stable version keeps all of its replicas until the new version serves)."""
+        kept = [t for t in self._others(state).values() if not t.slo.rollout]
+        return cap_beside(state, kept) if kept else max_replicas(state)
 
     def kept(self, state: EndpointState) -> frozenset[str]:
         """Versions besides the stable one whose replicas stay (a canary, a warm previous)."""
-        return frozenset(
-            v
-            for v, t in self.tracks.get(state.row.id, {}).items()
-            if t.role is not VersionRole.STABLE and t.state is TrackState.SERVING
-        )
+        return frozenset(self._others(state))
 
     def view(self, state: EndpointState) -> dict[str, Any]:
         tracks = self.tracks.get(state.row.id, {})
@@ -121,15 +120,31 @@ class Versions:
         self.tracks[state.row.id] = tracks
         for track in tracks.values():
             self._engine_for(state, track)
-            if track.role is VersionRole.CANARY:
+            if track.role is VersionRole.CANARY and track.slo.rollout:
+                state.rollout_to = VersionRef(track.version_id, track.artifact)
+            elif track.role is VersionRole.CANARY:
                 self._scaled(state, track)
-        self.routing.set_weights(state.route, {v: t.weight for v, t in tracks.items()})
+        self._publish_weights(state)
 
     def forget(self, endpoint_id: str) -> None:
         for version_id in self.tracks.pop(endpoint_id, {}):
             self.replicas.version_engine.pop((endpoint_id, version_id), None)
 
     # ----- verbs -------------------------------------------------------------------------------
+
+    async def roll_out(self, state: EndpointState, version: ResolvedVersion, by: str) -> bool:
+        """The whole endpoint to `version`: added as a canary at 100 % that is promoted as soon
+        as it serves (`add` with a rollout's policy); a rollout in progress gives way to it, and
+        asked for the stable version it is rolled back. Whether a rollout now runs."""
+        if version.version_id == state.row.version_id:
+            if state.rollout_to is not None:
+                await self.rollback(state, "rolled out to the stable version again", by)
+            return False
+        if state.rollout_to is not None and version.version_id == state.rollout_to.version_id:
+            return True
+        replicas = max(1, state.desired)  # a scaled-to-zero endpoint loads it once to prove it
+        await self.add(state, version, 100, replicas, {}, SloPolicy.for_rollout(self.settings))
+        return True
 
     async def add(
         self,
@@ -144,20 +159,22 @@ class Versions:
         requests (taken from the stable version); its replicas start with the next tick."""
         if state.row.version_id is None:
             raise Invalid(
-                "only endpoints deployed from the registry take canary versions",
+                "only endpoints deployed from the registry change versions: deploy the "
+                "registry version as an endpoint of its own",
                 param="model_artifact",
             )
-        if self.of(state, VersionRole.CANARY) is not None:
+        running = self.of(state, VersionRole.CANARY)
+        if running is not None and running.slo.rollout and not slo.rollout:
+            raise Conflict("a rollout is in progress", code="rollout_in_progress")
+        if running is not None and not running.slo.rollout:
             raise Conflict(
-                "this endpoint has a canary already: promote it or roll it back first",
+                "a canary runs on this endpoint: promote it or roll it back first",
                 code="canary_exists",
             )
-        if state.rollout_from is not None:
-            raise Conflict("a rollout is in progress", code="rollout_in_progress")
         if version.version_id == state.row.version_id:
             raise Invalid("that version is the stable one already", param="model_artifact")
         ceiling = max_replicas(state)
-        if replicas > ceiling - 1:
+        if not slo.rollout and replicas > ceiling - 1:
             raise Invalid(
                 f"replicas {replicas} does not fit this endpoint's hardware.max_replicas="
                 f"{ceiling}: its versions together run at most that many, and the stable version "
@@ -169,10 +186,17 @@ class Versions:
         options = {**state.row.engine_options, **engine}
         engine_env(options)  # a bad option is a 400 now
         tracks = self.tracks.setdefault(state.row.id, {})
-        previous = tracks.get(version.version_id)
-        if previous is not None:  # the warm previous version comes back as the canary
-            previous.state = TrackState.RETIRED
-            tracks.pop(version.version_id)
+        for other in list(tracks.values()):
+            # A rollout in progress gives way; a rollout replaces every version but the stable
+            # one (a previous one kept warm drains); the warm previous version comes back as
+            # the canary.
+            replaced = other.role is VersionRole.CANARY or (
+                other.role is VersionRole.PREVIOUS
+                and (slo.rollout or other.version_id == version.version_id)
+            )
+            if replaced:
+                other.state = TrackState.RETIRED
+        tracks.pop(version.version_id, None)
         stable = tracks.get(state.row.version_id) or Track(
             state.row.version_id,
             state.row.artifact,
@@ -185,9 +209,11 @@ class Versions:
         tracks[stable.version_id] = stable
         ref = f"{version.model_name}:{version.version}"
         canary = Track(version.version_id, ref, VersionRole.CANARY, weight, replicas, options, slo)
-        self._scaled(state, canary)
+        if not slo.rollout:  # a rollout runs the endpoint's own count
+            self._scaled(state, canary)
         tracks[canary.version_id] = canary
         stable.weight = 100 - weight
+        state.rollout_to = VersionRef(version.version_id, ref) if slo.rollout else None
         self._engine_for(state, canary)
         self._publish_weights(state)
         await self._save(state)
@@ -195,6 +221,8 @@ class Versions:
 
     async def set_traffic(self, state: EndpointState, weights: dict[str, int]) -> None:
         """New weights (percent, summing to 100) over the stable version and the canary."""
+        if state.rollout_to is not None:
+            raise Conflict("a rollout is in progress", code="rollout_in_progress")
         tracks = self.tracks.get(state.row.id, {})
         serving = {
             v
@@ -218,7 +246,7 @@ class Versions:
 
     async def promote(self, state: EndpointState) -> Track:
         """The canary becomes the stable version; the stable one stays warm at weight 0 for
-        `rollback_grace_s`."""
+        `rollback_grace_s` (after a rollout it drains once the new version's replicas serve)."""
         canary = self.of(state, VersionRole.CANARY)
         if canary is None:
             raise Conflict("this endpoint has no canary to promote", code="no_canary")
@@ -232,20 +260,25 @@ class Versions:
         old.role, old.weight = VersionRole.PREVIOUS, 0
         old.replicas = max(1, sum(r.version_id == old.version_id for r in state.live))
         old.warm_until = repo.now() + timedelta(seconds=self.settings.rollback_grace_s)
-        if self.settings.rollback_grace_s <= 0:
+        if self.settings.rollback_grace_s <= 0 or canary.slo.rollout:
             old.state = TrackState.RETIRED
         canary.role, canary.weight = VersionRole.STABLE, 100
         self._engine_for(state, old)
         self._make_stable(state, canary)
-        self._publish_weights(state)
+        if canary.slo.rollout:  # the old replicas serve on until the new ones all do
+            state.rollout_to = None
+            self.routing.set_weights(state.route, {})
+        else:
+            self._publish_weights(state)
         await self._save(state)
         return canary
 
     async def rollback(
         self, state: EndpointState, reason: str, by: str, numbers: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """All requests to the stable version at once (a canary runs), else back to the
-        previous version kept warm since a promotion; nothing is loaded either way."""
+        """All requests to the stable version at once (a canary or a rollout runs), else back
+        to the previous version kept warm since a promotion; nothing is loaded either way.
+        Returns what is kept as the endpoint's `last_rollback`."""
         tracks = self.tracks.get(state.row.id, {})
         canary = self.of(state, VersionRole.CANARY)
         previous = self.of(state, VersionRole.PREVIOUS)
@@ -261,6 +294,8 @@ class Versions:
             )
         gone.state, gone.weight = TrackState.ROLLED_BACK, 0
         back.role, back.weight, back.weight_since = VersionRole.STABLE, 100, time.monotonic()
+        state.rollout_to = None
+        state.clear_failures()  # the version that failed is gone: no backoff for the one back
         self._publish_weights(state)  # requests move here, before anything is written
         record = {
             "from_version_id": gone.version_id,
@@ -277,63 +312,15 @@ class Versions:
         await self._save(state)
         return record
 
-    # ----- the tick ----------------------------------------------------------------------------
+    async def mark_good(self, state: EndpointState) -> None:
+        """The endpoint's version serves: it is what a failing rollout falls back to."""
+        state.row.good_version_id = state.row.version_id
+        await self._save(state)
 
-    async def tick(self, state: EndpointState) -> tuple[list[Replica], str | None]:
-        """Keep the kept versions' replicas, retire a previous version past its grace, judge
-        the canary. Returns the replicas to start and what the gate did (None, or an audit
-        action: `endpoint.auto_rollback`, `endpoint.auto_promote`, `endpoint.traffic`)."""
-        tracks = self.tracks.get(state.row.id)
-        if not tracks:
-            return [], None
-        done = None
-        for track in list(tracks.values()):
-            expired = track.warm_until is not None and track.warm_until <= repo.now()
-            if track.role is VersionRole.PREVIOUS and expired:
-                track.state = TrackState.RETIRED
-                await self._save(state)
-        canary = self.of(state, VersionRole.CANARY)
-        if canary is not None:
-            done = await self._gate(state, canary)
-        starts = [r for t in tracks.values() for r in self._missing(state, t)]
-        self._drop_finished(state)
-        return starts, done
+    # ----- what the tick asks (`control/version_tick.py`) ----------------------------------------
 
-    async def _gate(self, state: EndpointState, canary: Track) -> str | None:
-        if canary.failures >= self.settings.rollout_attempts:
-            why = f"the canary failed to start {canary.failures} times ({state.last_error})"
-            await self.rollback(state, why, "system")
-            return "endpoint.auto_rollback"
-        if self.read_stats is None or state.row.version_id is None:
-            return None
-        # Only this canary's own requests: an earlier run of the same version is not its record.
-        window = min(canary.slo.window_s, max(0.001, time.monotonic() - canary.since))
-        verdict = judge(
-            canary.slo,
-            self.read_stats(state.row.id, canary.version_id, window),
-            self.read_stats(state.row.id, state.row.version_id, window),
-        )
-        canary.last_verdict = verdict
-        if verdict.breach is not None:
-            await self.rollback(state, f"SLO breached: {verdict.breach}", "system", verdict.numbers)
-            return "endpoint.auto_rollback"
-        clean_window = time.monotonic() - canary.weight_since >= canary.slo.window_s
-        step = next_step(canary.slo, canary.weight)
-        if not (verdict.judged and clean_window and canary.slo.steps):
-            return None
-        if step is None or step >= 100:
-            await self.promote(state)
-            return "endpoint.auto_promote"
-        stable = self.tracks[state.row.id][state.row.version_id]
-        await self.set_traffic(state, {canary.version_id: step, stable.version_id: 100 - step})
-        return "endpoint.traffic"
-
-    def _missing(self, state: EndpointState, track: Track) -> list[Replica]:
-        """New replicas a kept version needs (its own count and scaling), with backoff after
-        failures; extra ones drain (`control/version_scaling.py`)."""
-        if track.role is VersionRole.STABLE or track.state is not TrackState.SERVING:
-            return []
-        return size(state, track, self.replicas)
+    def tracks_of(self, state: EndpointState) -> dict[str, Track]:
+        return self.tracks.get(state.row.id, {})
 
     def started(self, state: EndpointState, replica: Replica) -> None:
         """What came of starting one of a kept version's replicas."""
@@ -341,9 +328,15 @@ class Versions:
         if track is not None and replica.state is ReplicaState.FAILED:
             track.failures += 1
 
-    # ----- helpers ------------------------------------------------------------------------------
+    async def retire_expired(self, state: EndpointState) -> None:
+        """A previous version whose grace ran out leaves (its replicas drain)."""
+        for track in list(self.tracks.get(state.row.id, {}).values()):
+            expired = track.warm_until is not None and track.warm_until <= repo.now()
+            if track.role is VersionRole.PREVIOUS and expired:
+                track.state = TrackState.RETIRED
+                await self._save(state)
 
-    def _drop_finished(self, state: EndpointState) -> None:
+    def drop_finished(self, state: EndpointState) -> None:
         """Forget the versions that left (their replicas drain); back to one version, the
         weights go (every replica is the stable version's again)."""
         tracks = self.tracks.get(state.row.id, {})
@@ -355,12 +348,14 @@ class Versions:
             self.tracks.pop(state.row.id, None)
             self.routing.set_weights(state.route, {})
 
+    # ----- helpers ------------------------------------------------------------------------------
+
     def _publish_weights(self, state: EndpointState) -> None:
+        """The serving versions' weights; none while a rollout runs (every replica serves, the
+        stable version's until the rollout's canary has one serving)."""
         tracks = self.tracks.get(state.row.id, {})
-        self.routing.set_weights(
-            state.route,
-            {v: t.weight for v, t in tracks.items() if t.state is TrackState.SERVING},
-        )
+        weights = {v: t.weight for v, t in tracks.items() if t.state is TrackState.SERVING}
+        self.routing.set_weights(state.route, {} if state.rollout_to else weights)
 
     @staticmethod
     def _scaled(state: EndpointState, track: Track) -> None:
@@ -388,21 +383,5 @@ class Versions:
         self.routing.set_version(state.route, track.version_id)
 
     async def _save(self, state: EndpointState) -> None:
-        """The endpoint's versions and its row's version fields, in one transaction."""
-        row = state.row
-        tracks = list(self.tracks.get(row.id, {}).values())
-
-        def write() -> None:
-            with self.db.session() as s:
-                stored = s.get(Endpoint, row.id)
-                if stored is None:
-                    return
-                stored.version_id, stored.artifact = row.version_id, row.artifact
-                stored.good_version_id, stored.engine_options = (
-                    row.good_version_id, row.engine_options,
-                )  # fmt: skip
-                stored.last_rollback = row.last_rollback
-                for t in tracks:
-                    s.merge(row_of(row.id, t))
-
-        await asyncio.to_thread(write)
+        tracks = list(self.tracks.get(state.row.id, {}).values())
+        await asyncio.to_thread(save_versions, self.db, state.row, tracks)

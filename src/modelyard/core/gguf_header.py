@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from modelyard.core.model_files import MAX_DIM, ModelFileError, Reader
+from modelyard.core.model_file_limits import MAX_DIM, ModelFileError, Reader
 
 MAX_METADATA_BYTES = 64 << 20  # key-values and tensor infos together (a 256k vocab: ~15 MiB)
 MAX_KV = 4096

@@ -237,8 +237,10 @@ class LoopMonitor:
         self.max_overdue_s = max(self.max_overdue_s, overdue)
         held = overdue - (runqueue - self._mark[1]) / 1e9  # minus the time it was not run
         if held > self.threshold_s and work:
-            stall = Stall(held, _format(work), number, due, self._mark[1])
-            stall.others = [_format(x) for x in others]
+            stall = Stall(
+                held, _format(work), beat=number, others=[_format(x) for x in others],
+                due=due, runqueue_mark=self._mark[1],
+            )  # fmt: skip
             self._current = stall
             self._found(stall)
 

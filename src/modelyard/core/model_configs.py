@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from modelyard.core.model_files import (
+from modelyard.core.model_file_limits import (
     INLINE_JSON,
     MAX_CONFIG_BYTES,
     MAX_NAME,

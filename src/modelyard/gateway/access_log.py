@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from modelyard.core import tracing
 
 if TYPE_CHECKING:
-    from modelyard.gateway.accounting import Call
+    from modelyard.gateway.call import Call
     from modelyard.gateway.metering import UsageEvent
 
 log = logging.getLogger("modelyard.access")

@@ -10,25 +10,28 @@ everything held when none did (a batch item's quota stays held until the runner 
 result: `settle_item`). It runs in a task of the usage recorder's, so a client that
 disconnects cancels its wait, never the settlement; the slot is released in the same `finally`.
 
-With the limits store (Redis) unreachable, admission fails closed (503) and settlement skips
-and logs the bookkeeping it cannot do, but still writes the usage row.
+With the limits store (Redis) unreachable (`limits_outage.py`), admission goes on this
+gateway's shares of each limit (`redis_outage = fail_open`) or fails closed (503), and the
+settlements Redis cannot take are journaled and applied once it answers; the usage row is
+written either way. With Redis back but its
+quota counters lost (a restart, a failover), the first quota check rebuilds them from the usage
+rows before it checks (`quota_rebuild.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import Any
 
-from modelyard.core.errors import DomainError, QuotaExceeded, RateLimited, Unavailable
+from modelyard.core.errors import DomainError, QuotaExceeded, RateLimited
 from modelyard.core.identity import Limits, Principal
-from modelyard.core.prefix_affinity import PrefixHint
-from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.access_log import logged
+from modelyard.gateway.call import Call
+from modelyard.gateway.limits_outage import LimitsOutage, fail_closed, limits_unavailable
 from modelyard.gateway.metering import UsageEvent, UsageRecorder, quota_moves
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import (
@@ -39,68 +42,13 @@ from modelyard.gateway.quota import (
     RedisQuotaCounter,
     month_of,
 )
+from modelyard.gateway.quota_rebuild import QuotaRebuild
 from modelyard.gateway.ratelimit import Decision, RateLimiter
 from modelyard.gateway.ratelimit_redis import RedisAdmission, RedisRateLimiter
 from modelyard.gateway.settlement import RedisSettlement, Settlement
-from modelyard.protocol.errors import GRAMMAR_FAILED
 from modelyard.store.repository import now
 
 log = logging.getLogger(__name__)
-
-NO_LIMITS = Decision(
-    allowed=True,
-    reason=None,
-    retry_after_s=0.0,
-    limit_requests=None,
-    remaining_requests=None,
-    reset_requests_s=0.0,
-    limit_tokens=None,
-    remaining_tokens=None,
-    reset_tokens_s=0.0,
-)
-
-
-@dataclass
-class Call:
-    """Everything one proxied request accumulates on its way."""
-
-    principal: Principal
-    route: EndpointRoute
-    kind: str
-    request_id: str
-    reserved: int
-    decision: Decision
-    started: float = field(default_factory=time.perf_counter)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    ttft: float | None = None
-    status: str = "ok"
-    status_code: int = 200
-    batch: bool = False  # a batch item: no rate limits, metered as batch
-    quota_reserved: int = 0  # monthly quota tokens held since admission
-    quota_month: str = ""  # the month they are held in
-    slot: bool = False  # holds one of the tenant's concurrent-request slots
-    # The settlement (metering or refund), once started: runs to its end whatever the client does.
-    closing: asyncio.Task[UsageEvent | None] | None = None
-    relaying: bool = False  # the stream's relay has started (and will settle in its `finally`)
-    stamped: bool = False  # its stream's events carry the worker's token counts
-    # Which version serves it (the replica picked: a canary or the stable one), and the key that
-    # keeps a user or session on one version while the weights stay (its `user`, x-session-id).
-    version_id: str | None = None
-    affinity: str | None = None
-    prefix: PrefixHint | None = None  # where its prompt prefix is likely cached (several replicas)
-
-
-def error_status(error: Any) -> str:
-    """A usage row's status for an error a replica sent mid-stream: `error` (the replica
-    failed: its circuit breaker counts it) or `invalid_request` (the request's own fault, e.g.
-    its grammar: the replica is fine)."""
-    if not isinstance(error, dict):
-        return "error"
-    if error.get("type") == "invalid_request_error" or error.get("code") == GRAMMAR_FAILED:
-        return "invalid_request"
-    return "error"
 
 
 class Accounting:
@@ -128,6 +76,10 @@ class Accounting:
         )
         self.at_once = RedisAdmission(limiter, quota, slots) if in_one_redis else None
         self.settle_at_once = RedisSettlement(limiter, quota, slots) if in_one_redis else None
+        # With the limits in Redis: what to do while it does not answer (set by the gateway).
+        self.outage: LimitsOutage | None = None
+        # The quota counters, rebuilt from the usage rows when Redis lost them.
+        self.quota_rebuild = QuotaRebuild(quota, recorder)
 
     async def admit_at_once(self, call: Call, model: str) -> None:
         """`acquire` and `hold` as one Redis script: the same refusals, and on a refusal
@@ -135,11 +87,25 @@ class Accounting:
         assert self.at_once is not None
         p = call.principal
         month = month_of(now())
-        with fail_closed():
-            admitted = await self.at_once.admit(
+        outage = self.outage
+        if outage is not None and outage.degraded:
+            await self._admit_locally(call, model)  # no request waits on a Redis that is away
+            return
+        at_once = self.at_once
+        try:
+            admitted = await self.quota_rebuild.counted(lambda: at_once.admit(
                 p.key_id, p.limits, call.reserved, p.tenant_id, month, p.monthly_token_quota,
                 _slot_scope(p), call.request_id, p.max_concurrent_requests,
-            )  # fmt: skip
+            ))  # fmt: skip
+        except LimitsUnavailable as exc:
+            if outage is None:
+                log.warning("refusing a request: %s", exc)
+                raise limits_unavailable() from exc
+            outage.trip(exc)
+            if p.max_concurrent_requests is not None:  # the script may have taken it
+                outage.journal_admission(p, (_slot_scope(p), call.request_id), exc)
+            await self._admit_locally(call, model)
+            return
         call.decision = admitted.decision
         if not admitted.decision.allowed:
             await self.acquire_refused(admitted.decision, model, call.reserved)
@@ -152,6 +118,33 @@ class Accounting:
                 exc = self.concurrency_exceeded(p)
             exc.headers.update(admitted.decision.headers())
             raise exc
+        if p.monthly_token_quota is not None:
+            call.quota_reserved, call.quota_month = call.reserved, month
+            if outage is not None:  # the last known total, for an outage's quota share
+                outage.local.saw(p.tenant_id, month, admitted.quota_before + call.reserved)
+        call.slot = p.max_concurrent_requests is not None
+
+    async def _admit_locally(self, call: Call, model: str) -> None:
+        """Admission while Redis does not answer: on this gateway's shares of each limit
+        (fail_open, `local_limits.py`), else a 503."""
+        outage = self.outage
+        assert outage is not None
+        if not outage.fail_open:
+            raise limits_unavailable()
+        p = call.principal
+        month = month_of(now())
+        local = await outage.local.admit(p, call.reserved, call.request_id, outage.gateways, month)
+        call.decision = local.decision
+        if not local.decision.allowed:
+            await self.acquire_refused(local.decision, model, call.reserved)
+        if local.refused is not None:
+            call.reserved = 0  # nothing taken: the refusal's settlement gives nothing back
+            await self.close(call, served=False)
+            if local.refused == "quota":
+                raise self.quota_exceeded(p, local.quota_used)
+            raise self.concurrency_exceeded(p)
+        self.metrics.local_admissions.inc()
+        call.local = outage.local.generation
         if p.monthly_token_quota is not None:
             call.quota_reserved, call.quota_month = call.reserved, month
         call.slot = p.max_concurrent_requests is not None
@@ -210,8 +203,9 @@ class Accounting:
         assert p.monthly_token_quota is not None
         month = month_of(now())
         with fail_closed():
-            before = await self.quota.reserve(
-                p.tenant_id, month, call.reserved, p.monthly_token_quota
+            quota = p.monthly_token_quota
+            before = await self.quota_rebuild.counted(
+                lambda: self.quota.reserve(p.tenant_id, month, call.reserved, quota)
             )
             if before is None:
                 raise self.quota_exceeded(p, await self.quota.used(p.tenant_id, month))
@@ -257,7 +251,11 @@ class Accounting:
                     settlement.quota_moves.append((call.quota_month, -call.quota_reserved))
         finally:
             try:
-                await self._apply(settlement)
+                if call.local and self.outage is not None:
+                    held = (call.quota_month, call.quota_reserved)
+                    await self.outage.settle_locally(call.local, settlement, held, p)
+                else:
+                    await self._apply(settlement)
             finally:
                 if event is not None and first:
                     # Journaled last, with nothing awaited between it and the answer leaving:
@@ -330,7 +328,15 @@ class Accounting:
     async def _apply(self, s: Settlement) -> None:
         """One round trip when the three live in one Redis; else each through its own."""
         if self.settle_at_once is not None:
-            await _tolerant(self.settle_at_once.apply(s), "settlement")
+            if self.outage is None:
+                await _tolerant(self.settle_at_once.apply(s), "settlement")
+            elif self.outage.degraded:  # not sent: journaled whole
+                self.outage.journal_settlement(s, None)
+            else:
+                try:
+                    await self.settle_at_once.apply(s)
+                except LimitsUnavailable as exc:
+                    self.outage.journal_settlement(s, exc)
             return
         if s.moves_tpm:
             await _tolerant(self.limiter.reconcile(s.key_id, s.limits, s.tokens_back, 0), "TPM")
@@ -367,33 +373,6 @@ def item_usage(call: Call, event: UsageEvent) -> ItemUsage:
     if call.quota_reserved:
         held = QuotaHold(p.tenant_id, p.key_id, p.limits, call.quota_month, call.quota_reserved)
     return ItemUsage(event, held)
-
-
-def take_usage(call: Call, usage: dict[str, Any]) -> None:
-    # Chat and completions name them prompt/completion tokens, the Responses API input/output.
-    call.prompt_tokens = int(
-        usage.get("prompt_tokens", usage.get("input_tokens", call.prompt_tokens))
-    )
-    call.completion_tokens = int(
-        usage.get("completion_tokens", usage.get("output_tokens", call.completion_tokens))
-    )
-    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-    call.cached_tokens = int(details.get("cached_tokens") or 0)
-
-
-@contextlib.contextmanager
-def fail_closed() -> Iterator[None]:
-    """Admission while the limits store (Redis) is unreachable: refused with a 503, never let
-    through unlimited and unmetered."""
-    try:
-        yield
-    except LimitsUnavailable as exc:
-        log.warning("refusing a request: %s", exc)
-        raise Unavailable(
-            "Rate limits and quotas cannot be checked right now; please retry shortly.",
-            code="limits_unavailable",
-            retry_after_s=5,
-        ) from exc
 
 
 async def _tolerant(work: Awaitable[Any], what: str) -> None:

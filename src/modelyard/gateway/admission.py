@@ -16,8 +16,9 @@ from modelyard.core.errors import DomainError, Invalid, model_not_found
 from modelyard.core.identity import Principal
 from modelyard.core.logs import current_request_id
 from modelyard.core.routing import EndpointRoute, RoutingTable
-from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call
+from modelyard.gateway.accounting import Accounting
 from modelyard.gateway.cache_scope import scope_prefix_cache
+from modelyard.gateway.call import NO_LIMITS, Call
 from modelyard.gateway.reservation import reservation_bound
 from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.errors import validation_failure

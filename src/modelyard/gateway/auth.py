@@ -27,6 +27,7 @@ from collections import OrderedDict
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.orm import Session
 
 from modelyard.core.errors import Unauthorized, Unavailable
 from modelyard.core.identity import Principal
@@ -117,15 +118,19 @@ class Authenticator:
         return len(self._known) + len(self._unknown)
 
     def _lookup(self, key_hash: str) -> Principal | None:
-        with self.db.session() as s:
-            key = repo.key_by_hash(s, key_hash)
-            if key is None or key.revoked_at is not None:
-                return None
-            if not hmac.compare_digest(key.key_hash, key_hash):
-                return None
-            tenant = repo.get_tenant(s, key.tenant_id)
-            assert tenant is not None
-            return Principal.for_key(key, tenant)
+        # A read: run again on a fresh connection if the database failed over under it.
+        return self.db.read(lambda s: self._lookup_in(s, key_hash))
+
+    @staticmethod
+    def _lookup_in(s: Session, key_hash: str) -> Principal | None:
+        key = repo.key_by_hash(s, key_hash)
+        if key is None or key.revoked_at is not None:
+            return None
+        if not hmac.compare_digest(key.key_hash, key_hash):
+            return None
+        tenant = repo.get_tenant(s, key.tenant_id)
+        assert tenant is not None
+        return Principal.for_key(key, tenant)
 
     async def authenticate(self, authorization: str | None) -> Principal:
         if not authorization:

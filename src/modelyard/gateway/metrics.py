@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _BUCKETS = (
@@ -140,6 +140,24 @@ class GatewayMetrics:
             registry=r,
         )
         self.limited = _Refusals(self.rejected)
+        self.limits_degraded = Gauge(
+            "modelyard_gateway_limits_degraded",
+            "1 while this gateway's limits store (Redis) does not answer: requests are admitted "
+            "on this gateway's shares of each limit (redis_outage=fail_open) or refused.",
+            registry=r,
+        )
+        self.limits_gateways = Gauge(
+            "modelyard_gateway_limits_gateways",
+            "Live gateways as this gateway last counted them in Redis: during an outage each "
+            "admits on 1/N of every limit.",
+            registry=r,
+        )
+        self.local_admissions = Counter(
+            "modelyard_gateway_local_admissions",
+            "Requests admitted on this gateway's own shares of their limits while Redis did not "
+            "answer (redis_outage=fail_open).",
+            registry=r,
+        )
 
     def served(
         self,

@@ -22,9 +22,10 @@ from fastapi.responses import Response
 
 from modelyard.core.errors import Invalid
 from modelyard.core.logs import current_request_id
-from modelyard.gateway.accounting import NO_LIMITS, Accounting, Call, take_usage
+from modelyard.gateway.accounting import Accounting
 from modelyard.gateway.admission import Admission
 from modelyard.gateway.auth import Authenticator
+from modelyard.gateway.call import NO_LIMITS, Call, take_usage
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.reservation import reservation_bound
 from modelyard.gateway.upstream import Upstream

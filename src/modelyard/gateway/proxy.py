@@ -21,14 +21,7 @@ from modelyard.config import PlatformSettings
 from modelyard.core.identity import Principal
 from modelyard.core.prefix_affinity import PrefixHint, prefix_hint
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
-from modelyard.gateway.accounting import (
-    NO_LIMITS,
-    Accounting,
-    Call,
-    ItemUsage,
-    item_usage,
-    take_usage,
-)
+from modelyard.gateway.accounting import Accounting, ItemUsage, item_usage
 from modelyard.gateway.admission import (
     BATCH_PRIORITY_BASE,
     Admission,
@@ -38,12 +31,21 @@ from modelyard.gateway.admission import (
 )
 from modelyard.gateway.async_results import AsyncResults
 from modelyard.gateway.auth import Authenticator
+from modelyard.gateway.call import NO_LIMITS, Call, take_usage
+from modelyard.gateway.limits_outage import LimitsOutage
+from modelyard.gateway.local_limits import LocalLimits
 from modelyard.gateway.metering import UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.oip_proxy import OipProxy
-from modelyard.gateway.quota import ConcurrencyLimiter, concurrency_beside
+from modelyard.gateway.quota import (
+    ConcurrencyLimiter,
+    RedisConcurrencyLimiter,
+    RedisQuotaCounter,
+    concurrency_beside,
+)
 from modelyard.gateway.ratelimit import QuotaCounter, RateLimiter
 from modelyard.gateway.relay import Relay
+from modelyard.gateway.settlement_journal import SettlementJournal
 from modelyard.gateway.upstream import Upstream
 from modelyard.protocol.disconnect import run_until_disconnect
 
@@ -69,6 +71,16 @@ class Gateway:
         # Tenants' requests in flight, kept where the quota is (Redis or this process).
         slots = slots if slots is not None else concurrency_beside(quota)
         self.accounting = Accounting(limiter, quota, slots, recorder, metrics)
+        if self.accounting.at_once is not None and isinstance(slots, RedisConcurrencyLimiter):
+            # Limits in Redis: what admission and settlement do while it does not answer.
+            assert isinstance(quota, RedisQuotaCounter)
+            self.accounting.outage = LimitsOutage(
+                quota,
+                SettlementJournal(recorder.db, quota, slots),
+                LocalLimits(recorder.db),
+                metrics,
+                settings.redis_outage,
+            )
         self.admission = Admission(settings, routing, self.accounting)
         self.upstream = Upstream(settings, routing, metrics, activate)
         self.relay = Relay(settings, self.upstream, self.accounting, metrics)
@@ -77,9 +89,13 @@ class Gateway:
 
     async def start(self) -> None:
         await self.upstream.start()
+        if self.accounting.outage is not None:
+            await self.accounting.outage.start()
 
     async def stop(self) -> None:
         await self.upstream.stop()
+        if self.accounting.outage is not None:
+            await self.accounting.outage.stop()
 
     def _prefix(self, payload: dict[str, Any], route: EndpointRoute) -> PrefixHint | None:
         """The request's prefix key, when there is a choice of replica to make with it."""
@@ -183,8 +199,3 @@ class Gateway:
 
     async def handle_oip(self, request: Request, model: str, action: str) -> Response:
         return await self.oip.handle(request, model, action)
-
-
-# The names tests import from here.
-_Call = Call
-_NO_LIMITS = NO_LIMITS

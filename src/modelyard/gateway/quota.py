@@ -4,8 +4,11 @@ at admission, settled to the real count afterwards) and the ceiling on requests 
 Both exist in process memory (one gateway) and in Redis (several gateways sharing them); every
 check-and-take is atomic, so concurrent requests cannot all pass one check: a burst overshoots
 the quota by at most one request's reservation and never exceeds the concurrency ceiling.
-When Redis cannot be reached, every Redis-backed call raises `LimitsUnavailable`: admission
-fails closed on it, settlement logs it and still records the usage.
+When Redis cannot be reached, every Redis-backed call raises `LimitsUnavailable`: the gateway
+then admits on its own shares or fails closed (`limits_outage.py`), journals the settlement,
+and still records the usage.
+When Redis answers but lost the counters (a restart, a failover), a reservation raises
+`QuotaCountersLost` until they are rebuilt from the usage rows (`quota_rebuild.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ class LimitsUnavailable(RuntimeError):
     """The shared store of limits and quotas (Redis) cannot be reached."""
 
 
+class QuotaCountersLost(LimitsUnavailable):
+    """Redis answers, but the quota counters it holds were not built on this server: it
+    restarted (empty, or from an older snapshot) or a replica took over. They are rebuilt from
+    the usage rows (`quota_rebuild.py`) before a quota is checked against them again."""
+
+
 def shared_store(
     fn: Callable[P, Coroutine[Any, Any, R]],
 ) -> Callable[P, Coroutine[Any, Any, R]]:
@@ -47,26 +56,6 @@ def shared_store(
             raise LimitsUnavailable(f"the limits store is unreachable: {exc!r}") from exc
 
     return call
-
-
-def open_limits_store(url: str, timeout_s: float) -> Redis:
-    """The Redis client of the limits store. Short timeouts: with Redis down, admission must
-    answer its 503 within a second or two, not after a library's backoff. One immediate retry,
-    on a new connection and for connection errors only: after a Redis restart every pooled
-    connection is dead and fails its first command, which must not cost a request its answer;
-    with Redis still down the retry's connect is refused at once. A timeout is not retried (the
-    script may have run)."""
-    import redis.asyncio as aioredis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
-    return aioredis.from_url(
-        url,
-        socket_connect_timeout=timeout_s,
-        socket_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-    )
 
 
 def month_of(ts: datetime) -> str:
@@ -121,8 +110,18 @@ class MemoryQuotaCounter:
         return before
 
 
-# KEYS: the month's counter. ARGV: tokens, quota, ttl. Returns the total before, or -1 refused.
-_RESERVE_LUA = """
+# The run id of the Redis server running a script: a new one at every restart, and another
+# server's after a failover. The counters are trusted only on the server whose run id the
+# marker (`RedisQuotaCounter.marker_key`) holds: the one they were rebuilt on.
+RUN_ID_LUA = "local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')\n"
+COUNTERS_LOST = -2
+
+# KEYS: the month's counter, the marker. ARGV: tokens, quota, ttl. Returns the total before,
+# -1 refused, or COUNTERS_LOST.
+_RESERVE_LUA = f"""{RUN_ID_LUA}
+if redis.call('GET', KEYS[2]) ~= run_id then
+  return {COUNTERS_LOST}
+end
 local before = tonumber(redis.call('GET', KEYS[1]) or '0')
 if before >= tonumber(ARGV[2]) then
   return -1
@@ -132,17 +131,42 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 return before
 """
 
+# KEYS: the marker, then the month's counters. ARGV: the ttl, then each counter's total (0:
+# deleted). Sets them only if no other gateway rebuilt them on this server first; 1 if it did.
+_REBUILD_LUA = f"""{RUN_ID_LUA}
+if redis.call('GET', KEYS[1]) == run_id then
+  return 0
+end
+for i = 2, #KEYS do
+  if tonumber(ARGV[i]) > 0 then
+    redis.call('SET', KEYS[i], ARGV[i], 'EX', ARGV[1])
+  else
+    redis.call('DEL', KEYS[i])
+  end
+end
+redis.call('SET', KEYS[1], run_id)
+return 1
+"""
+
+_BUILT_LUA = f"""{RUN_ID_LUA}
+return redis.call('GET', KEYS[1]) == run_id and 1 or 0
+"""
+
 
 class RedisQuotaCounter:
     """Monthly token totals in Redis, shared by every gateway process using the same prefix.
 
     Keys expire ~40 days after their last write: past the end of their month, when nothing
-    reads them any more. The client is borrowed, not closed here."""
+    reads them any more. A reservation is refused with `QuotaCountersLost` until the counters
+    have been rebuilt on the server that answers (`rebuild`). The client is borrowed, not
+    closed here."""
 
     def __init__(self, redis: Redis, prefix: str = "modelyard:") -> None:
         self._redis = redis
         self._prefix = prefix
         self._reserve = redis.register_script(_RESERVE_LUA)
+        self._rebuild = redis.register_script(_REBUILD_LUA)
+        self._built = redis.register_script(_BUILT_LUA)
 
     @property
     def redis(self) -> Redis:
@@ -150,6 +174,30 @@ class RedisQuotaCounter:
 
     def key(self, tenant_id: str, month: str) -> str:
         return f"{self._prefix}quota:{tenant_id}:{month}"
+
+    @property
+    def marker_key(self) -> str:
+        """Holds the run id of the Redis server the counters were last rebuilt on."""
+        return f"{self._prefix}quota-built-on"
+
+    @shared_store
+    async def built(self) -> bool:
+        """Whether the counters were rebuilt on the Redis server that answers now."""
+        return bool(int(await self._built(keys=[self.marker_key])))
+
+    @shared_store
+    async def rebuild(self, month: str, totals: dict[str, int]) -> bool:
+        """Set the month's counters to `totals` (the usage rows' sums per tenant), the others
+        found in Redis to nothing, and mark them built on this server; False (nothing changed)
+        when another gateway did first."""
+        found = [k async for k in self._redis.scan_iter(match=self.key("*", month), count=1000)]
+        counters = {self.key(t, month): tokens for t, tokens in totals.items()}
+        for key in found:
+            counters.setdefault(key.decode() if isinstance(key, bytes) else key, 0)
+        done = await self._rebuild(
+            keys=[self.marker_key, *counters], args=[QUOTA_TTL_S, *counters.values()]
+        )
+        return bool(int(done))
 
     @shared_store
     async def used(self, tenant_id: str, month: str) -> int:
@@ -173,9 +221,12 @@ class RedisQuotaCounter:
     async def reserve(self, tenant_id: str, month: str, tokens: int, quota: int) -> int | None:
         before = int(
             await self._reserve(
-                keys=[self.key(tenant_id, month)], args=[tokens, quota, QUOTA_TTL_S]
+                keys=[self.key(tenant_id, month), self.marker_key],
+                args=[tokens, quota, QUOTA_TTL_S],
             )
         )
+        if before == COUNTERS_LOST:
+            raise QuotaCountersLost("the quota counters in Redis are not rebuilt on this server")
         return None if before < 0 else before
 
 

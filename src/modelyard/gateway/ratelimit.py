@@ -17,7 +17,6 @@ from modelyard.gateway.quota import (
     QuotaCounter,
     RedisQuotaCounter,
     month_of,
-    open_limits_store,
 )
 from modelyard.gateway.rate_decision import (
     EPS,
@@ -123,5 +122,4 @@ __all__ = [
     "RedisRateLimiter",
     "format_reset",
     "month_of",
-    "open_limits_store",
 ]

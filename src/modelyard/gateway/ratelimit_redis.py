@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from modelyard.core.identity import Limits
 from modelyard.gateway.quota import (
     QUOTA_TTL_S,
+    RUN_ID_LUA,
+    QuotaCountersLost,
     RedisConcurrencyLimiter,
     RedisQuotaCounter,
     shared_store,
@@ -118,9 +120,11 @@ _RECONCILE_LUA = (
 # One round trip for the whole admission of a request: the key's and its tenant's buckets,
 # then the tenant's monthly quota, then its concurrency slot are checked, and only when all
 # pass are all taken (a refusal takes nothing). KEYS: the four buckets, the month's quota
-# counter, the tenant's slots. ARGV: the four capacities, tokens, quota (-1 none), slot limit
+# counter, the tenant's slots, the counters' marker (a quota is checked only against counters
+# rebuilt on this server). ARGV: the four capacities, tokens, quota (-1 none), slot limit
 # (-1 none), slot id, slot lease s, quota ttl s. Returns {refused (0 none, 1 requests,
-# 2 tokens, 3 quota, 4 concurrency), retry_after_s, the four levels, quota total before}.
+# 2 tokens, 3 quota, 4 concurrency, 5 counters lost), retry_after_s, the four levels, quota
+# total before}.
 _ADMIT_LUA = (
     _ACQUIRE_LUA.split("if refused == 0 then")[0]
     + f"""
@@ -131,6 +135,9 @@ end
 local quota, slots = tonumber(ARGV[6]), tonumber(ARGV[7])
 local before = 0
 if quota >= 0 then
+  {RUN_ID_LUA}  if redis.call('GET', KEYS[7]) ~= run_id then
+    return {{5, '0', levels_text[1], levels_text[2], levels_text[3], levels_text[4], 0}}
+  end
   before = tonumber(redis.call('GET', KEYS[5]) or '0')
   if before >= quota then
     return {{3, '0', levels_text[1], levels_text[2], levels_text[3], levels_text[4], before}}
@@ -156,7 +163,7 @@ return {{0, '0', string.format('%.17g', levels[1]), string.format('%.17g', level
 """
 )
 
-_REASONS = {0: None, 1: "requests", 2: "tokens", 3: "quota", 4: "concurrency"}
+_REASONS = {0: None, 1: "requests", 2: "tokens", 3: "quota", 4: "concurrency", 5: "lost"}
 
 
 class RedisRateLimiter:
@@ -252,7 +259,12 @@ class RedisAdmission:
         check_tokens(tokens)
         keys, caps = self._limiter.bucket_keys(key_id, limits)
         result = await self._admit(
-            keys=[*keys, self._quota.key(tenant_id, month), self._slots.key(slot_scope)],
+            keys=[
+                *keys,
+                self._quota.key(tenant_id, month),
+                self._slots.key(slot_scope),
+                self._quota.marker_key,
+            ],
             args=[
                 *caps,
                 tokens,
@@ -265,6 +277,8 @@ class RedisAdmission:
         )
         refused, retry, *levels, before = result
         reason = _REASONS[int(refused)]
+        if reason == "lost":
+            raise QuotaCountersLost("the quota counters in Redis are not rebuilt on this server")
         rate_refusal = reason if reason in ("requests", "tokens") else None
         decision_ = decision(
             limits,

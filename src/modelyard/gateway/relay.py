@@ -28,7 +28,8 @@ from fastapi.responses import Response, StreamingResponse
 from modelyard.config import PlatformSettings
 from modelyard.core.errors import DomainError
 from modelyard.core.routing import ReplicaRoute
-from modelyard.gateway.accounting import Accounting, Call, error_status, take_usage
+from modelyard.gateway.accounting import Accounting
+from modelyard.gateway.call import Call, error_status, take_usage
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.responses_stream import inspect_typed, is_final, is_typed
 from modelyard.gateway.upstream import Upstream, not_serving, unavailable

@@ -13,7 +13,7 @@ import time
 
 import orjson
 
-from modelyard.gateway.accounting import Call, error_status, take_usage
+from modelyard.gateway.call import Call, error_status, take_usage
 
 TYPED_PREFIX = b"event: "
 FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n")

@@ -21,7 +21,7 @@ from modelyard.core.admission_queue import AdmissionRefused, Waiter, admission_r
 from modelyard.core.cluster_auth import replica_headers
 from modelyard.core.errors import RateLimited, Unavailable, UpstreamFailed
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
-from modelyard.gateway.accounting import Call
+from modelyard.gateway.call import Call
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.version_stats import VersionStats
 from modelyard.protocol.openai import PROMPT_TOKENS_HEADER

@@ -10,9 +10,13 @@ model can take (its context, its vocabulary) is checked against the model at the
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Sized
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, Field
+
+T = TypeVar("T")
+S = TypeVar("S", bound="Sized | None")  # a text, a list, or nothing
 
 # One text field (a message's content, a prompt, a tool's arguments or output, instructions):
 # OpenAI's own limit on a message's content (10,485,760) would never bind behind the 8 MiB body
@@ -46,7 +50,7 @@ MAX_SPEC_CHARS = 64 * 1024
 MAX_GUIDED_CHOICES = 1024
 
 
-def bounded_json(value: Any) -> Any:
+def bounded_json(value: T) -> T:
     """`value` if its nesting depth and node count are within bounds, else a ValueError naming
     the bound. Iterative: a deep value cannot overflow the stack here."""
     if value is None:
@@ -70,7 +74,7 @@ def bounded_json(value: Any) -> Any:
     return value
 
 
-def at_most(value: Any, limit: int, what: str = "characters") -> Any:
+def at_most(value: S, limit: int, what: str = "characters") -> S:
     """`value` (a text or a list) if it holds at most `limit` characters or items."""
     if value is not None and len(value) > limit:
         raise ValueError(f"at most {limit} {what} are allowed here, got {len(value)}")

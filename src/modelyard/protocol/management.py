@@ -200,6 +200,13 @@ class TenantUpdate(TenantCeilings):
     tier: TierName | None = Field(None, description="free, standard or priority.")
 
 
+KeyScope = Literal["inference", "admin", "metrics"]
+
+
+def _inference_only() -> list[KeyScope]:
+    return ["inference"]
+
+
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -207,8 +214,8 @@ class KeyCreate(BaseModel):
     tenant_id: str | None = Field(
         None, max_length=ID_MAX, description="Platform admin only: whose key this is."
     )
-    scopes: list[Literal["inference", "admin", "metrics"]] = Field(
-        default_factory=lambda: ["inference"],
+    scopes: list[KeyScope] = Field(
+        default_factory=_inference_only,
         min_length=1,
         max_length=3,
         description="inference (the OpenAI API), admin (the tenant's management API), metrics "

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -77,7 +75,7 @@ class BodySizeLimit:
                 rejected = True
                 await self._reject(send, limit)
 
-        async def tracking_send(message: dict[str, Any]) -> None:
+        async def tracking_send(message: Message) -> None:
             nonlocal started
             if too_large and not started:
                 # The app caught the overflow while parsing (FastAPI turns any failure to read

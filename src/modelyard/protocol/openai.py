@@ -16,7 +16,7 @@ by the engine's admission (`modelyard.engine.request_checks`), at the worker.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -248,7 +248,7 @@ class SamplingFields(StructuredFields, StrictRequest):
         return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     def stop_list(self) -> tuple[str, ...]:
-        return tuple(self.stop or ())  # type: ignore[arg-type]
+        return tuple(self.stop or ())
 
 
 class ChatCompletionRequest(ToolFields, SamplingFields):
@@ -340,7 +340,8 @@ class CompletionRequest(SamplingFields):
         elif not batched:
             check_token_ids(value, "prompt")  # type: ignore[arg-type]
         else:
-            for i, item in enumerate(value):
+            # Batched: texts or token-id lists (the field's type admits nothing else).
+            for i, item in enumerate(cast("list[str | list[int]]", value)):
                 if isinstance(item, str):
                     at_most(item, MAX_TEXT_CHARS)
                     _check_text(item, f"prompt[{i}]")

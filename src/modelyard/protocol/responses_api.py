@@ -138,7 +138,7 @@ class TextFormatJSONSchema(BaseModel):
 
     def spec(self) -> JSONSchemaSpec:
         return JSONSchemaSpec(
-            name=self.name, description=self.description, schema=self.schema_, strict=self.strict
+            name=self.name, description=self.description, schema_=self.schema_, strict=self.strict
         )
 
 

@@ -33,7 +33,7 @@ class FunctionDefinition(BaseModel):
     def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return check_parameters(value)
 
-    def schema(self) -> dict[str, Any]:
+    def parameters_schema(self) -> dict[str, Any]:
         """The arguments' JSON schema (OpenAI: no parameters means an empty parameter list)."""
         return self.parameters or {"type": "object", "properties": {}}
 
@@ -42,7 +42,7 @@ class FunctionDefinition(BaseModel):
         fn: dict[str, Any] = {"name": self.name}
         if self.description:
             fn["description"] = self.description
-        fn["parameters"] = self.schema()
+        fn["parameters"] = self.parameters_schema()
         return {"type": "function", "function": fn}
 
 

@@ -1,19 +1,46 @@
-"""Database connection (SQLite by default, PostgreSQL by URL) and schema migrations at start."""
+"""Database connection (SQLite by default, PostgreSQL by URL) and schema migrations at start.
+
+PostgreSQL URLs take libpq's multi-host form, `postgresql://user@h1:5432,h2:5432/db?
+target_session_attrs=read-write`: each new connection tries the hosts in turn and keeps the one
+that accepts writes, so after a standby is promoted new connections find it. Connections the
+failover broke are dropped (`pool_pre_ping`, and SQLAlchemy discards the pool when one in use
+turns out disconnected); `Database.read` runs a read again once on a fresh connection when the
+one it had was broken. Writes are not run again here: one whose commit went unanswered may have
+committed (a caller whose write is idempotent by key, as the usage writer's, retries it itself).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
+T = TypeVar("T")
+
+# Every PostgreSQL connection is bounded: a connect gives up on a host after 3 s (then tries
+# the next), and a connection whose server vanished without a word (its machine died) is found
+# dead by TCP keepalives and the kernel's user timeout within about 15 s, not the minutes of a
+# TCP retransmission timeout. The same libpq parameters in the URL win over these.
+PG_CONNECT_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 3,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 15_000,
+}
 
 
 def sqlite_url(path: Path) -> str:
@@ -34,16 +61,44 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    engine_url = postgres_engine_url(url)
     # A bounded connect: a database that drops connections silently must not hold threads.
     return create_engine(
-        url,
+        engine_url,
         pool_size=10,
         max_overflow=20,
         pool_pre_ping=True,
-        connect_args={"connect_timeout": 3},
+        connect_args={k: v for k, v in PG_CONNECT_DEFAULTS.items() if k not in engine_url.query},
     )
+
+
+def postgres_engine_url(url: str) -> URL:
+    """SQLAlchemy's URL for a PostgreSQL URL in libpq's syntax (`postgresql://` or
+    `postgres://`, one host or several) or SQLAlchemy's own (`postgresql+psycopg://`). libpq's
+    `h1:p1,h2:p2` host list, which SQLAlchemy cannot parse, becomes its `?host=h1:p1&host=h2:p2`
+    form of the same list; everything else in the query (`target_session_attrs`, ...) is kept."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            url = "postgresql+psycopg://" + url[len(prefix) :]
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    if "," not in hosts:
+        return make_url(url)
+    user, _, password = userinfo.partition(":")
+    query: dict[str, list[str]] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        query.setdefault(name, []).append(value)
+    return URL.create(
+        parts.scheme,
+        username=unquote(user) or None,
+        password=unquote(password) or None,
+        database=unquote(parts.path.lstrip("/")) or None,
+        query={
+            **{name: values[0] if len(values) == 1 else tuple(values)
+               for name, values in query.items()},
+            "host": tuple(h for h in hosts.split(",") if h),
+        },
+    )  # fmt: skip
 
 
 def migrate(engine: Engine) -> None:
@@ -91,6 +146,20 @@ class Database:
         """A session whose transaction commits on success and rolls back on error."""
         with self._sessions() as session, session.begin():
             yield session
+
+    def read(self, work: Callable[[Session], T]) -> T:
+        """`work(session)` in a transaction, run once more on a fresh connection if the
+        connection it had turned out broken (the database failed over or restarted under it).
+        Only for work that writes nothing: running it twice must be harmless."""
+        try:
+            with self.session() as s:
+                return work(s)
+        except DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            log.info("database connection broken (%s); reading again", str(exc).split("\n")[0])
+        with self.session() as s:
+            return work(s)
 
     def dispose(self) -> None:
         self.engine.dispose()

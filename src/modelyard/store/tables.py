@@ -320,3 +320,18 @@ class RoutingEntry(Base):
     removed: Mapped[bool] = mapped_column(Boolean, default=False)  # a tombstone: no new requests
     entry: Mapped[dict[str, Any]]  # `control/route_publisher.entry_of`'s dict
     updated_at: Mapped[datetime]
+
+
+class LimitsJournalEntry(Base):
+    """A settlement of the limits store (quota moves, a slot to release) that Redis could not
+    take when it happened, kept until a gateway applies it to the Redis it was meant for
+    (`gateway/settlement_journal.py`): `epoch` names that Redis's data set, `id` is the marker
+    that makes the application happen once."""
+
+    __tablename__ = "limits_journal"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(40))
+    epoch: Mapped[str] = mapped_column(String(40))
+    change: Mapped[dict[str, Any]]  # {"moves": [[month, tokens], ...], "slot": [scope, id] | None}
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)

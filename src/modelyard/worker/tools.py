@@ -122,7 +122,7 @@ def closed(schema: Any) -> Any:
 
 
 def _arguments_schema(f: FunctionDefinition) -> Any:
-    return closed(f.schema())
+    return closed(f.parameters_schema())
 
 
 def _call_schema(f: FunctionDefinition) -> dict[str, Any]:

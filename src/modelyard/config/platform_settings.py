@@ -1,213 +1,15 @@
-"""Configuration in one place: `MODELYARD_*` environment variables over an optional TOML file.
-
-Precedence (highest first): explicit keyword arguments, environment variables, the TOML file named
-by `MODELYARD_CONFIG_FILE` (default `./modelyard.toml` when it exists), then the defaults below.
-"""
+"""`PlatformSettings`: the knobs of `modelyard serve` (the gateway, the control plane and their
+state), with the types of two of them: a model's prices and the prefix cache's scope."""
 
 from __future__ import annotations
 
 import enum
-import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_size(value: str | int) -> int:
-    """Parse a byte size such as `512MiB`, `2GB` or `1048576` into bytes."""
-    if isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a byte size: {value!r} (use e.g. 512MiB, 2GiB, 1000000)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-
-
-def _default_config_file() -> Path:
-    return Path(os.environ.get("MODELYARD_CONFIG_FILE", "modelyard.toml"))
-
-
-class _Settings(BaseSettings):
-    """Arguments, then `MODELYARD_*` environment variables, then the TOML file."""
-
-    model_config = SettingsConfigDict(env_prefix="MODELYARD_", extra="ignore")
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        toml = TomlConfigSettingsSource(settings_cls, toml_file=_default_config_file())
-        return (init_settings, env_settings, toml)
-
-
-class EngineSettings(_Settings):
-    """Knobs of the LLM engine and of the worker process that serves it."""
-
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
-        description="Weights and activations; auto = bfloat16 on CUDA and on CPUs with native "
-        "bfloat16 (AVX512-BF16, AMX), else float32 (and float32 with quantization w8a8).",
-    )
-    device: str = Field("auto", description="torch device for the engine: auto, cpu, cuda, cuda:N.")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
-        description="Element type of the KV cache; auto = the model's dtype. bfloat16 under a "
-        "float32 model halves the cache's memory and the bytes decode attention reads (as "
-        "llama.cpp's default f16 cache does), at bfloat16's rounding of keys and values.",
-    )
-    kv_cache_memory: int = Field(
-        parse_size("1GiB"), description="Memory budget for the paged KV cache (e.g. 1GiB)."
-    )
-    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
-    max_num_seqs: int = Field(64, ge=1, description="Most sequences running in one engine step.")
-    max_num_batched_tokens: int = Field(
-        512, ge=16, description="Token budget of one engine step (prefill chunks + decodes)."
-    )
-    max_model_len: int | None = Field(
-        None, description="Longest context (prompt + output); default: the model's own limit."
-    )
-    enable_prefix_caching: bool = True
-    max_tokens_cap: int = Field(4096, ge=1, description="Server hard cap on generated tokens.")
-    request_timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of one request.")
-    no_progress_timeout_s: float = Field(
-        30.0, gt=0, description="Abort a request that produced no output for this long."
-    )
-    cache_dir: Path = Field(
-        Path.home() / ".cache" / "modelyard",
-        description="Where converted weights (GGUF to safetensors) and tokenizers are cached.",
-    )
-    num_threads: int | None = Field(
-        None,
-        description="torch intra-op threads per rank (default: a worker on CPU takes every "
-        "core but one, which its HTTP server keeps; with tensor parallelism on CPU, the cores "
-        "divided by tensor_parallel_size; an engine used in-process, torch's).",
-    )
-    cpu_kernels: bool = Field(
-        True,
-        description="On CPU, decode attention and the small per-layer ops (RMSNorm, RoPE with "
-        "the KV-cache write, w8a8's activation scaling) run in modelyard's C kernels, compiled "
-        "on first use with the machine's C compiler (cc, gcc or $CC) into cache_dir/kernels; "
-        "false, or no compiler, keeps PyTorch's ops (slower).",
-    )
-    tensor_parallel_size: int = Field(
-        1,
-        ge=1,
-        description="Ranks (devices) one replica's model is split over; each rank gets "
-        "kv_cache_memory for its share of the KV heads.",
-    )
-    quantization: Literal["int8", "w8a8"] | None = Field(
-        None,
-        description="Quantization of the linear layers and embedding: int8 = weight-only "
-        "per-output-channel int8 (~26 % of float32 weight memory); w8a8 = int8 weights and "
-        "per-token int8 activations after SmoothQuant calibration (FBGEMM; x86 CPUs, float32; "
-        "1.7-3.5x float32's tokens/s on AVX2, less accurate, ~56 % of float32 memory).",
-    )
-    max_loras: int = Field(
-        0, ge=0, description="LoRA adapter slots held at once (LRU); 0 = no LoRA serving."
-    )
-    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank a slot takes.")
-    lora_dir: Path | None = Field(
-        None,
-        description="Folder of PEFT adapters (one subfolder per adapter name) a request may "
-        "name as `<model>:<adapter>`.",
-    )
-    lora_registry_dir: Path | None = Field(
-        None,
-        description="Set by the platform, never in a deploy body: the node-cache folder of the "
-        "registry adapters pushed against this endpoint's base model (one per adapter name).",
-    )
-
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _parse_size(cls, value: Any) -> int:
-        return parse_size(value)
-
-
-class TelemetrySettings(_Settings):
-    """Logs and traces of every process (`serve`, `worker`, `encoders`); a replica inherits
-    its platform's (environment and TOML file). Kept apart from `EngineSettings` on purpose: a
-    deploy body's `engine` options must never point a worker's traces somewhere else."""
-
-    log_format: Literal["text", "json"] = Field(
-        "text", description="text: one human line per record; json: one JSON object per line."
-    )
-    log_level: str = Field(
-        "info", description="debug, info, warning, error; debug adds per-request worker lines."
-    )
-    otel_endpoint: str | None = Field(
-        None,
-        description="OTLP/HTTP collector base URL (e.g. http://127.0.0.1:4318): traces are "
-        "sent to its /v1/traces; unset: no tracing, nothing of OpenTelemetry is loaded.",
-    )
-    otel_service_name: str = Field(
-        "modelyard", description="service.name of the spans (workers add '-worker')."
-    )
-    loop_stall_ms: float = Field(
-        0,
-        ge=0,
-        description="> 0: a watchdog thread records every time this process's event loop is "
-        "held by one piece of work longer than this many ms (e.g. 250): a WARNING line with the "
-        "work's stack, and modelyard_event_loop_stalls_total / _stall_seconds on /metrics; "
-        "0 = off.",
-    )
-    loop_stall_log: Path | None = Field(
-        None,
-        description="With loop_stall_ms: also append each stall as one JSON line to this file "
-        "(every process of a platform may share it; the test suite reads it).",
-    )
-
-    @field_validator("loop_stall_ms")
-    @classmethod
-    def _stall_ms(cls, value: float) -> float:
-        if 0 < value < 10:
-            raise ValueError("loop_stall_ms must be 0 (off) or at least 10")
-        return value
-
-    @field_validator("log_level")
-    @classmethod
-    def _level(cls, value: str) -> str:
-        if value.lower() not in ("debug", "info", "warning", "error", "critical"):
-            raise ValueError(f"log_level must be debug, info, warning or error, not {value!r}")
-        return value.lower()
-
-
-class WorkerAuthSettings(_Settings):
-    """What a worker replica demands of its callers; set by the platform that starts it."""
-
-    worker_token: str | None = Field(
-        None,
-        description="Set by the platform on the replicas it starts (never by hand): with it, a "
-        "worker answers only requests carrying `Authorization: Bearer <token>` (401 otherwise), "
-        "/health excepted. Derived from cluster_secret (see there).",
-    )
+from modelyard.config.sources import SettingsBase, parse_size
 
 
 class ModelPrice(BaseModel):
@@ -225,22 +27,41 @@ class PrefixCacheScope(enum.StrEnum):
     SHARED = "shared"  # one namespace for all: more hits, but the hits leak across tenants
 
 
-class PlatformSettings(_Settings):
+class RedisOutage(enum.StrEnum):
+    """What admission does while the limits store (Redis) does not answer at all."""
+
+    # Each gateway admits on its share of every limit (the limit / the live gateways), the
+    # quota from the last known counters; settlement is journaled and reconciled afterwards.
+    FAIL_OPEN = "fail_open"
+    FAIL_CLOSED = "fail_closed"  # every request whose limits live in Redis gets a 503
+
+
+class PlatformSettings(SettingsBase):
     """Knobs of `modelyard serve`: the gateway, the control plane and their state."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     data_dir: Path = Field(Path(".modelyard"), description="SQLite file, artifacts, admin key.")
     database_url: str | None = Field(
-        None, description="SQLAlchemy URL, e.g. postgresql://user@host/db; default SQLite."
+        None,
+        description="SQLAlchemy URL, e.g. postgresql://user@host/db; default SQLite. With "
+        "standbys, libpq's multi-host form: "
+        "postgresql://user@h1:5432,h2:5432/db?target_session_attrs=read-write.",
     )
     redis_url: str | None = Field(
-        None, description="Shared rate limits and quotas across gateways, e.g. redis://host:6379."
+        None,
+        description="Shared rate limits and quotas across gateways: redis://host:6379[/db], or "
+        "through Sentinel redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE_NAME[/DB].",
     )
     redis_timeout_s: float = Field(
         1.5,
         gt=0,
         description="Connect and read timeout of each Redis call (a dead connection: one retry).",
+    )
+    redis_outage: RedisOutage = Field(
+        RedisOutage.FAIL_OPEN,
+        description="While Redis does not answer: fail_open admits on per-gateway shares of "
+        "each limit (docs/cluster.md); fail_closed answers 503 limits_unavailable.",
     )
     default_models: bool = Field(True, description="Register and deploy the bundled models.")
     max_body_bytes: int = Field(parse_size("8MiB"), description="Largest JSON request body.")

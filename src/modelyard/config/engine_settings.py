@@ -1,0 +1,94 @@
+"""`EngineSettings`: the knobs of the LLM engine and of the worker process that serves it (a
+deploy body's `engine` block; `MODELYARD_<NAME>` in a worker's environment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from modelyard.config.sources import SettingsBase, parse_size
+
+
+class EngineSettings(SettingsBase):
+    """Knobs of the LLM engine and of the worker process that serves it."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Weights and activations; auto = bfloat16 on CUDA and on CPUs with native "
+        "bfloat16 (AVX512-BF16, AMX), else float32 (and float32 with quantization w8a8).",
+    )
+    device: str = Field("auto", description="torch device for the engine: auto, cpu, cuda, cuda:N.")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Element type of the KV cache; auto = the model's dtype. bfloat16 under a "
+        "float32 model halves the cache's memory and the bytes decode attention reads (as "
+        "llama.cpp's default f16 cache does), at bfloat16's rounding of keys and values.",
+    )
+    kv_cache_memory: int = Field(
+        parse_size("1GiB"), description="Memory budget for the paged KV cache (e.g. 1GiB)."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences running in one engine step.")
+    max_num_batched_tokens: int = Field(
+        512, ge=16, description="Token budget of one engine step (prefill chunks + decodes)."
+    )
+    max_model_len: int | None = Field(
+        None, description="Longest context (prompt + output); default: the model's own limit."
+    )
+    enable_prefix_caching: bool = True
+    max_tokens_cap: int = Field(4096, ge=1, description="Server hard cap on generated tokens.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of one request.")
+    no_progress_timeout_s: float = Field(
+        30.0, gt=0, description="Abort a request that produced no output for this long."
+    )
+    cache_dir: Path = Field(
+        Path.home() / ".cache" / "modelyard",
+        description="Where converted weights (GGUF to safetensors) and tokenizers are cached.",
+    )
+    num_threads: int | None = Field(
+        None,
+        description="torch intra-op threads per rank (default: a worker on CPU takes every "
+        "core but one, which its HTTP server keeps; with tensor parallelism on CPU, the cores "
+        "divided by tensor_parallel_size; an engine used in-process, torch's).",
+    )
+    cpu_kernels: bool = Field(
+        True,
+        description="On CPU, decode attention and the small per-layer ops (RMSNorm, RoPE with "
+        "the KV-cache write, w8a8's activation scaling) run in modelyard's C kernels, compiled "
+        "on first use with the machine's C compiler (cc, gcc or $CC) into cache_dir/kernels; "
+        "false, or no compiler, keeps PyTorch's ops (slower).",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks (devices) one replica's model is split over; each rank gets "
+        "kv_cache_memory for its share of the KV heads.",
+    )
+    quantization: Literal["int8", "w8a8"] | None = Field(
+        None,
+        description="Quantization of the linear layers and embedding: int8 = weight-only "
+        "per-output-channel int8 (~26 % of float32 weight memory); w8a8 = int8 weights and "
+        "per-token int8 activations after SmoothQuant calibration (FBGEMM; x86 CPUs, float32; "
+        "1.7-3.5x float32's tokens/s on AVX2, less accurate, ~56 % of float32 memory).",
+    )
+    max_loras: int = Field(
+        0, ge=0, description="LoRA adapter slots held at once (LRU); 0 = no LoRA serving."
+    )
+    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank a slot takes.")
+    lora_dir: Path | None = Field(
+        None,
+        description="Folder of PEFT adapters (one subfolder per adapter name) a request may "
+        "name as `<model>:<adapter>`.",
+    )
+    lora_registry_dir: Path | None = Field(
+        None,
+        description="Set by the platform, never in a deploy body: the node-cache folder of the "
+        "registry adapters pushed against this endpoint's base model (one per adapter name).",
+    )
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _parse_size(cls, value: Any) -> int:
+        return parse_size(value)
