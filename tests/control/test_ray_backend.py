@@ -2,10 +2,12 @@
 (`ray.cluster_utils.Cluster`: a head without CPUs, so replicas go to the nodes). Two
 `modelyard controller`s and two gateways on PostgreSQL and Redis: a deploy through one gateway
 serves through the other; the leader SIGKILLed under traffic, its replicas (detached actors)
-serve on and the standby adopts them. A `modelyard serve` whose replicas are Ray actors: a
-deploy serves chat from replicas on both nodes; removing the node that holds one replica fails
-it: requests in flight on it are retried on the other and succeed, and the endpoint manager
-starts its replacement on the surviving node.
+serve on and the standby adopts them. A detached replica nobody heartbeats exits and takes its
+actor with it. A `modelyard serve` whose replicas are Ray actors: a crashed worker's actor is
+removed when it is replaced; a deploy Ray has no room for is `unschedulable` at once, saying
+why, and serves once room frees; a deploy serves chat from replicas on both nodes; removing
+the node that holds one replica fails it: requests in flight on it are retried on the other and
+succeed, and the endpoint manager starts its replacement on the surviving node.
 
 The cluster starts once for the module (slow on two cores). Without `ray` the module is skipped
 with the reason; with `CI` set it fails instead.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -26,7 +29,7 @@ import openai
 import pytest
 
 from modelyard.config import PlatformSettings
-from modelyard.control.backends.base import ReplicaSpec
+from modelyard.control.backends.base import ReplicaSpec, wait_healthy
 from modelyard.control.backends.ray import (
     LOST_EXIT_CODE,
     NAMESPACE,
@@ -34,11 +37,12 @@ from modelyard.control.backends.ray import (
     actor_name,
     ray_request,
 )
+from modelyard.control.owner_heartbeat import OwnerHeartbeat
 from tests.cluster_harness import RoleProcess, Traffic, chat, wait_leader
 from tests.databases import fresh_postgres, fresh_redis, services_required
 from tests.platform_harness import PlatformProcess, deploy, tiny_models_env, wait_status
 from tests.tiny_models import build_model
-from tests.waiting import wait_until
+from tests.waiting import async_wait_until, wait_until
 
 try:
     import ray
@@ -243,6 +247,132 @@ def test_two_controllers_and_two_gateways_on_ray_survive_the_leaders_death(
                     ray.kill(ray.get_actor(named["name"], namespace=NAMESPACE))
 
 
+@pytest.fixture
+def platform_logs(request: pytest.FixtureRequest, platform: PlatformProcess) -> Iterator[None]:
+    """The platform's log printed when the test failed."""
+    failed_before = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed_before:
+        print(platform.output())
+
+
+def test_a_replica_nobody_heartbeats_leaves_with_its_actor(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A detached replica (the controller role's) runs on while its owner heartbeats it, longer
+    than its owner timeout; once the heartbeats stop, its worker exits on its own (code 4) and
+    takes its Ray actor with it: nothing of it holds a CPU with no controller left."""
+    settings = PlatformSettings(
+        data_dir=tmp_path, backend="ray", replica_start_timeout_s=60,
+        controller_lease_s=1.0, replica_owner_leases=3,
+    )  # fmt: skip
+    spec = ReplicaSpec("orphan1", "e", None, "m", command="encoders")  # no model to load
+
+    async def run() -> None:
+        backend = RayBackend(settings, tmp_path / "logs", detached=True)
+        handle = await backend.start(spec)
+        beats = OwnerHeartbeat(settings, backend)
+        beats.start()
+        timeout = settings.replica_owner_leases * settings.controller_lease_s
+        try:
+            async with httpx.AsyncClient() as http:
+                await wait_healthy(backend, handle, http, 60)
+            # Heartbeats answered over twice the owner timeout: it is kept alive by them.
+            need = int(2 * timeout / beats.interval_s) + 1
+            await async_wait_until(lambda: beats.sent >= need, "heartbeats answered", 60)
+            assert backend.alive(handle)
+        finally:
+            await beats.stop()
+        await async_wait_until(lambda: not backend.alive(handle), "the worker to exit", 60)
+        await backend.stop_all()  # detached: forgets it, kills nothing
+
+        def actor_gone() -> bool:
+            try:
+                ray.get_actor(actor_name("orphan1"), namespace=NAMESPACE)
+            except ValueError:
+                return True
+            return False
+
+        await async_wait_until(actor_gone, "its actor to leave on its own", 60)
+        assert "no controller has sent this replica a heartbeat" in handle_log(handle)
+
+    asyncio.run(run())
+
+
+def handle_log(handle: Any) -> str:
+    """The replica's log on its node (its node folder: the same machine here)."""
+    from modelyard.control.backends.ray_host import node_dir
+
+    return (node_dir() / "logs" / f"{handle.spec.replica_id}.log").read_text(errors="replace")
+
+
+@pytest.mark.usefixtures("platform_logs")
+def test_a_dead_replicas_actor_is_removed(
+    cluster: Cluster, platform: PlatformProcess, tiny_dir: Path
+) -> None:
+    """A worker that crashed (SIGKILL) is replaced, and its actor is removed: on Ray a dead
+    worker's actor would otherwise hold its CPU for good."""
+    api = platform.api()
+    ep = deploy(api, "crashy", str(tiny_dir))
+    victim = replicas(api, ep)[0]
+    os.kill(victim["pid"], signal.SIGKILL)  # the nodes run on this machine
+
+    def replaced() -> bool:
+        now = replicas(api, ep)
+        return any(r["state"] == "ready" and r["id"] != victim["id"] for r in now)
+
+    wait_until(replaced, "the crashed replica's replacement", 120, 0.5)
+
+    def actor_gone() -> bool:
+        try:
+            ray.get_actor(actor_name(victim["id"]), namespace=NAMESPACE)
+        except ValueError:
+            return True
+        return False
+
+    wait_until(actor_gone, "the dead replica's actor to be removed", 60, 0.5)
+    r = api.delete(f"/v1/endpoints/{ep}")
+    assert r.status_code in (200, 202, 204), r.text
+    wait_status(api, ep, "gone")
+
+
+@pytest.mark.usefixtures("platform_logs")
+def test_a_deploy_ray_has_no_room_for_says_why_and_starts_when_room_frees(
+    cluster: Cluster, platform: PlatformProcess, tiny_dir: Path
+) -> None:
+    """Every CPU of the Ray cluster held (by a placement group of the test's own): a deploy is
+    `unschedulable` within seconds, its status naming what it waits for; the room given back,
+    it serves."""
+    api = platform.api()
+    # Every CPU of the cluster, once the earlier tests' actors have given theirs back.
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    hog = ray.util.placement_group([{"CPU": 1.0}] * cpus, strategy="SPREAD")
+    ray.get(hog.ready(), timeout=120)
+    ep = None
+    try:
+        ep = deploy(api, "squeezed", str(tiny_dir), wait=False)
+        body = wait_status(api, ep, "unschedulable", timeout=30)
+        message = body["status_message"] or ""
+        assert "waiting for room on Ray: no node has 1 CPU" in message, body
+        assert f"{cpus} of {cpus} CPU in use" in message, body
+        assert "starts when room frees up" in message, body
+        chat = platform.openai().with_options(max_retries=0)
+        with pytest.raises(openai.APIStatusError) as refused:  # at once, not after a wait
+            chat.chat.completions.create(
+                model="squeezed", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+        assert refused.value.status_code == 503, refused.value.response.text
+        ray.util.remove_placement_group(hog)
+        assert wait_status(api, ep, "ready", timeout=180)["status"] == "ready"
+    finally:
+        ray.util.remove_placement_group(hog)
+        if ep is not None:  # the next test needs the nodes' CPUs
+            r = api.delete(f"/v1/endpoints/{ep}")
+            assert r.status_code in (200, 202, 204), r.text
+            wait_status(api, ep, "gone")
+
+
+# Last: it removes a node, and its endpoint keeps the other node's CPUs.
 def test_replicas_on_two_nodes_serve_and_a_lost_node_is_replaced(
     cluster: Cluster, platform: PlatformProcess, tiny_dir: Path
 ) -> None:

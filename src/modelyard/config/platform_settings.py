@@ -227,6 +227,14 @@ class PlatformSettings(SettingsBase):
         "is hung, and the request (its body kept, up to 1 MiB) goes once to the next leader, "
         "or is a retryable 503 no_leader.",
     )
+    replica_owner_leases: float = Field(
+        5.0,
+        ge=0,
+        description="Cluster mode: a replica (worker, encoder host; local or Ray) that no "
+        "controller has sent a heartbeat for this many controller_lease_s exits on its own "
+        "(every controller stopped, or none leads that long); the leader heartbeats its "
+        "replicas every third of a lease and a standby that takes over resumes it. 0: never.",
+    )
     advertise_url: str | None = Field(
         None,
         description="Cluster mode: the URL other processes reach this controller at (gateways "

@@ -6,7 +6,9 @@ loaded on first use and evicted least-recently-used within `encoder_host_memory`
 that budget (plus the per-process overhead) on one device through `Placement`, like any replica,
 and gives it back when it stops. The pool starts the host on first need, re-registers every
 model if the host has to be restarted, and keeps each endpoint's route pointed at the host's
-current address.
+current address. In a cluster, a new leader's pool adopts the host its predecessor left running
+(`adopt`, from the routing entries; `control/takeover.py`) instead of starting another, so
+embeddings keep answering through a takeover.
 """
 
 from __future__ import annotations
@@ -101,11 +103,9 @@ class EncoderPool:
         self.handle = None
         self._release()
 
-    async def _start(self) -> None:
+    def _spec(self, replica_id: str, env: dict[str, str]) -> ReplicaSpec:
         s = self.settings
-        replica_id = repo.new_id("enc")
-        env = self._place(replica_id)
-        spec = ReplicaSpec(
+        return ReplicaSpec(
             replica_id=replica_id,
             endpoint_id="encoder-host",
             model_path=None,
@@ -118,6 +118,37 @@ class EncoderPool:
             ),
             engine_env=env,
         )  # fmt: skip
+
+    async def adopt(self, url: str, pid: int | None, host_id: str | None) -> bool:
+        """A host the previous leader left running (at `url`, as `pid`; the backend's replica
+        `host_id`) is this pool's from now on, if it answers and its memory fits here: its
+        models are registered again by their endpoints, on the same address. True if the pool
+        serves from that host (adopted now or already); False: the caller stops it."""
+        async with self._lock:
+            if self.handle is not None:
+                return self.handle.url == url  # another endpoint's record adopted it already
+            spec = self._spec(host_id or repo.new_id("enc"), {})
+            handle = await self.backend.adopt(spec, url, pid)
+            try:
+                ok = self.backend.alive(handle)
+                ok = ok and (await self._http.get(url + "/health")).status_code == 200
+                if ok:
+                    self._place(spec.replica_id)
+            except (httpx.HTTPError, EncoderHostError) as exc:
+                log.warning("the running encoder host is not adopted: %s", exc)
+                ok = False
+            if not ok:
+                await self.backend.stop(handle, 5.0)
+                return False
+            self.handle, self.started_at = handle, time.time()
+            log.info("adopted the running encoder host at %s (pid %s)", url, pid)
+            return True
+
+    async def _start(self) -> None:
+        s = self.settings
+        replica_id = repo.new_id("enc")
+        env = self._place(replica_id)
+        spec = self._spec(replica_id, env)
         try:
             self.handle = await self.backend.start(spec)
             self.started_at = time.time()

@@ -111,7 +111,15 @@ class Provisioner:
 
     async def _provision(self, state: EndpointState) -> None:
         """Prepare the model files and start the endpoint's replicas (those a takeover did not
-        bring), or register it with the encoder host."""
+        bring), or register it with the encoder host (an adopted one: its entry is published
+        once its model is registered there again)."""
+        try:
+            await self._provision_taken_over(state)
+        finally:
+            if self.takeover is not None:
+                self.takeover.release(state.row.id)
+
+    async def _provision_taken_over(self, state: EndpointState) -> None:
         running = await self._take_over(state)
         state.desired = max(state.desired, running)
         try:

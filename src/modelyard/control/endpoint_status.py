@@ -148,9 +148,11 @@ def next_status(state: EndpointState) -> StatusChange | None:
 
 
 def why_degraded(state: EndpointState) -> str | None:
-    """The failure behind missing replicas: a benched replica's, else the last one since a
-    replica last came up (older ones are history, not the reason)."""
+    """The failure behind missing replicas: a benched replica's, or what a starting one waits
+    for (room), else the last one since a replica last came up (older ones are history, not
+    the reason)."""
     for replica in state.replicas:
-        if replica.state is ReplicaState.UNHEALTHY and replica.error:
+        waits = replica.state is ReplicaState.STARTING
+        if (replica.state is ReplicaState.UNHEALTHY or waits) and replica.error:
             return replica.error
     return state.last_error if state.failures else None

@@ -30,6 +30,7 @@ from modelyard.control.endpoint_provision import Provisioner
 from modelyard.control.endpoint_status import EndpointStatuses
 from modelyard.control.endpoint_versions import VersionVerbs
 from modelyard.control.endpoint_view import endpoint_view
+from modelyard.control.owner_heartbeat import OwnerHeartbeat
 from modelyard.control.reconcile import Reconciler
 from modelyard.control.registry import Registry
 from modelyard.control.replicas import ReplicaController
@@ -68,6 +69,8 @@ class EndpointManager:
         self.takeover = takeover
         self.replicas = ReplicaController(settings, backend, routing, registry, self.endpoints)
         self.encoders = EncoderPool(settings, backend, self.replicas.placement, routing)
+        if takeover is not None:  # a new leader keeps the running encoder host
+            takeover.adopt_encoder_host = self.encoders.adopt
         self.node_cache = self.replicas.node_cache
         self.warm_pool = self.replicas.warm_pool
         self.statuses = EndpointStatuses(db, routing)
@@ -81,6 +84,10 @@ class EndpointManager:
             self.statuses, self.versions, self.reconciler, takeover,
         )  # fmt: skip
         self.refused = self.provisioner.refused
+        # Cluster mode: the replicas this leader owns hear from it, or exit in time.
+        self.heartbeat = OwnerHeartbeat(
+            settings, backend, takeover.pending_urls if takeover is not None else list
+        )
         # The version verbs, which the API's routes call directly.
         self.version_verbs = VersionVerbs(
             settings,
@@ -98,6 +105,7 @@ class EndpointManager:
     async def start(self) -> None:
         if self.takeover is not None:  # held back from publishing before any entry is written
             self.takeover.hold_back()
+        self.heartbeat.start()  # adopted replicas hear from their new owner as soon as adopted
 
         def load() -> list[tuple[Endpoint, list[EndpointVersion]]]:
             with self.db.session() as s:
@@ -130,6 +138,7 @@ class EndpointManager:
 
     async def stop(self) -> None:
         self.reconciler.stop()
+        await self.heartbeat.stop()
         for state in self.endpoints.values():
             for task in state.tasks:
                 task.cancel()

@@ -1,6 +1,7 @@
 """Replica health: each tick's probe of every serving replica, and what a failure does.
 
-One whose process exited leaves routing and is replaced (with backoff); one whose probe fails
+One whose process exited leaves routing and is replaced (with backoff), and what the backend
+still holds of it is removed (on Ray, its actor); one whose probe fails
 (an error answer, no answer within `health_probe_timeout_s`, refused) leaves routing at once and
 comes back when a probe passes, and after `replica_health_failures` failed probes in a row it is
 killed (SIGTERM, then SIGKILL) and replaced, so a hung or broken engine never holds its slot for
@@ -128,6 +129,8 @@ class ReplicaHealth:
         if replica.route is not None:
             self.routing.drop_replica(state.route, replica.route)
         log.warning("replica %s of %s replaced: %s", replica.replica_id, state.row.id, why)
-        if replica.handle is not None and self.backend.alive(replica.handle):
-            # SIGTERM, then SIGKILL: a stopped (SIGSTOP) or wedged process ignores the first.
+        if replica.handle is not None:
+            # Dead or alive: a dead one's remains go too (on Ray its actor, which holds a CPU,
+            # and its placement group). A live one gets SIGTERM, then SIGKILL: a stopped
+            # (SIGSTOP) or wedged process ignores the first.
             await self.backend.stop(replica.handle, timeout_s=_BROKEN_STOP_TIMEOUT_S)

@@ -67,7 +67,19 @@ class Reconciler:
 
     async def start_replica(self, state: EndpointState, replica: Replica) -> None:
         """Start `replica` and act on what came of it."""
-        outcome = await self.replicas.run(state, replica)
+
+        async def waiting(why: str) -> None:
+            # The backend has no room for it yet (Ray full): the status says so at once, and
+            # while nothing serves the gateways answer 503 instead of holding requests.
+            replica.error = why
+            if state.serving:
+                await self.statuses.refresh(state)  # degraded, naming why (`why_degraded`)
+            else:
+                message = f"{why}; it starts when room frees up"
+                no_room = StatusChange(EndpointStatus.UNSCHEDULABLE, message, StatusTrigger.NO_ROOM)
+                await self.statuses.apply(state, no_room)
+
+        outcome = await self.replicas.run(state, replica, waiting)
         self.versions.started(state, replica)
         if outcome.version_good:
             await self.versions.mark_good(state)

@@ -22,7 +22,13 @@ import httpx
 
 from modelyard.config import PlatformSettings
 from modelyard.control import adapters, runtimes
-from modelyard.control.backends.base import Backend, ReplicaSpec, placed_devices, wait_healthy
+from modelyard.control.backends.base import (
+    Backend,
+    ReplicaSpec,
+    Waiting,
+    placed_devices,
+    wait_healthy,
+)
 from modelyard.control.devices import inventory, pinning_env
 from modelyard.control.endpoint_status import StatusChange
 from modelyard.control.health import ReplicaHealth
@@ -126,11 +132,14 @@ class ReplicaController:
         state.last_fetch = "node cache" if entry.hit else "artifact store"
         return entry.path
 
-    async def run(self, state: EndpointState, replica: Replica) -> ReplicaOutcome:
+    async def run(
+        self, state: EndpointState, replica: Replica, waiting: Waiting | None = None
+    ) -> ReplicaOutcome:
         """Start `replica` and have it serve; any failure on the way fails it (never left
-        `starting`), and the endpoint with it while no other replica serves."""
+        `starting`), and the endpoint with it while no other replica serves. `waiting` is told
+        why while the backend waits for room to start it (Ray full)."""
         try:
-            return await self._run(state, replica)
+            return await self._run(state, replica, waiting)
         except Exception as exc:
             log.exception("replica %s of %s failed to start", replica.replica_id, state.row.id)
             return await self._start_failed(state, replica, exc)
@@ -155,7 +164,9 @@ class ReplicaController:
             status=StatusChange(EndpointStatus.FAILED, why, StatusTrigger.REPLICA_START_FAILED)
         )
 
-    async def _run(self, state: EndpointState, replica: Replica) -> ReplicaOutcome:
+    async def _run(
+        self, state: EndpointState, replica: Replica, waiting: Waiting | None
+    ) -> ReplicaOutcome:
         assert state.model_path is not None
         path = state.model_path
         if replica.version_id is not None and state.kind == LLM:
@@ -205,7 +216,7 @@ class ReplicaController:
             ),
         )
         try:
-            replica.handle = await self.backend.start(spec)
+            replica.handle = await self.backend.start(spec, waiting)
             await wait_healthy(
                 self.backend, replica.handle, self._http, self.settings.replica_start_timeout_s
             )
@@ -274,6 +285,7 @@ class ReplicaController:
             replica.state = ReplicaState.STOPPED
             return ReplicaOutcome()
         replica.state = ReplicaState.READY
+        replica.error = None  # e.g. what it waited for while it started
         state.clear_failures()
         current = replica.version_id == state.row.version_id
         replica.ready_after_s = time.time() - replica.started_at

@@ -37,6 +37,8 @@ def entry_of(state: EndpointState) -> dict[str, Any]:
     route = state.route
     # By address: the shared encoder host's route is named apart from the endpoint's replica.
     pids = {r.handle.url: r.handle.pid for r in state.replicas if r.handle is not None}
+    # The backend's own name of the process (the encoder host's replica id; on Ray its actor).
+    hosts = {r.handle.url: r.handle.spec.replica_id for r in state.replicas if r.handle}
     return {
         "endpoint_id": route.endpoint_id,
         "tenant_id": route.tenant_id,
@@ -58,6 +60,7 @@ def entry_of(state: EndpointState) -> dict[str, Any]:
                 "max_concurrency": r.max_concurrency,
                 "version_id": r.version_id,
                 "pid": pids.get(r.url),
+                "host_id": hosts.get(r.url),
             }
             for r in route.replicas
         ],

@@ -32,7 +32,7 @@ from modelyard.gateway.accounting import Accounting
 from modelyard.gateway.call import Call, error_status, take_usage
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.responses_stream import inspect_typed, is_final, is_typed
-from modelyard.gateway.upstream import Upstream, unavailable
+from modelyard.gateway.upstream import Upstream, not_serving, unavailable
 from modelyard.gateway.version_stats import tag_version
 from modelyard.protocol.errors import body_of, error_body
 from modelyard.protocol.openai import PROMPT_TOKENS_HEADER
@@ -127,6 +127,9 @@ class Relay:
         tag_version(call.version_id, headers)
         if response.status != 200:
             content = await _read_refusal(call, response, replica)
+            unready = not_serving(call.route, response.status, content)
+            if unready is not None:
+                raise unready
             replica.breaker.record(ok=response.status < 500)
             self.upstream.stats.record(
                 call.route.endpoint_id, replica.version_id, response.status < 500, None
@@ -188,7 +191,8 @@ class Relay:
             if response.status != 200:
                 content = await _read_refusal(call, response, replica)
                 await refund()
-                yield sse_raw(content)
+                unready = not_serving(call.route, response.status, content)
+                yield sse_raw(content) if unready is None else sse_data(body_of(unready))
                 yield DONE
                 return
             call.prompt_tokens = int(response.headers.get(PROMPT_TOKENS_HEADER, 0))

@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import orjson
 
 from modelyard.config import PlatformSettings
 from modelyard.core import tracing
@@ -41,6 +42,7 @@ _STAMPS = {TOKEN_STAMPS_HEADER: "1"}
 # Failures before any response byte: the request never reached a model, so another replica may
 # take it. (aiohttp measured ~3x less client CPU per proxied request than httpx here.)
 _RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError)
+_NOT_SERVING_RETRY_S = 2
 
 
 def unavailable(route: EndpointRoute) -> Unavailable:
@@ -50,6 +52,26 @@ def unavailable(route: EndpointRoute) -> Unavailable:
         f"Please retry in {route.retry_after_s}s.",
         code="model_unavailable",
         retry_after_s=route.retry_after_s,
+    )
+
+
+def not_serving(route: EndpointRoute, status: int, content: bytes) -> Unavailable | None:
+    """A replica's `404 model_not_found`: the gateway resolved the model, so the replica does
+    not serve it yet or any more (an encoder host being restarted or taken over, a replica
+    being renamed): the endpoint is only unavailable, a retryable 503, never the client's 404."""
+    if status != 404:
+        return None
+    try:
+        error = orjson.loads(content).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(error, dict) or error.get("code") != "model_not_found":
+        return None
+    return Unavailable(
+        f"`{route.model_name}` is not ready on its replica right now (it is being started or "
+        f"taken over). Please retry in {_NOT_SERVING_RETRY_S}s.",
+        code="model_not_ready",
+        retry_after_s=_NOT_SERVING_RETRY_S,
     )
 
 
@@ -270,6 +292,9 @@ class Upstream:
             call.route.release(replica)
             response.release()
         if response.status != 200:
+            unready = not_serving(call.route, response.status, content)
+            if unready is not None:
+                raise unready
             # A refusal reports the prompt tokens the engine worked on before it failed (a
             # timeout in prefill); 0 when nothing was done. A success's usage says it instead.
             call.prompt_tokens = _reported_tokens(response.headers.get(PROMPT_TOKENS_HEADER))

@@ -21,6 +21,7 @@ from modelyard.protocol.responses_api import ResponsesRequest
 from modelyard.worker.auth import install_token_check
 from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.openai_serving import OpenAIServing
+from modelyard.worker.owner import install_owner_watch
 from modelyard.worker.request_context import WorkerRequestContext, traced
 from modelyard.worker.responses import ResponsesServing
 
@@ -36,12 +37,17 @@ def create_app(
     model_name: str,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     token: str | None = None,
+    owner_timeout_s: float | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
             engine.start()
+            if owner_watch is not None:  # its clock starts when the replica serves
+                owner_watch.start()
             yield
+            if owner_watch is not None:
+                owner_watch.stop()
             engine.shutdown()
 
     app = FastAPI(title="modelyard worker", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -49,6 +55,8 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(WorkerRequestContext)  # the gateway's request id and trace
     install_token_check(app, token)  # outermost: nothing runs for a caller without it
+    # Cluster mode: exits when no controller heartbeats it (`core/owner_watch.py`).
+    owner_watch = install_owner_watch(app, owner_timeout_s)
     metrics = WorkerMetrics(engine, model_name)
     metrics.registry.register(LoopStallCollector())  # this process's loop stalls, if watched
     serving = OpenAIServing(traced(engine), model_name, metrics)

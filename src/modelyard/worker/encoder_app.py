@@ -39,6 +39,7 @@ from modelyard.protocol.oip import install_oip_error_handlers
 from modelyard.protocol.responses import json_response
 from modelyard.worker.auth import configured_token, install_token_check
 from modelyard.worker.encoder_serving import EncoderServing
+from modelyard.worker.owner import install_owner_watch
 from modelyard.worker.request_context import WorkerRequestContext
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,19 @@ def _param_count(path: Path) -> int:
 
 
 def create_encoder_app(
-    host: ModelHost, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, token: str | None = None
+    host: ModelHost,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    token: str | None = None,
+    owner_timeout_s: float | None = None,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
+            if owner_watch is not None:  # its clock starts when the host serves
+                owner_watch.start()
             yield
+            if owner_watch is not None:
+                owner_watch.stop()
         host.close()
 
     app = FastAPI(
@@ -79,6 +87,8 @@ def create_encoder_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(WorkerRequestContext)  # the gateway's request id and trace
     install_token_check(app, token)  # outermost: nothing runs for a caller without it
+    # Cluster mode: exits when no controller heartbeats it (`core/owner_watch.py`).
+    owner_watch = install_owner_watch(app, owner_timeout_s)
     metrics = EncoderMetrics(host)
     metrics.registry.register(LoopStallCollector())  # this process's loop stalls, if watched
     serving = EncoderServing(host, metrics)
@@ -173,6 +183,7 @@ def serve_encoders(
     import uvicorn
 
     from modelyard.config import TelemetrySettings
+    from modelyard.core.owner_watch import exit_if_orphaned
     from modelyard.core.uvicorn_options import uvicorn_options
     from modelyard.worker.server import die_with_parent
 
@@ -183,7 +194,12 @@ def serve_encoders(
         log.info("model %r: %s at %s", name, spec.kind, path)
     app = create_encoder_app(model_host, max_body_bytes, token=configured_token())
     log.info("serving %d encoder models on http://%s:%d", len(models), host, port)
-    uvicorn.run(
+    config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
         **uvicorn_options(TelemetrySettings()),
     )  # fmt: skip
+    server = uvicorn.Server(config)
+    if app.state.owner_watch is not None:
+        app.state.owner_watch.server = server
+    server.run()
+    exit_if_orphaned(app.state.owner_watch)  # no controller heartbeated it: code 4

@@ -17,6 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from modelyard.config import EngineSettings, TelemetrySettings
+from modelyard.core.owner_watch import exit_if_orphaned
 from modelyard.core.uvicorn_options import uvicorn_options
 from modelyard.engine.client import LocalEngineClient
 from modelyard.worker.app import create_app
@@ -88,8 +89,11 @@ def serve_worker(
             **uvicorn_options(TelemetrySettings()),
         )  # fmt: skip
         exit_on_failure.server = uvicorn.Server(config)
+        if app.state.owner_watch is not None:
+            app.state.owner_watch.server = exit_on_failure.server
         exit_on_failure.server.run()
     finally:
         engine.shutdown()  # the helper ranks, if uvicorn never ran the lifespan shutdown
     if engine.error is not None:
         sys.exit(1)
+    exit_if_orphaned(app.state.owner_watch)  # no controller heartbeated it: code 4

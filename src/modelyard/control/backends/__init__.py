@@ -28,5 +28,11 @@ def open_backend(
         return RayBackend(settings, log_dir, registry, detached=detached)
     from modelyard.control.backends.local import LocalBackend
     from modelyard.core.cluster_auth import replica_token
+    from modelyard.core.owner_watch import owner_timeout_s
 
-    return LocalBackend(log_dir, detached=detached, token=replica_token(settings))
+    return LocalBackend(
+        log_dir,
+        detached=detached,
+        token=replica_token(settings),
+        owner_timeout_s=owner_timeout_s(settings),
+    )

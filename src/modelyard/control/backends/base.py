@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -42,9 +43,24 @@ class ReplicaHandle:
     log_path: Path | None = None
 
 
+# Told while a start waits for room the backend's scheduler has not got (Ray: no node has
+# the resources free): why, in words for the endpoint's owner.
+Waiting = Callable[[str], Awaitable[None]]
+
+
 class Backend(Protocol):
-    async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
-        """Launch the replica; returns once it is launched (not yet healthy)."""
+    # Cluster mode: how long a replica waits for its owner's heartbeat before it exits
+    # (`core/owner_watch.py`); None: its replicas have no watchdog (they die with `serve`).
+    owner_timeout_s: float | None
+
+    async def start(self, spec: ReplicaSpec, waiting: Waiting | None = None) -> ReplicaHandle:
+        """Launch the replica; returns once it is launched (not yet healthy). `waiting` is
+        told why, while the start waits for room (and again when the reason changes)."""
+        ...
+
+    def owned(self) -> list[ReplicaHandle]:
+        """Every replica this backend started or adopted and has not stopped: the ones its
+        owner heartbeats (`control/owner_heartbeat.py`)."""
         ...
 
     async def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:

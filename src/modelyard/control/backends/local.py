@@ -6,7 +6,8 @@ orphans (the worker arms that itself, see `worker.server`); a clean shutdown ter
 
 `detached=True` (the `controller` role): workers are not tied to the controller and outlive it,
 stopping or dying, so that a standby that takes over adopts them (`adopt`: a replica another
-process started, known by its pid) instead of restarting them.
+process started, known by its pid) instead of restarting them. They exit on their own when no
+controller heartbeats them for `owner_timeout_s` (`core/owner_watch.py`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from modelyard.control.backends.base import ReplicaHandle, ReplicaSpec
+from modelyard.control.backends.base import ReplicaHandle, ReplicaSpec, Waiting
 from modelyard.core.cluster_auth import replica_env
 from modelyard.core.load_progress import LOAD_PROGRESS_ENV, progress_file_beside
+from modelyard.core.owner_watch import OWNER_TIMEOUT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +66,21 @@ class LocalBackend:
         host: str = "127.0.0.1",
         detached: bool = False,
         token: str | None = None,
+        owner_timeout_s: float | None = None,
     ) -> None:
         self.log_dir = log_dir
         self.host = host
         self.detached = detached
         self.token = token  # what the workers demand of callers (`core.cluster_auth`)
+        # Detached workers exit when no owner heartbeats them this long (`core/owner_watch.py`).
+        self.owner_timeout_s = owner_timeout_s if detached else None
+        self._handles: dict[str, ReplicaHandle] = {}  # started or adopted, not stopped
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._adopted: dict[str, int] = {}  # replica id -> pid of a worker another process started
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
+    async def start(self, spec: ReplicaSpec, waiting: Waiting | None = None) -> ReplicaHandle:
+        """`waiting` is never told anything: placement already found this machine's room."""
         port = free_port(self.host)
         # No --log-level: a replica logs as its platform does (its environment and TOML file).
         cmd = [sys.executable, "-m", "modelyard.cli", spec.command, "--host", self.host,
@@ -91,8 +98,11 @@ class LocalBackend:
             self.token,
         )
         env.pop(PARENT_PID_ENV, None)
+        env.pop(OWNER_TIMEOUT_ENV, None)
         if not self.detached:
             env[PARENT_PID_ENV] = str(os.getpid())
+        elif self.owner_timeout_s is not None:
+            env[OWNER_TIMEOUT_ENV] = str(self.owner_timeout_s)
         # Spawned off the event loop (a fork and exec waits for the child's exec: half a
         # second on a loaded machine, a stall for every tenant) on the backend's one spawner
         # thread, which lives as long as the platform: the worker's parent-death signal is
@@ -102,13 +112,20 @@ class LocalBackend:
         )
         self._procs[spec.replica_id] = proc
         log.info("started replica %s (pid %d) on port %d", spec.replica_id, proc.pid, port)
-        return ReplicaHandle(spec, f"http://{self.host}:{port}", proc.pid, log_path)
+        handle = ReplicaHandle(spec, f"http://{self.host}:{port}", proc.pid, log_path)
+        self._handles[spec.replica_id] = handle
+        return handle
 
     async def adopt(self, spec: ReplicaSpec, url: str, pid: int | None) -> ReplicaHandle:
         """A worker another controller started (it runs at `url` as `pid`) is this one's now."""
         if pid is not None:
             self._adopted[spec.replica_id] = pid
-        return ReplicaHandle(spec, url, pid, self.log_dir / f"{spec.replica_id}.log")
+        handle = ReplicaHandle(spec, url, pid, self.log_dir / f"{spec.replica_id}.log")
+        self._handles[spec.replica_id] = handle
+        return handle
+
+    def owned(self) -> list[ReplicaHandle]:
+        return list(self._handles.values())
 
     def alive(self, handle: ReplicaHandle) -> bool:
         pid = self._adopted.get(handle.spec.replica_id)
@@ -125,6 +142,7 @@ class LocalBackend:
         return None if proc is None else proc.poll()
 
     async def stop(self, handle: ReplicaHandle, timeout_s: float = 10.0) -> None:
+        self._handles.pop(handle.spec.replica_id, None)
         pid = self._adopted.pop(handle.spec.replica_id, None)
         if pid is not None:
             await _stop_pid(handle.spec.replica_id, pid, timeout_s)
@@ -145,6 +163,7 @@ class LocalBackend:
         self._procs.clear()
         adopted = list(self._adopted.items())
         self._adopted.clear()
+        self._handles.clear()
         if self.detached:
             return  # they outlive this controller: the next leader adopts them
         for replica_id, pid in adopted:

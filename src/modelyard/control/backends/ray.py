@@ -30,10 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from modelyard.config import PlatformSettings
-from modelyard.control.backends.base import ReplicaHandle, ReplicaSpec, ReplicaStartError
+from modelyard.control.backends.base import (
+    ReplicaHandle,
+    ReplicaSpec,
+    ReplicaStartError,
+    Waiting,
+)
 from modelyard.control.backends.ray_host import ReplicaHost, Started
+from modelyard.control.backends.ray_room import no_room
 from modelyard.control.registry import Registry, ResolvedVersion
 from modelyard.core.cluster_auth import WORKER_TOKEN_ENV, replica_token
+from modelyard.core.owner_watch import OWNER_TIMEOUT_ENV, owner_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,8 @@ NAMESPACE = "modelyard"
 # Exit code reported for a replica whose actor died under it (node lost, actor killed): the
 # worker was killed with it (SIGKILL, see `ray_host`).
 LOST_EXIT_CODE = -9
+# While a replica waits for Ray to place it, how often the backend looks why (room).
+_ROOM_POLL_S = 1.0
 
 
 def actor_name(replica_id: str) -> str:
@@ -101,7 +110,10 @@ class RayBackend:
         self.registry = registry
         self.log_dir = log_dir
         self.detached = detached
+        # Detached replicas exit when no owner heartbeats them this long (`core/owner_watch`).
+        self.owner_timeout_s = owner_timeout_s(settings) if detached else None
         self._running: dict[str, _Running] = {}
+        self._handles: dict[str, ReplicaHandle] = {}  # started or adopted, not stopped
         self._remote: tuple[Any, Any] | None = None  # ray.remote(ReplicaHost), (RankHolder)
         self._connecting = threading.Lock()
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -130,11 +142,15 @@ class RayBackend:
 
     def _with_token(self, spec: ReplicaSpec) -> ReplicaSpec:
         """The spec whose worker demands the cluster's token: on a node's address, anyone on
-        that network could otherwise call it (`core.cluster_auth`)."""
+        that network could otherwise call it (`core.cluster_auth`); and, detached, exits when
+        no owner heartbeats it (`core/owner_watch.py`)."""
+        env = {k: v for k, v in spec.engine_env.items() if k != OWNER_TIMEOUT_ENV}
         token = replica_token(self.settings)
-        if token is None:
-            return spec
-        return dataclasses.replace(spec, engine_env={**spec.engine_env, WORKER_TOKEN_ENV: token})
+        if token is not None:
+            env[WORKER_TOKEN_ENV] = token
+        if self.owner_timeout_s is not None:
+            env[OWNER_TIMEOUT_ENV] = str(self.owner_timeout_s)
+        return dataclasses.replace(spec, engine_env=env)
 
     def _store(self) -> dict[str, Any]:
         """How a node reaches the artifact store (never credentials: the node's own chain)."""
@@ -161,7 +177,9 @@ class RayBackend:
 
     # -- Backend ------------------------------------------------------------------------------
 
-    async def start(self, spec: ReplicaSpec) -> ReplicaHandle:
+    async def start(self, spec: ReplicaSpec, waiting: Waiting | None = None) -> ReplicaHandle:
+        """`waiting` is told why while Ray has no node with room for the replica (and the start
+        goes on waiting for room, up to `replica_start_timeout_s`)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -172,13 +190,14 @@ class RayBackend:
         name = actor_name(spec.replica_id)
         options: dict[str, Any] = {"name": name, "namespace": NAMESPACE, "lifetime": lifetime}
         timeout = self.settings.replica_start_timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
             if request.bundles:
                 running.group = await asyncio.to_thread(
                     ray.util.placement_group,
                     request.bundles, strategy="STRICT_PACK", name=name, lifetime=lifetime,
                 )  # fmt: skip
-                await asyncio.wait_for(running.group.ready(), timeout)
+                await self._placed(running.group.ready(), request, deadline, waiting)
                 for i in range(1, len(request.bundles)):
                     strategy = PlacementGroupSchedulingStrategy(running.group, i)
                     holder = await asyncio.to_thread(
@@ -194,13 +213,15 @@ class RayBackend:
             # A named actor is registered with Ray's control store before `remote()` returns.
             create = host_cls.options(**options, **request.actor).remote
             running.host = await asyncio.to_thread(create)
+            await self._placed(running.host.placed.remote(), request, deadline, waiting)
             version = None
             if spec.version_id is not None:
                 version = await asyncio.to_thread(self._version, spec.version_id)
             gpus = [g for h in running.holders for g in await h.gpu_ids.remote()]
+            left = max(1.0, deadline - asyncio.get_running_loop().time())
             started: Started = await asyncio.wait_for(
                 running.host.start.remote(self._with_token(spec), version, self._store(), gpus),
-                timeout,
+                left,
             )
         except BaseException as exc:
             await asyncio.shield(self._release(running))
@@ -212,6 +233,33 @@ class RayBackend:
             raise
         return self._track(spec, running, started)
 
+    async def _placed(
+        self, placed: Any, request: RayRequest, deadline: float, waiting: Waiting | None
+    ) -> None:
+        """Until Ray has placed the actor (or group) `placed` resolves for; meanwhile, every
+        `_ROOM_POLL_S`, `waiting` is told why not when no node has the room (TimeoutError at
+        `deadline`)."""
+        loop = asyncio.get_running_loop()
+        pending = asyncio.ensure_future(placed)
+        told: str | None = None
+        try:
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                done, _ = await asyncio.wait({pending}, timeout=min(_ROOM_POLL_S, left))
+                if done:
+                    pending.result()
+                    return
+                if waiting is None:
+                    continue
+                why = await asyncio.to_thread(no_room, request.actor, request.bundles)
+                if why is not None and why != told:
+                    told = why
+                    await waiting(why)
+        finally:
+            pending.cancel()
+
     def _track(self, spec: ReplicaSpec, running: _Running, started: Started) -> ReplicaHandle:
         replica_id = spec.replica_id
         self._running[replica_id] = running
@@ -220,7 +268,9 @@ class RayBackend:
         running.watch = asyncio.create_task(self._watch(replica_id, running, log_path))
         log.info("started replica %s on Ray node %s at %s", replica_id, started.node_id[:12],
                  started.url)  # fmt: skip
-        return ReplicaHandle(spec, started.url, started.pid, log_path)
+        handle = ReplicaHandle(spec, started.url, started.pid, log_path)
+        self._handles[replica_id] = handle
+        return handle
 
     async def _watch(self, replica_id: str, running: _Running, log_path: Path) -> None:
         """Until the worker exits or the actor dies; records which, for `exit_status`."""
@@ -253,7 +303,12 @@ class RayBackend:
             running.watch = asyncio.get_running_loop().create_task(
                 self._watch(spec.replica_id, running, log_path)
             )
-        return ReplicaHandle(spec, url, pid, log_path)
+        handle = ReplicaHandle(spec, url, pid, log_path)
+        self._handles[spec.replica_id] = handle
+        return handle
+
+    def owned(self) -> list[ReplicaHandle]:
+        return list(self._handles.values())
 
     def _find(self, replica_id: str) -> _Running:
         """The named actor and placement group of a running replica (blocking: a thread's)."""
@@ -278,7 +333,9 @@ class RayBackend:
         return LOST_EXIT_CODE if running is None else running.exit
 
     async def stop(self, handle: ReplicaHandle, timeout_s: float = 10.0) -> None:
-        """The worker drains on SIGTERM (SIGKILL after `timeout_s`), then its actor goes."""
+        """The worker drains on SIGTERM (SIGKILL after `timeout_s`), then its actor goes (and
+        its placement group): also for a replica whose worker already exited."""
+        self._handles.pop(handle.spec.replica_id, None)
         running = self._running.pop(handle.spec.replica_id, None)
         if running is None:
             return
@@ -296,6 +353,7 @@ class RayBackend:
     async def stop_all(self) -> None:
         running = list(self._running.values())
         self._running.clear()
+        self._handles.clear()
         if self.detached:  # they outlive this controller: the next leader adopts them
             for r in running:
                 if r.watch is not None:

@@ -10,6 +10,9 @@ The worker is tied to the actor with a parent-death signal of SIGKILL, armed by 
 thread: the actor's event loop thread, which lives as long as the actor. So when Ray loses the
 actor (its node died or was removed, the actor was killed) the worker dies at once too, as it
 would with its node: the platform sees one failure, never a worker serving on without an owner.
+The other way round, a worker that exits because no controller heartbeated it
+(`core/owner_watch.py`, exit code 4) takes its actor and placement group with it: a detached
+actor outlives every controller, and nobody would be left to remove it.
 
 Plain Python, no `ray` import at module level: the backend wraps the class with `ray.remote`.
 """
@@ -31,6 +34,7 @@ from typing import Any
 from modelyard.control.backends.base import ReplicaSpec
 from modelyard.control.backends.local import PARENT_PID_ENV, free_port
 from modelyard.core.cluster_auth import WORKER_TOKEN_ENV, replica_env
+from modelyard.core.owner_watch import ORPHANED_EXIT_CODE
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,11 @@ class ReplicaHost:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
         self.started: Started | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def placed(self) -> bool:
+        """Answers once Ray has placed this actor (the backend waits for room until then)."""
+        return True
 
     def _model_path(self, spec: ReplicaSpec, version: Any, store: dict[str, Any]) -> Path | None:
         """The model files on this node: the platform's path if the node sees it (one machine,
@@ -127,7 +136,25 @@ class ReplicaHost:
         node_id = ray.get_runtime_context().get_node_id()
         log.info("replica %s: pid %d at %s:%d", spec.replica_id, self.proc.pid, host, port)
         self.started = Started(f"http://{host}:{port}", self.proc.pid, node_id, host)
+        self._reaper = asyncio.create_task(self._leave_when_orphaned(spec.replica_id))
         return self.started
+
+    async def _leave_when_orphaned(self, replica_id: str) -> None:
+        """The worker exited for want of an owner: remove this actor and its placement group
+        (a tensor-parallel replica's), which nothing else would."""
+        import ray
+
+        code, _ = await self.wait()
+        if code != ORPHANED_EXIT_CODE:
+            return  # its controller saw it exit and removes the actor
+        log.warning("replica %s: no controller owns it any more; its actor leaves", replica_id)
+        try:
+            group = ray.util.get_placement_group(f"replica-{replica_id}")
+        except ValueError:
+            group = None
+        if group is not None:
+            ray.util.remove_placement_group(group)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def wait(self) -> tuple[int, str]:
         """Returns when the worker exits: its exit code and the tail of its log."""

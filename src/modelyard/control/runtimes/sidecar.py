@@ -13,6 +13,8 @@ loopback port (the child dies with it: PR_SET_PDEATHSIG), and serves:
 
 It exits with the runtime's exit code when the runtime exits, so the platform replaces it, and
 stops the runtime on SIGTERM. The runtime's output goes to the sidecar's (the replica's log).
+Started by a cluster's controller, it exits (code 4) when no controller heartbeats it
+(`PUT /admin/owner`, `core/owner_watch.py`), as a native replica does.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ from prometheus_client.samples import Sample
 
 from modelyard.control.runtimes import llama_cpp, vllm
 from modelyard.core.loop_monitor import watching_loop
+from modelyard.core.owner_watch import (
+    HEARTBEAT_PATH,
+    ORPHANED_EXIT_CODE,
+    OwnerWatch,
+    configured_timeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +186,15 @@ class Sidecar:
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        timeout_s = configured_timeout()
+        watch = OwnerWatch(timeout_s) if timeout_s else None
+
+        async def heartbeat(_: web.Request) -> web.Response:
+            if watch is not None:
+                watch.heard()
+            return web.json_response({"watched": watch is not None})
+
+        app.router.add_put(HEARTBEAT_PATH, heartbeat)
         app.router.add_route("*", "/{tail:.*}", self.proxy)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -188,6 +205,8 @@ class Sidecar:
             loop.add_signal_handler(sig, stop.set)
         log.info("%s replica %r on http://%s:%d", self.opts.framework,
                  self.opts.served_model_name, self.opts.host, self.opts.port)  # fmt: skip
+        if watch is not None:  # SIGTERM to itself when orphaned: the stop below
+            watch.start()
         while not stop.is_set() and self.child.poll() is None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
@@ -204,6 +223,10 @@ class Sidecar:
             code = code or 1
         await runner.cleanup()
         await self.session.close()
+        if watch is not None:
+            watch.stop()
+            if watch.orphaned:
+                return ORPHANED_EXIT_CODE
         return code
 
 
