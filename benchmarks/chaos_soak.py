@@ -41,9 +41,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.soak_checks import Batches, exactly_once, metering  # noqa: E402
-from benchmarks.soak_cluster import SoakCluster  # noqa: E402
-from benchmarks.soak_load import Load, tally  # noqa: E402
+from benchmarks.soak_checks import Batches, exactly_once, metering
+from benchmarks.soak_cluster import SoakCluster
+from benchmarks.soak_load import Load, tally
 
 PIECES = ("worker", "gateway", "leader", "redis", "postgres")
 
@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-items", type=int, default=10, help="items per batch (10; 0: none)")
     p.add_argument("--batch-every", type=float, default=45.0, help="seconds between batches")
     p.add_argument("--restart-delay", type=float, default=1.0, help="supervisor's RestartSec")
+    p.add_argument(
+        "--pg-promote-after",
+        type=float,
+        default=2.0,
+        help="seconds the PostgreSQL failover tool takes to promote the standby (2)",
+    )
     p.add_argument("--timeout", type=float, default=30.0, help="the SDK's request timeout (s)")
     p.add_argument("--out", type=Path, default=None, help="output dir (logs, report.json)")
     p.add_argument("--json", type=Path, default=None, help="also write the report here")
@@ -84,7 +90,7 @@ def chaos_loop(cluster: SoakCluster, args: argparse.Namespace, started: float) -
         record: dict[str, Any] = {"piece": piece, "at_s": round(time.monotonic() - started, 1)}
         try:
             record.update(cluster.kill(piece, round_no=i))
-        except Exception as exc:  # noqa: BLE001 - a recovery that did not come is the result
+        except Exception as exc:
             record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         print(f"[{record['at_s']:7.1f}s] killed {piece}: {record}", flush=True)
         kills.append(record)
@@ -97,18 +103,26 @@ def chaos_loop(cluster: SoakCluster, args: argparse.Namespace, started: float) -
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = args.out or Path(tempfile.mkdtemp(prefix="modelyard-soak-"))
     out.mkdir(parents=True, exist_ok=True)
-    cluster = SoakCluster(out, args.redis, args.postgres, secrets.token_hex(32),
-                          args.restart_delay)  # fmt: skip
+    cluster = SoakCluster(
+        out,
+        args.redis,
+        args.postgres,
+        secrets.token_hex(32),
+        args.restart_delay,
+        args.pg_promote_after,
+    )
     failed = True
     try:
         t_setup = time.monotonic()
         cluster.start(replicas=args.replicas)
         setup_s = time.monotonic() - t_setup
         print(f"cluster up in {setup_s:.1f}s: {cluster.describe()}", flush=True)
-        load = Load(cluster.gateway_urls, cluster.key, cluster.model, args.clients, args.rate,
-                    args.timeout)  # fmt: skip
-        batches = Batches(cluster.sdk(cluster.key), args.batch_items, args.batch_every,
-                          cluster.model)  # fmt: skip
+        load = Load(
+            cluster.gateway_urls, cluster.key, cluster.model, args.clients, args.rate, args.timeout
+        )
+        batches = Batches(
+            cluster.sdk(cluster.key), args.batch_items, args.batch_every, cluster.model
+        )
         started = time.monotonic()
         load.start()
         batches.start()
@@ -118,8 +132,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"load stopped after {time.monotonic() - started:.0f}s; settling", flush=True)
         cluster.all_up()
         batch_report = batches.settle(timeout=240)
-        rows = cluster.wait_metered([o.request_id for o in outcomes if o.ok and o.request_id],
-                                    timeout=120)  # fmt: skip
+        rows = cluster.wait_metered(
+            [o.request_id for o in outcomes if o.ok and o.request_id], timeout=120
+        )
         meter = metering(outcomes, rows, batch_report.pop("item_request_ids"))
         counts = tally(outcomes)
         report = {
@@ -128,11 +143,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "topology": cluster.describe(),
             "client": "openai SDK, max_retries=2 (default), timeout "
-                      f"{args.timeout:g}s; each client has a home gateway and fails over to the "
-                      "other only on a refused connection (nothing sent)",
+            f"{args.timeout:g}s; each client has a home gateway and fails over to the "
+            "other only on a refused connection (nothing sent)",
             "supervisor": "killed/crashed gateways and controllers restarted on the same "
-                          f"address after {args.restart_delay:g}s; Redis and PostgreSQL primaries "
-                          "failed over (sentinel / pg_ctl promote) or restarted in place (single)",
+            f"address after {args.restart_delay:g}s; Redis and PostgreSQL primaries "
+            "failed over (sentinel / pg_ctl promote) or restarted in place (single)",
             "requests": counts,
             "availability_pct": round(100.0 * counts["succeeded"] / max(1, counts["sent"]), 4),
             "client_failovers": load.failovers,
@@ -160,7 +175,9 @@ def summary(r: dict[str, Any]) -> str:
         f"chaos soak {r['date']}: {r['config']['duration']:g}s, kill every "
         f"{r['config']['kill_every']:g}s ({','.join(r['config']['kill'])}); {r['topology']}",
         f"requests: sent {q['sent']}, succeeded {q['succeeded']}, failed with a retryable "
-        f"status {q['failed_retryable_status']}, lost {q['lost']} (SDK retries {q['sdk_retries']},"
+        f"status {q['failed_retryable_status']}, lost {q['lost']} "
+        f"(streams cut mid-answer {q['lost_mid_stream']}; "
+        f"SDK retries {q['sdk_retries']},"
         f" client failovers {r['client_failovers']})",
         f"availability: {r['availability_pct']:.4f} %",
         f"metering: {m['answered']} answered, {m['usage_rows']} rows; unmetered "
@@ -171,9 +188,15 @@ def summary(r: dict[str, Any]) -> str:
         f"{b['items_lost']}, duplicated {b['items_duplicated']}, failed {b['items_failed']}, "
         f"unfinished {len(b['unfinished'])}; batch rows {m['batch_usage_rows']}",
         "kills:",
-        *(f"  {k['at_s']:7.1f}s {k['piece']:9s} {k.get('target', '')}: "
-          + (f"recovered in {k['recovery_s']:.2f}s ({k.get('means', '')})" if "recovery_s" in k
-             else f"ERROR {k.get('error')}") for k in r["kills"]),  # fmt: skip
+        *(
+            f"  {k['at_s']:7.1f}s {k['piece']:9s} {k.get('target', '')}: "
+            + (
+                f"recovered in {k['recovery_s']:.2f}s ({k.get('means', '')})"
+                if "recovery_s" in k
+                else f"ERROR {k.get('error')}"
+            )
+            for k in r["kills"]
+        ),
         f"unplanned exits: {r['unplanned_exits'] or 'none'}; loop stalls: {r['loop_stalls']}",
     ]
     if q["errors"]:

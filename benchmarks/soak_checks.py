@@ -39,16 +39,27 @@ class Batches:
         n = 0
         while not self._stop.is_set():
             n += 1
-            lines = [{"custom_id": f"b{n}-item-{i}", "method": "POST",
-                      "url": "/v1/chat/completions",
-                      "body": {"model": self.model, "max_tokens": 4,
-                               "messages": [{"role": "user", "content": f"Story {i}"}]}}
-                     for i in range(self.items)]  # fmt: skip
+            lines = [
+                {
+                    "custom_id": f"b{n}-item-{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": self.model,
+                        "max_tokens": 4,
+                        "messages": [{"role": "user", "content": f"Story {i}"}],
+                    },
+                }
+                for i in range(self.items)
+            ]
             data = b"".join(json.dumps(x).encode() + b"\n" for x in lines)
             try:
                 upload = self.sdk.files.create(file=("b.jsonl", io.BytesIO(data)), purpose="batch")
-                batch = self.sdk.batches.create(input_file_id=upload.id, completion_window="24h",
-                                                endpoint="/v1/chat/completions")  # fmt: skip
+                batch = self.sdk.batches.create(
+                    input_file_id=upload.id,
+                    completion_window="24h",
+                    endpoint="/v1/chat/completions",
+                )
                 self.submitted.append(batch.id)
             except openai.APIError as exc:
                 self.submit_errors.append(f"{type(exc).__name__}: {str(exc)[:160]}")
@@ -57,11 +68,18 @@ class Batches:
     def settle(self, timeout: float) -> dict[str, Any]:
         """Wait (bounded) for every submitted batch to end; then count items lost/duplicated."""
         deadline = time.monotonic() + timeout
-        report: dict[str, Any] = {"submitted": len(self.submitted), "items_per_batch": self.items,
-                                  "submit_errors": self.submit_errors, "unfinished": [],
-                                  "items_expected": 0, "items_answered": 0, "items_lost": 0,
-                                  "items_duplicated": 0, "items_failed": 0,
-                                  "item_request_ids": []}  # fmt: skip
+        report: dict[str, Any] = {
+            "submitted": len(self.submitted),
+            "items_per_batch": self.items,
+            "submit_errors": self.submit_errors,
+            "unfinished": [],
+            "items_expected": 0,
+            "items_answered": 0,
+            "items_lost": 0,
+            "items_duplicated": 0,
+            "items_failed": 0,
+            "item_request_ids": [],
+        }
         for batch_id in self.submitted:
             batch = None
             while time.monotonic() < deadline:
@@ -69,8 +87,12 @@ class Batches:
                     batch = self.sdk.batches.retrieve(batch_id)
                 except openai.APIError:
                     batch = None
-                if batch is not None and batch.status in ("completed", "failed", "expired",
-                                                          "cancelled"):  # fmt: skip
+                if batch is not None and batch.status in (
+                    "completed",
+                    "failed",
+                    "expired",
+                    "cancelled",
+                ):
                     break
                 time.sleep(0.5)  # a poll's interval
             if batch is None or batch.status != "completed":
@@ -86,8 +108,9 @@ class Batches:
             report["items_failed"] += len(err)
             report["items_lost"] += len(expected - set(ids)) if ids else self.items
             report["items_duplicated"] += len(ids) - len(set(ids))
-            report["item_request_ids"] += [x["response"]["request_id"] for x in out
-                                           if x.get("response")]  # fmt: skip
+            report["item_request_ids"] += [
+                x["response"]["request_id"] for x in out if x.get("response")
+            ]
         return report
 
     def _lines(self, file_id: str | None) -> list[dict[str, Any]]:
@@ -111,8 +134,9 @@ def usage_rows(database_url: str, tenant_id: str) -> list[tuple[str, str, bool]]
     return [(str(r[0]), str(r[1]), bool(r[2])) for r in rows]
 
 
-def metering(outcomes: list[Outcome], rows: list[tuple[str, str, bool]],
-             batch_request_ids: list[str]) -> dict[str, Any]:  # fmt: skip
+def metering(
+    outcomes: list[Outcome], rows: list[tuple[str, str, bool]], batch_request_ids: list[str]
+) -> dict[str, Any]:
     """Answered request ids against usage rows.
 
     - every answered request has exactly one row (`answered_unmetered` = 0);
@@ -142,12 +166,12 @@ def metering(outcomes: list[Outcome], rows: list[tuple[str, str, bool]],
         "answered": len(answered),
         "answered_without_id": sum(1 for o in outcomes if o.ok and not o.request_id),
         "usage_rows": len(interactive),
-        "usage_rows_by_status": {s: sum(1 for r in interactive if r[1] == s)
-                                 for s in sorted({r[1] for r in interactive})},  # fmt: skip
+        "usage_rows_by_status": {
+            s: sum(1 for r in interactive if r[1] == s) for s in sorted({r[1] for r in interactive})
+        },
         "duplicate_row_ids": len(ids) - len(set(ids)),
         "answered_unmetered": len([i for i in answered if i not in by_id]),
-        "answered_metered_not_ok": len([i for i in answered if i in by_id
-                                        and by_id[i][1] != "ok"]),  # fmt: skip
+        "answered_metered_not_ok": len([i for i in answered if i in by_id and by_id[i][1] != "ok"]),
         "metered_twice": twice,
         "ok_rows_without_answer": len(without_answer),
         "ok_rows_never_seen_by_a_client": len(never_seen),
@@ -161,7 +185,12 @@ def metering(outcomes: list[Outcome], rows: list[tuple[str, str, bool]],
 
 
 def exactly_once(m: dict[str, Any]) -> bool:
-    return (m["answered_unmetered"] == 0 and m["duplicate_row_ids"] == 0
-            and m["metered_twice"] == 0 and m["ok_rows_unexplained"] == 0
-            and m["answered_without_id"] == 0 and m["batch_items_unmetered"] == 0
-            and m["batch_rows_without_item"] == 0)  # fmt: skip
+    return (
+        m["answered_unmetered"] == 0
+        and m["duplicate_row_ids"] == 0
+        and m["metered_twice"] == 0
+        and m["ok_rows_unexplained"] == 0
+        and m["answered_without_id"] == 0
+        and m["batch_items_unmetered"] == 0
+        and m["batch_rows_without_item"] == 0
+    )

@@ -20,7 +20,8 @@ import openai
 
 from benchmarks.soak_checks import usage_rows
 from benchmarks.soak_load import FailoverTransport
-from benchmarks.soak_topology import PgTopology, Proc, RedisTopology, RoleNode, wait_for
+from benchmarks.soak_postgres import PgTopology
+from benchmarks.soak_topology import Proc, RedisTopology, RoleNode, wait_for
 from modelyard.core.cluster_auth import verified_leader_url
 from modelyard.core.cluster_keys import LEADER_KEY
 from tests.tiny_models import build_model
@@ -58,10 +59,13 @@ class Supervisor:
                     if node.name in self.expected:
                         self.expected.discard(node.name)
                     else:
-                        self.unplanned.append({
-                            "process": node.name, "code": node.popen.returncode,
-                            "at_s": round(time.monotonic() - self._started, 1),
-                        })  # fmt: skip
+                        self.unplanned.append(
+                            {
+                                "process": node.name,
+                                "code": node.popen.returncode,
+                                "at_s": round(time.monotonic() - self._started, 1),
+                            }
+                        )
                 if self._stop.wait(self.delay_s):  # RestartSec
                     return
                 node.launch()
@@ -73,11 +77,19 @@ class Supervisor:
 
 
 class SoakCluster:
-    def __init__(self, out: Path, redis_mode: str, pg_mode: str, secret: str, restart_delay: float):
+    def __init__(
+        self,
+        out: Path,
+        redis_mode: str,
+        pg_mode: str,
+        secret: str,
+        restart_delay: float,
+        pg_promote_after: float = 2.0,
+    ) -> None:
         self.out = out
         self.secret = secret
         self.redis = RedisTopology(redis_mode, out)
-        self.pg = PgTopology(pg_mode, out)
+        self.pg = PgTopology(pg_mode, out, pg_promote_after)
         self.models = out / "models"
         self.control_dir = out / "control"
         self.stall_log = out / "loop_stalls.jsonl"
@@ -103,8 +115,7 @@ class SoakCluster:
             "MODELYARD_REDIS_URL": self.redis.url,
             "MODELYARD_CLUSTER_SECRET": self.secret,
             "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(self.models)]),
-            "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB",
-                                                   "dtype": "float32"}),  # fmt: skip
+            "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
             "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
             "MODELYARD_DEFAULT_MODELS": "false",
             "MODELYARD_CONTROLLER_LEASE_S": "3",
@@ -113,10 +124,12 @@ class SoakCluster:
             "MODELYARD_LOOP_STALL_MS": "250",
             "MODELYARD_LOOP_STALL_LOG": str(self.stall_log),
         }
-        self.controllers = [RoleNode(f"controller-{c}", "controller", self.out, self.control_dir,
-                                     env) for c in "ab"]  # fmt: skip
-        self.gateways = [RoleNode(f"gateway-{i}", "gateway", self.out, self.out / f"gw{i}", env)
-                         for i in (1, 2)]  # fmt: skip
+        self.controllers = [
+            RoleNode(f"controller-{c}", "controller", self.out, self.control_dir, env) for c in "ab"
+        ]
+        self.gateways = [
+            RoleNode(f"gateway-{i}", "gateway", self.out, self.out / f"gw{i}", env) for i in (1, 2)
+        ]
         self.controllers[0].start()
         wait_for(lambda: self.leader() is self.controllers[0], "the first controller leading", 60)
         for node in [self.controllers[1], *self.gateways]:
@@ -134,16 +147,32 @@ class SoakCluster:
             assert r.status_code == 201, r.text
             self.tenant = r.json()["id"]
             # Limits on the key, so that every request takes the Redis path of admission.
-            r = api.post("/v1/keys", json={"name": "soak", "tenant_id": self.tenant,
-                                           "rpm_limit": 1_000_000, "tpm_limit": 10**9})  # fmt: skip
+            r = api.post(
+                "/v1/keys",
+                json={
+                    "name": "soak",
+                    "tenant_id": self.tenant,
+                    "rpm_limit": 1_000_000,
+                    "tpm_limit": 10**9,
+                },
+            )
             assert r.status_code == 201, r.text
             self.key = r.json()["key"]
-            hardware = {"gpu_type": "cpu", "gpu_count": 1, "min_replicas": replicas,
-                        "max_replicas": replicas}  # fmt: skip
-            r = api.post("/v1/models/deploy", json={
-                "model_name": MODEL, "model_artifact": str(self.models / MODEL),
-                "public": True, "hardware": hardware,
-            })  # fmt: skip
+            hardware = {
+                "gpu_type": "cpu",
+                "gpu_count": 1,
+                "min_replicas": replicas,
+                "max_replicas": replicas,
+            }
+            r = api.post(
+                "/v1/models/deploy",
+                json={
+                    "model_name": MODEL,
+                    "model_artifact": str(self.models / MODEL),
+                    "public": True,
+                    "hardware": hardware,
+                },
+            )
             assert r.status_code == 202, r.text
             self.endpoint = r.json()["endpoint_id"]
         self.replicas = replicas
@@ -176,16 +205,22 @@ class SoakCluster:
 
     def api(self, key: str) -> httpx.Client:
         transport = FailoverTransport(self.gateway_urls, 0)
-        return httpx.Client(base_url=self.gateway_urls[0], transport=transport, timeout=30.0,
-                            headers={"authorization": f"Bearer {key}"})  # fmt: skip
+        return httpx.Client(
+            base_url=self.gateway_urls[0],
+            transport=transport,
+            timeout=30.0,
+            headers={"authorization": f"Bearer {key}"},
+        )
 
     def sdk(self, key: str) -> openai.OpenAI:
         http = httpx.Client(transport=FailoverTransport(self.gateway_urls, 1), timeout=60.0)
         return openai.OpenAI(base_url=f"{self.gateway_urls[1]}/v1", api_key=key, http_client=http)
 
     def describe(self) -> str:
-        return (f"2 controllers, 2 gateways, {self.replicas} worker replicas, Redis "
-                f"{self.redis.mode}, PostgreSQL {self.pg.mode}")  # fmt: skip
+        return (
+            f"2 controllers, 2 gateways, {self.replicas} worker replicas, Redis "
+            f"{self.redis.mode}, PostgreSQL {self.pg.mode}"
+        )
 
     def leader(self) -> RoleNode | None:
         client = self.redis.client()
@@ -235,19 +270,30 @@ class SoakCluster:
     # ----- faults ----------------------------------------------------------------------------
 
     def kill(self, piece: str, round_no: int) -> dict[str, Any]:
-        return {"worker": self._kill_worker, "gateway": self._kill_gateway,
-                "leader": self._kill_leader, "redis": self._kill_redis,
-                "postgres": self._kill_postgres}[piece](round_no)  # fmt: skip
+        return {
+            "worker": self._kill_worker,
+            "gateway": self._kill_gateway,
+            "leader": self._kill_leader,
+            "redis": self._kill_redis,
+            "postgres": self._kill_postgres,
+        }[piece](round_no)
 
     def _kill_worker(self, round_no: int) -> dict[str, Any]:
         pids = sorted(wait_for(self.ready_pids, "a ready replica", 60))
         victim = pids[round_no % len(pids)]
         t0 = time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: len(p := self.ready_pids()) >= self.replicas and victim not in p,
-                 "a replacement replica ready", 120, 0.2)  # fmt: skip
-        return {"target": f"worker pid {victim}", "recovery_s": time.monotonic() - t0,
-                "means": "replacement replica ready"}  # fmt: skip
+        wait_for(
+            lambda: len(p := self.ready_pids()) >= self.replicas and victim not in p,
+            "a replacement replica ready",
+            120,
+            0.2,
+        )
+        return {
+            "target": f"worker pid {victim}",
+            "recovery_s": time.monotonic() - t0,
+            "means": "replacement replica ready",
+        }
 
     def _kill_gateway(self, round_no: int) -> dict[str, Any]:
         node = self.gateways[self._gateway_kills % len(self.gateways)]  # alternating
@@ -256,31 +302,47 @@ class SoakCluster:
         t0 = time.monotonic()
         node.kill()
         wait_for(lambda: node.alive and node.healthy(), f"{node.name} restarted", 120, 0.1)
-        return {"target": node.name, "recovery_s": time.monotonic() - t0,
-                "means": "restarted gateway answering (clients fail over meanwhile)"}  # fmt: skip
+        return {
+            "target": node.name,
+            "recovery_s": time.monotonic() - t0,
+            "means": "restarted gateway answering (clients fail over meanwhile)",
+        }
 
     def _kill_leader(self, round_no: int) -> dict[str, Any]:
         old = wait_for(self.leader, "a leader", 60)
         self.supervisor.expect_exit(old)
         t0 = time.monotonic()
         old.kill()
-        new = wait_for(lambda: (n := self.leader()) is not None and n is not old and n,
-                       "a new leader advertised", 120, 0.05)  # fmt: skip
+        new = wait_for(
+            lambda: (n := self.leader()) is not None and n is not old and n,
+            "a new leader advertised",
+            120,
+            0.05,
+        )
         took = time.monotonic() - t0
         wait_for(old.healthy, f"{old.name} back as standby", 120, 0.2)
-        return {"target": f"{old.name} -> {new.name}", "recovery_s": took,
-                "means": "standby advertised as leader"}  # fmt: skip
+        return {
+            "target": f"{old.name} -> {new.name}",
+            "recovery_s": took,
+            "means": "standby advertised as leader",
+        }
 
     def _kill_redis(self, round_no: int) -> dict[str, Any]:
         name, recover = self.redis.kill_primary()
         took = recover()
-        return {"target": name, "recovery_s": took,
-                "means": "Redis writable again" + (" (promoted replica)"
-                                                   if self.redis.sentinel else "")}  # fmt: skip
+        return {
+            "target": name,
+            "recovery_s": took,
+            "means": "Redis writable again"
+            + (" (promoted replica)" if self.redis.sentinel else ""),
+        }
 
     def _kill_postgres(self, round_no: int) -> dict[str, Any]:
         name, recover = self.pg.kill_primary()
         took = recover()
-        return {"target": name, "recovery_s": took,
-                "means": "PostgreSQL writable again" + (" (promoted standby)"
-                                                        if self.pg.mode == "standby" else "")}  # fmt: skip
+        return {
+            "target": name,
+            "recovery_s": took,
+            "means": "PostgreSQL writable again"
+            + (" (promoted standby)" if self.pg.mode == "standby" else ""),
+        }

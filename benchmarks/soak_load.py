@@ -43,6 +43,7 @@ class Outcome:
     request_id: str | None = None  # the answered request's id (x-request-id)
     attempts: list[Attempt] = field(default_factory=list)
     seconds: float = 0.0
+    mid_stream: bool = False  # a stream that had sent tokens when it failed
 
     @property
     def verdict(self) -> str:
@@ -115,9 +116,10 @@ class SoakClient:
             outcome.status, outcome.error = exc.status_code, f"{exc.status_code} {_code(exc)}"
         except openai.APIError as exc:  # connection, timeout, an error event in a stream
             outcome.error = f"{type(exc).__name__}: {str(exc)[:160]}"
-        except Exception as exc:  # noqa: BLE001 - whatever the client met is recorded
+        except Exception as exc:
             outcome.error = f"{type(exc).__name__}: {str(exc)[:160]}"
         finally:
+            outcome.mid_stream &= not outcome.ok
             self._current = None
             outcome.seconds = time.monotonic() - outcome.started
         return outcome
@@ -125,8 +127,11 @@ class SoakClient:
     def _run(self, kind: str, outcome: Outcome) -> None:
         chat = self.sdk.chat.completions
         if kind == "chat":
-            raw = chat.with_raw_response.create(model=self.model, messages=MESSAGES,  # type: ignore[arg-type]
-                                                max_tokens=8)  # fmt: skip
+            raw = chat.with_raw_response.create(
+                model=self.model,
+                messages=MESSAGES,  # type: ignore[arg-type]
+                max_tokens=8,
+            )
             outcome.status, outcome.request_id = raw.status_code, raw.headers.get("x-request-id")
             outcome.ok = bool(raw.parse().choices)
         elif kind == "completion":
@@ -141,6 +146,7 @@ class SoakClient:
             outcome.request_id = stream.response.headers.get("x-request-id")
             finished = False
             for chunk in stream:
+                outcome.mid_stream = True
                 finished |= any(c.finish_reason for c in chunk.choices)
             outcome.ok = finished
             if not finished:
@@ -162,17 +168,26 @@ class Load:
     """`clients` threads, each with its own SDK client (home gateway: client i % gateways), the
     kinds in turn, paced so that all together send about `rate` requests a second."""
 
-    def __init__(self, gateways: list[str], key: str, model: str, clients: int, rate: float,
-                 timeout_s: float = 30.0) -> None:  # fmt: skip
-        self.clients = [SoakClient(gateways, i % len(gateways), key, model, timeout_s)
-                        for i in range(clients)]  # fmt: skip
+    def __init__(
+        self,
+        gateways: list[str],
+        key: str,
+        model: str,
+        clients: int,
+        rate: float,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.clients = [
+            SoakClient(gateways, i % len(gateways), key, model, timeout_s) for i in range(clients)
+        ]
         self.gap_s = clients / rate
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(c, i), daemon=True,
-                                          name=f"soak-client-{i}")
-                         for i, c in enumerate(self.clients)]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=self._run, args=(c, i), daemon=True, name=f"soak-client-{i}")
+            for i, c in enumerate(self.clients)
+        ]
 
     def start(self) -> None:
         for t in self._threads:
@@ -220,15 +235,19 @@ def tally(outcomes: list[Outcome]) -> dict[str, Any]:
             label = f"{o.kind}: {o.error or o.status}"[:160]
             errors[label] = errors.get(label, 0) + 1
     by_kind = {
-        k: {v: sum(1 for o in outcomes if o.kind == k and o.verdict == v)
-            for v in ("ok", "retryable", "lost")}
+        k: {
+            v: sum(1 for o in outcomes if o.kind == k and o.verdict == v)
+            for v in ("ok", "retryable", "lost")
+        }
         for k in KINDS
-    }  # fmt: skip
+    }
     return {
         "sent": len(outcomes),
         "succeeded": verdicts.count("ok"),
         "failed_retryable_status": verdicts.count("retryable"),
         "lost": verdicts.count("lost"),
+        # Of those lost: streams cut after their first tokens (never re-sent, by design).
+        "lost_mid_stream": sum(1 for o in outcomes if o.verdict == "lost" and o.mid_stream),
         "http_attempts": attempts,
         "sdk_retries": attempts - len(outcomes),
         "by_kind": by_kind,
