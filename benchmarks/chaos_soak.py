@@ -13,10 +13,11 @@ Kills in rotation (`--kill worker,gateway,leader,redis,postgres`): a worker repl
 (alternating), the leading controller, the Redis primary, the PostgreSQL primary. An operator's
 supervisor is simulated: a killed (or crashed) gateway or controller is restarted on the same
 address after `--restart-delay` seconds (systemd `Restart=always`); a killed Redis primary is
-failed over by the Sentinel and restarted as a replica (single: restarted in place); a killed
-PostgreSQL primary is replaced by promoting the standby (`pg_ctl promote`, as a failover tool
-would) and rebuilt as its standby (single: restarted in place, crash recovery). Worker replicas
-are replaced by the leader itself.
+failed over by the Sentinel and restarted as a replica; a killed PostgreSQL primary is replaced
+by promoting the standby (`pg_ctl promote` after `--pg-promote-after` seconds, as a failover
+tool would) and rebuilt as its standby; with `single`, Redis or PostgreSQL is restarted in place
+after `--restart-delay` (PostgreSQL with crash recovery). Worker replicas are replaced by the
+leader itself.
 
 It reports requests sent / succeeded / failed with a retryable status / lost, usage rows against
 answered request ids (exactly once), batch items lost or duplicated, each kill's recovery time,

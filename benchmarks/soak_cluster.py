@@ -88,8 +88,8 @@ class SoakCluster:
     ) -> None:
         self.out = out
         self.secret = secret
-        self.redis = RedisTopology(redis_mode, out)
-        self.pg = PgTopology(pg_mode, out, pg_promote_after)
+        self.redis = RedisTopology(redis_mode, out, restart_delay)
+        self.pg = PgTopology(pg_mode, out, pg_promote_after, restart_delay)
         self.models = out / "models"
         self.control_dir = out / "control"
         self.stall_log = out / "loop_stalls.jsonl"

@@ -143,8 +143,11 @@ class PgTopology:
     the new primary's standby (`pg_basebackup -R`). Clients reach whichever is primary through
     the multi-host URL (`target_session_attrs=read-write`)."""
 
-    def __init__(self, mode: str, out: Path, promote_after_s: float = 2.0) -> None:
+    def __init__(
+        self, mode: str, out: Path, promote_after_s: float = 2.0, restart_delay_s: float = 1.0
+    ) -> None:
         self.promote_after_s = promote_after_s  # the failover tool's detection time
+        self.restart_delay_s = restart_delay_s  # the supervisor's RestartSec (single)
         if mode not in ("single", "standby"):
             raise ValueError(f"--postgres {mode!r}: single or standby")
         self.mode = mode
@@ -187,6 +190,7 @@ class PgTopology:
 
         def recover() -> float:
             if self.mode == "single":
+                time.sleep(self.restart_delay_s)  # the supervisor's RestartSec
                 victim.start()
                 took = time.monotonic() - killed_at
                 return took

@@ -196,7 +196,8 @@ class RedisTopology:
     a Sentinel; a killed primary is failed over by the Sentinel, and the supervisor restarts it
     only once the Sentinel has promoted the replica (the Sentinel then makes it a replica)."""
 
-    def __init__(self, mode: str, out: Path) -> None:
+    def __init__(self, mode: str, out: Path, restart_delay_s: float = 1.0) -> None:
+        self.restart_delay_s = restart_delay_s  # the supervisor's RestartSec
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed")
         self.mode = mode
@@ -249,6 +250,7 @@ class RedisTopology:
 
         def recover() -> float:
             if self.sentinel is None:
+                time.sleep(self.restart_delay_s)  # the supervisor's RestartSec
                 victim.start()
                 wait_for(lambda: victim.client().set("soak:probe", "1"), "Redis writable", 60)
                 return time.monotonic() - killed_at
