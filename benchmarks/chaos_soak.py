@@ -6,7 +6,8 @@ Topology: 2 `modelyard controller`s (one leads), 2 `modelyard gateway`s, local w
 `sentinel`: primary + replica + Sentinel, `redis+sentinel://` URL) and PostgreSQL (`--postgres
 single`: one server; `standby`: primary + streaming standby, multi-host URL with
 `target_session_attrs=read-write`). Load: `--clients` threads with the `openai` SDK (default
-retries) over both gateways, chat (streamed and not) and completions, plus a batch every
+retries) over both gateways, chat (streamed and not), completions and embeddings (a tiny
+embedding model on the encoder host; `--no-embeddings` leaves them out), plus a batch every
 `--batch-every` seconds.
 
 Kills in rotation (`--kill worker,gateway,leader,redis,postgres`): a worker replica, a gateway
@@ -59,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=4, help="SDK client threads (4)")
     p.add_argument("--rate", type=float, default=8.0, help="requests/s offered in all (8)")
     p.add_argument("--replicas", type=int, default=2, help="worker replicas of the model (2)")
+    p.add_argument(
+        "--embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="embeddings in the mix (a tiny embedding model on the encoder host)",
+    )
     p.add_argument("--batch-items", type=int, default=10, help="items per batch (10; 0: none)")
     p.add_argument("--batch-every", type=float, default=45.0, help="seconds between batches")
     p.add_argument("--restart-delay", type=float, default=1.0, help="supervisor's RestartSec")
@@ -115,11 +122,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     failed = True
     try:
         t_setup = time.monotonic()
-        cluster.start(replicas=args.replicas)
+        cluster.start(replicas=args.replicas, embeddings=args.embeddings)
         setup_s = time.monotonic() - t_setup
         print(f"cluster up in {setup_s:.1f}s: {cluster.describe()}", flush=True)
         load = Load(
-            cluster.gateway_urls, cluster.key, cluster.model, args.clients, args.rate, args.timeout
+            cluster.gateway_urls,
+            cluster.key,
+            cluster.model,
+            args.clients,
+            args.rate,
+            args.timeout,
+            cluster.embed_model,
         )
         batches = Batches(
             cluster.sdk(cluster.key), args.batch_items, args.batch_every, cluster.model

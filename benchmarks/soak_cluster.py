@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,9 +23,11 @@ from benchmarks.soak_postgres import PgTopology
 from benchmarks.soak_topology import Proc, RedisTopology, RoleNode, wait_for
 from modelyard.core.cluster_auth import verified_leader_url
 from modelyard.core.cluster_keys import LEADER_KEY
+from tests.tiny_encoders import build_embedding_model
 from tests.tiny_models import build_model
 
 MODEL = "tiny"
+EMBED_MODEL = "tiny-embed"
 
 
 class Supervisor:
@@ -102,12 +103,16 @@ class SoakCluster:
         self.endpoint = ""
         self.replicas = 0
         self.model = MODEL
+        self.embed_model = ""
         self._gateway_kills = 0
 
     # ----- start and stop --------------------------------------------------------------------
 
-    def start(self, replicas: int) -> None:
+    def start(self, replicas: int, embeddings: bool = False) -> None:
         build_model(self.models / MODEL, "llama")
+        if embeddings:
+            build_embedding_model(self.models / EMBED_MODEL)
+            self.embed_model = EMBED_MODEL
         self.pg.start()
         self.redis.start()
         env = {
@@ -139,6 +144,8 @@ class SoakCluster:
         self.supervisor = Supervisor([*self.controllers, *self.gateways], self.restart_delay)
         self.supervisor.start()
         self._provision(replicas)
+        if embeddings:
+            self._deploy_embeddings()
 
     def _provision(self, replicas: int) -> None:
         admin = (self.control_dir / "admin_key").read_text().strip()
@@ -178,6 +185,21 @@ class SoakCluster:
         self.replicas = replicas
         wait_for(lambda: len(self.ready_pids()) == replicas, "the replicas ready", 180, 0.5)
 
+    def _deploy_embeddings(self) -> None:
+        """The tiny embedding model, served by the encoder host the leader runs."""
+        admin = (self.control_dir / "admin_key").read_text().strip()
+        with self.api(admin) as api:
+            body = {"model_name": EMBED_MODEL, "public": True,
+                    "model_artifact": str(self.models / EMBED_MODEL)}  # fmt: skip
+            r = api.post("/v1/models/deploy", json=body)
+            assert r.status_code == 202, r.text
+            endpoint = r.json()["endpoint_id"]
+
+            def ready() -> bool:
+                return api.get(f"/v1/endpoints/{endpoint}").json().get("status") == "ready"
+
+            wait_for(ready, "the embedding endpoint ready", 180, 0.5)
+
     def close(self) -> None:
         self.supervisor.stop()
         for node in [*self.gateways, *self.controllers]:
@@ -189,13 +211,19 @@ class SoakCluster:
             node.remove()
 
     def _kill_workers(self) -> None:
-        """Worker replicas outlive their controllers by design: stop this run's, found by its
-        own model folder on their command line."""
-        found = subprocess.run(["pgrep", "-f", str(self.models)], capture_output=True, text=True)
-        for pid in (int(p) for p in found.stdout.split()):
-            if pid != os.getpid():
+        """Worker replicas (and the encoder host) outlive their controllers by design: stop
+        this run's, found by the stall-log path unique to this run in their environment."""
+        marker = f"MODELYARD_LOOP_STALL_LOG={self.stall_log}".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in environ:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(int(entry.name), signal.SIGKILL)
 
     # ----- looking at it ---------------------------------------------------------------------
 
@@ -218,7 +246,8 @@ class SoakCluster:
 
     def describe(self) -> str:
         return (
-            f"2 controllers, 2 gateways, {self.replicas} worker replicas, Redis "
+            f"2 controllers, 2 gateways, {self.replicas} worker replicas"
+            f"{' + an embedding model' if self.embed_model else ''}, Redis "
             f"{self.redis.mode}, PostgreSQL {self.pg.mode}"
         )
 

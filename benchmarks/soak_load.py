@@ -21,7 +21,7 @@ import httpx
 import openai
 
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
-KINDS = ("chat", "chat_stream", "completion")
+KINDS = ("chat", "chat_stream", "completion", "embedding")
 MESSAGES = [{"role": "user", "content": "Tell me a story about a fox"}]
 
 
@@ -84,7 +84,15 @@ class FailoverTransport(httpx.BaseTransport):
 class SoakClient:
     """One SDK client with a home gateway; `call(kind)` runs one request and records it."""
 
-    def __init__(self, gateways: list[str], home: int, key: str, model: str, timeout_s: float):
+    def __init__(
+        self,
+        gateways: list[str],
+        home: int,
+        key: str,
+        model: str,
+        timeout_s: float,
+        embed_model: str = "",
+    ) -> None:
         self.transport = FailoverTransport(gateways, home)
         self._current: Outcome | None = None
         http = httpx.Client(
@@ -96,6 +104,7 @@ class SoakClient:
             base_url=f"{gateways[home]}/v1", api_key=key, http_client=http, timeout=timeout_s
         )  # max_retries: the SDK's default (2)
         self.model = model
+        self.embed_model = embed_model
 
     def _on_request(self, request: httpx.Request) -> None:
         if self._current is not None:
@@ -151,6 +160,12 @@ class SoakClient:
             outcome.ok = finished
             if not finished:
                 outcome.error = "stream ended without a finish_reason"
+        elif kind == "embedding":
+            raw = self.sdk.embeddings.with_raw_response.create(
+                model=self.embed_model, input="The quick brown fox"
+            )
+            outcome.status, outcome.request_id = raw.status_code, raw.headers.get("x-request-id")
+            outcome.ok = bool(raw.parse().data)
         else:
             raise ValueError(kind)
 
@@ -166,7 +181,8 @@ def _code(exc: openai.APIStatusError) -> str:
 
 class Load:
     """`clients` threads, each with its own SDK client (home gateway: client i % gateways), the
-    kinds in turn, paced so that all together send about `rate` requests a second."""
+    kinds in turn (embeddings only with an `embed_model`), paced so that all together send about
+    `rate` requests a second."""
 
     def __init__(
         self,
@@ -176,9 +192,12 @@ class Load:
         clients: int,
         rate: float,
         timeout_s: float = 30.0,
+        embed_model: str = "",
     ) -> None:
+        self.kinds = KINDS if embed_model else KINDS[:-1]
         self.clients = [
-            SoakClient(gateways, i % len(gateways), key, model, timeout_s) for i in range(clients)
+            SoakClient(gateways, i % len(gateways), key, model, timeout_s, embed_model)
+            for i in range(clients)
         ]
         self.gap_s = clients / rate
         self.outcomes: list[Outcome] = []
@@ -194,7 +213,7 @@ class Load:
             t.start()
 
     def _run(self, client: SoakClient, index: int) -> None:
-        kinds = itertools.islice(itertools.cycle(KINDS), index % len(KINDS), None)
+        kinds = itertools.islice(itertools.cycle(self.kinds), index % len(self.kinds), None)
         next_at = time.monotonic()
         for kind in kinds:
             if self._stop.is_set():
@@ -240,6 +259,7 @@ def tally(outcomes: list[Outcome]) -> dict[str, Any]:
             for v in ("ok", "retryable", "lost")
         }
         for k in KINDS
+        if any(o.kind == k for o in outcomes)
     }
     return {
         "sent": len(outcomes),

@@ -2,9 +2,10 @@
 gateways, 2 worker replicas of a tiny model on private PostgreSQL and Redis servers, under
 steady load from `openai` SDK clients (default retries) over both gateways, with a worker, a
 gateway and the leading controller SIGKILLed in rotation every 20 s, each restarted as a
-supervisor would. The pieces on this branch only: one Redis, one PostgreSQL (the full rotation,
-Redis primary and PostgreSQL primary included, needs Sentinel support and multi-host PostgreSQL
-URLs: `--redis sentinel --postgres standby`).
+supervisor would. The pieces on main only: one Redis, one PostgreSQL, no embeddings (the full
+rotation, Redis primary and PostgreSQL primary included, needs Sentinel support and multi-host
+PostgreSQL URLs: `--redis sentinel --postgres standby`; embeddings need a takeover that keeps
+the encoder host). The second test checks that full rotation's harness alone.
 
 Asserted:
 - every kill recovered (a replacement replica ready, the gateway back, a standby leading);
@@ -120,6 +121,9 @@ def test_short_chaos_soak_loses_and_double_bills_nothing(tmp_path: Path, cache_d
         "--duration", "120", "--kill-every", "20", "--kill", "worker,gateway,leader",
         "--redis", "single", "--postgres", "single", "--clients", str(CLIENTS),
         "--batch-every", "30", "--out", str(out),
+        # Not yet: each new leader restarts the shared encoder host, and embeddings answer
+        # 404 model_not_found meanwhile (issue 30, item 5); drop this once it is adopted.
+        "--no-embeddings",
     ])  # fmt: skip
     report = chaos_soak.run(args)
     print(chaos_soak.summary(report))
