@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cluster.sdk(cluster.key), args.batch_items, args.batch_every, cluster.model
         )
         started = time.monotonic()
+        cluster.supervisor.epoch = started
         load.start()
         batches.start()
         kills = chaos_loop(cluster, args, started)

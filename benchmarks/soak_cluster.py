@@ -39,7 +39,7 @@ class Supervisor:
         self.expected: set[str] = set()
         self.unplanned: list[dict[str, Any]] = []
         self.restarts = 0
-        self._started = time.monotonic()
+        self.epoch = time.monotonic()  # `at_s` of an unplanned exit counts from here
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True, name="soak-supervisor")
@@ -64,7 +64,7 @@ class Supervisor:
                             {
                                 "process": node.name,
                                 "code": node.popen.returncode,
-                                "at_s": round(time.monotonic() - self._started, 1),
+                                "at_s": round(time.monotonic() - self.epoch, 1),
                             }
                         )
                 if self._stop.wait(self.delay_s):  # RestartSec
