@@ -272,7 +272,12 @@ class SoakCluster:
         return [*self.controllers, *self.gateways, *self.redis.procs(), *self.pg.procs()]
 
     def logs_tail(self, chars: int = 3000) -> str:
-        return "\n".join(f"===== {p.name} ({p.log_path})\n{p.tail(chars)}" for p in self.procs())
+        """The tail of every process's log: servers, roles, and the replicas the controllers
+        started (their logs are in the controllers' shared data dir)."""
+        parts = [f"===== {p.name} ({p.log_path})\n{p.tail(chars)}" for p in self.procs()]
+        for log in sorted((self.control_dir / "logs").glob("*.log")):
+            parts.append(f"===== {log}\n{log.read_text(errors='replace')[-chars:]}")
+        return "\n".join(parts)
 
     def loop_stalls(self) -> int:
         try:

@@ -40,8 +40,10 @@ CLIENTS = 4
 
 
 def _logs(out: Path, chars: int = 4000) -> str:
-    """Every process's log (tail) and the loop-stall log, for a failure's report."""
-    logs = [*sorted((out / "logs").glob("*.log")), out / "loop_stalls.jsonl"]
+    """Every process's log (tail): servers and roles, the replicas the controllers started (in
+    their shared data dir) and the loop-stall log, for a failure's report."""
+    replicas = sorted((out / "control" / "logs").glob("*.log"))
+    logs = [*sorted((out / "logs").glob("*.log")), *replicas, out / "loop_stalls.jsonl"]
     return "\n".join(
         f"===== {log.name}\n{log.read_text(errors='replace')[-chars:]}"
         for log in logs
