@@ -91,7 +91,8 @@ def test_a_version_without_a_ready_replica_falls_back_and_weight_zero_is_never_p
 def test_a_canarys_load_is_its_own_replicas_and_its_share_of_the_queue() -> None:
     from modelyard.control.autoscaler import ScalingPolicy
     from modelyard.control.state import Replica
-    from modelyard.control.version_scaling import VersionLoad, canary_autoscaler
+    from modelyard.control.version_load import VersionLoad
+    from modelyard.control.version_scaling import canary_autoscaler
     from modelyard.core.status import ReplicaState
 
     route = _route({"v1": 75, "v2": 25})

@@ -20,7 +20,7 @@ from modelyard.store.db import Database
 from modelyard.store.tables import Endpoint, EndpointVersion
 
 if TYPE_CHECKING:
-    from modelyard.control.version_scaling import VersionLoad
+    from modelyard.control.version_load import VersionLoad
 
 
 class VersionRole(StrEnum):

@@ -30,7 +30,8 @@ from modelyard.control.canary import SloPolicy
 from modelyard.control.registry import ResolvedVersion
 from modelyard.control.replicas import ReplicaController
 from modelyard.control.state import EndpointState, Replica, VersionRef, engine_env
-from modelyard.control.version_scaling import VersionLoad, canary_autoscaler, max_replicas
+from modelyard.control.version_load import VersionLoad
+from modelyard.control.version_scaling import canary_autoscaler, max_replicas
 from modelyard.control.version_scaling import stable_cap as cap_beside
 from modelyard.control.version_tracks import (
     Track,
