@@ -36,6 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from modelyard.core.cluster_auth import CLUSTER_SECRET_ENV, worker_token
 from tests.databases import platform_mode_env
 from tests.platform_harness import (
     PlatformProcess,
@@ -45,6 +46,7 @@ from tests.platform_harness import (
 )
 from tests.tiny_models import build_model
 
+SECRET = "gateway-overhead-benchmark-secret-0123456789"
 BODY = {
     "model": "tiny",
     "messages": [{"role": "user", "content": "Hi"}],
@@ -64,10 +66,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def latency(direct: str, gateway: str, key: str, n: int) -> dict[str, list[float]]:
+def latency(
+    direct: str, direct_headers: dict[str, str], gateway: str, key: str, n: int
+) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"direct": [], "gateway": []}
     with (
-        httpx.Client(timeout=30) as d,
+        httpx.Client(timeout=30, headers=direct_headers) as d,
         httpx.Client(timeout=30, headers={"authorization": f"Bearer {key}"}) as g,
     ):
         for _ in range(20):  # warm connections and caches
@@ -118,7 +122,9 @@ def main() -> None:
     engine = json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"})
     with contextlib.ExitStack() as stack:
         stores = stack.enter_context(platform_mode_env(args.stores))
-        env = {"MODELYARD_WORKER_ENGINE": engine, **stores}
+        # A known cluster secret: the replicas demand the worker token derived from it, which
+        # the direct requests carry as the platform's own do.
+        env = {"MODELYARD_WORKER_ENGINE": engine, CLUSTER_SECRET_ENV: SECRET, **stores}
         platform = PlatformProcess(work / "data", env).start()
         stack.callback(platform.stop)
         report = measure(platform, model, args)
@@ -144,8 +150,9 @@ def measure(platform: PlatformProcess, model: Path, args: argparse.Namespace) ->
     tenant = create_tenant(admin, "bench", quota=10**12)
     key = create_key(admin, tenant, rpm_limit=10**7, tpm_limit=10**9)["key"]
 
-    lat = latency(worker, platform.url, key, args.requests)
-    rps_direct, _ = asyncio.run(throughput(worker, {}, args.concurrency, args.seconds))
+    direct = {"authorization": f"Bearer {worker_token(SECRET)}"}
+    lat = latency(worker, direct, platform.url, key, args.requests)
+    rps_direct, _ = asyncio.run(throughput(worker, direct, args.concurrency, args.seconds))
     cpu_before = cpu_seconds(platform.proc.pid)
     rps_gateway, answered = asyncio.run(
         throughput(platform.url, {"authorization": f"Bearer {key}"}, args.concurrency, args.seconds)
