@@ -139,9 +139,13 @@ class SentinelRedis:
         wait_until(promoted, "the Sentinels to promote the replica", timeout=timeout, interval=0.1)
 
     def _named_by(self, port: int) -> int | None:
+        """The primary's port as this Sentinel tells clients: only once it no longer flags it
+        down (a client asking in between gets no primary, as redis-py's discovery checks)."""
         with contextlib.suppress(redis.RedisError), self._client(port) as c:
-            address = c.sentinel_get_master_addr_by_name(SERVICE)
-            return int(address[1]) if address else None
+            state = c.sentinel_master(SERVICE)
+            if not state or not state.get("is_master") or state.get("is_sdown"):
+                return None
+            return None if state.get("is_odown") else int(state["port"])
         return None
 
     def logs(self) -> str:

@@ -77,10 +77,11 @@ def test_a_blocked_loop_is_recorded_with_the_blocking_functions_stack(
     assert len(monitor.stalls) == 1
     stall = monitor.stalls[0]
     assert stall.stalled_s > 0.1 and stall.duration_s is not None
-    # It lasted as long as the loop was hogged, less at most the heartbeat it began between
-    # (the loop thread sleeping is not time the OS kept it from running): far more than when
-    # it was found.
-    assert stall.duration_s >= 0.5 - monitor.interval_s > stall.stalled_s
+    # It lasted about as long as the loop was hogged (0.5 s), less the heartbeat it began
+    # between and the time a loaded machine kept the loop thread waiting for a CPU (taken off,
+    # as the monitor does, and only approximately): far more than when it was found (~0.1 s,
+    # what a duration mistaken for the detection time would read).
+    assert stall.duration_s > 0.3 and stall.duration_s > stall.stalled_s
     stack = "\n".join(stall.stack)
     assert "in hog_the_loop" in stack and "time.sleep(seconds)" in stack, stack
     assert "in main" in stack, stack

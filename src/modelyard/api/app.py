@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -34,6 +35,7 @@ from modelyard.core.loop_monitor import watching_loop
 from modelyard.gateway.request_context import GatewayRequestContext
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.oip import install_oip_error_handlers
+from modelyard.protocol.route_warmup import warm_routes
 
 
 def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
@@ -44,6 +46,7 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
             await lifecycle.start()
+            await asyncio.to_thread(warm_routes, app)  # not on the first request's loop turn
             try:
                 yield
             finally:

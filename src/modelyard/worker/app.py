@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,6 +19,7 @@ from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 from modelyard.protocol.responses import JSONResponse
 from modelyard.protocol.responses_api import ResponsesRequest
+from modelyard.protocol.route_warmup import warm_routes
 from modelyard.worker.auth import install_token_check
 from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.openai_serving import OpenAIServing
@@ -43,6 +45,7 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
             engine.start()
+            await asyncio.to_thread(warm_routes, app)  # not on the first request's loop turn
             if owner_watch is not None:  # its clock starts when the replica serves
                 owner_watch.start()
             yield

@@ -37,6 +37,7 @@ from modelyard.protocol.errors import APIError, bad_request, install_error_handl
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.oip import install_oip_error_handlers
 from modelyard.protocol.responses import json_response
+from modelyard.protocol.route_warmup import warm_routes
 from modelyard.worker.auth import configured_token, install_token_check
 from modelyard.worker.encoder_serving import EncoderServing
 from modelyard.worker.owner import install_owner_watch
@@ -72,6 +73,7 @@ def create_encoder_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
+            await asyncio.to_thread(warm_routes, app)  # not on the first request's loop turn
             if owner_watch is not None:  # its clock starts when the host serves
                 owner_watch.start()
             yield
