@@ -13,14 +13,13 @@ died leaves the sum without taking its requests back. Then every endpoint named 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
 from typing import Any
 
 from modelyard.core.cluster_keys import ACTIVATE_KEY, LOAD_PREFIX
+from modelyard.core.periodic import Periodic
 from modelyard.core.routing import Activate, RoutingTable
 
 log = logging.getLogger(__name__)
@@ -40,24 +39,15 @@ class LoadAggregator:
         self.every_s = every_s
         self._in_flight: dict[tuple[str, str], int] = {}  # (endpoint, replica) -> applied
         self._requests: dict[tuple[str, str], int] = {}  # (gateway, endpoint) -> last total
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic(
+            self.tick, every_s, "cluster-load", "reading the gateways' load from Redis failed", log
+        )
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="cluster-load")
+        self._rounds.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except Exception as exc:
-                log.warning("reading the gateways' load from Redis failed: %s", exc)
-            await asyncio.sleep(self.every_s)
+        await self._rounds.stop()
 
     async def tick(self) -> None:
         keys = [k async for k in self.redis.scan_iter(match=LOAD_PREFIX + "*", count=1000)]

@@ -12,8 +12,6 @@ window takes in whole buckets of `OUTCOME_BUCKET_S`, up to one bucket more than 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
@@ -24,6 +22,7 @@ from modelyard.core.outcome_counts import (
     bucket_of,
     outcome_key,
 )
+from modelyard.core.periodic import Periodic
 from modelyard.core.routing import VersionWindow
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,13 @@ class ClusterOutcomes:
         self.forget_after_s = forget_after_s
         self._asked: dict[_Version, tuple[float, float]] = {}  # -> (window_s, asked at)
         self._buckets: dict[_Version, dict[int, OutcomeCounts]] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic(
+            self.fetch,
+            every_s,
+            "cluster-outcomes",
+            "reading the gateways' request outcomes from Redis failed",
+            log,
+        )
 
     def window(self, endpoint_id: str, version_id: str, window_s: float) -> VersionWindow:
         """`ReadVersionStats`: the version's outcomes at every gateway over `window_s`."""
@@ -76,18 +81,7 @@ class ClusterOutcomes:
         self._buckets = fetched
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="cluster-outcomes")
+        self._rounds.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.fetch()
-            except Exception as exc:
-                log.warning("reading the gateways' request outcomes from Redis failed: %s", exc)
-            await asyncio.sleep(self.every_s)
+        await self._rounds.stop()

@@ -11,13 +11,13 @@ on invented ones.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from typing import Any
 
 from modelyard.core.outcome_counts import OUTCOME_TTL_S, OutcomeCounts, bucket_of, outcome_key
+from modelyard.core.periodic import Periodic
 from modelyard.core.routing import RoutingTable
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,14 @@ class OutcomeReporter:
         self.routing = routing
         self.every_s = every_s
         self._pending: dict[str, OutcomeCounts] = {}  # Redis key -> counts not yet added
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic(
+            self.flush,
+            every_s,
+            "gateway-outcome-report",
+            "adding request outcomes to Redis failed",
+            log,
+            wait_first=True,
+        )
 
     def record(self, endpoint_id: str, version_id: str, ok: bool, latency_s: float | None) -> None:
         route = self.routing.get(endpoint_id)
@@ -53,20 +60,9 @@ class OutcomeReporter:
             await pipe.execute()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="gateway-outcome-report")
+        self._rounds.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._rounds.stop()
         with contextlib.suppress(Exception):
             await self.flush()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.every_s)
-            try:
-                await self.flush()
-            except Exception as exc:
-                log.warning("adding request outcomes to Redis failed: %s", exc)

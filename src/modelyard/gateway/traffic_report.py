@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 from modelyard.core.cluster_keys import ACTIVATE_KEY, LOAD_PREFIX
+from modelyard.core.periodic import Periodic
 from modelyard.core.routing import RoutingTable
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,9 @@ class TrafficReporter:
         self.routing = routing
         self.every_s = every_s
         self.key = LOAD_PREFIX + gateway_id()
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic(
+            self.report, every_s, "gateway-load-report", "reporting load to Redis failed", log
+        )
         self._pending: set[asyncio.Task[None]] = set()
 
     def snapshot(self) -> dict[str, Any]:
@@ -55,23 +58,12 @@ class TrafficReporter:
         await self.redis.set(self.key, json.dumps(self.snapshot()), px=ttl_ms)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="gateway-load-report")
+        self._rounds.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._rounds.stop()
         with contextlib.suppress(Exception):
             await self.redis.delete(self.key)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.report()
-            except Exception as exc:
-                log.warning("reporting load to Redis failed: %s", exc)
-            await asyncio.sleep(self.every_s)
 
     def activate(self, endpoint_id: str) -> None:
         """The gateway's `Activate` verb in cluster mode: ask the leader for a replica."""
