@@ -61,7 +61,8 @@ def _setup_logging(level: str | None, suffix: str = "", replica: bool = False) -
     from modelyard.core.tracing import configure_tracing
 
     try:
-        settings = TelemetrySettings(**({"log_level": level} if level else {}))
+        overrides: dict[str, Any] = {"log_level": level} if level else {}
+        settings = TelemetrySettings(**overrides)
         setup_logging(settings, replica=replica)
         configure_tracing(settings, settings.otel_service_name + suffix)
     except (ValidationError, RuntimeError) as exc:
@@ -203,7 +204,7 @@ def _run_role(kind: str, host: str | None, port: int | None, data_dir: Path | No
     if log_level:
         os.environ["MODELYARD_LOG_LEVEL"] = telemetry.log_level
     os.umask(0o077)
-    given = {"host": host, "port": port, "data_dir": data_dir}
+    given: dict[str, Any] = {"host": host, "port": port, "data_dir": data_dir}
     settings = PlatformSettings(**{k: v for k, v in given.items() if v is not None})
     try:
         role = GatewayRole(settings) if kind == "gateway" else ControllerRole(settings)

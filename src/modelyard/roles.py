@@ -80,6 +80,7 @@ def check_cluster_settings(settings: PlatformSettings) -> None:
 
 class _Role:
     platform: Platform
+    settings: PlatformSettings
     outcomes: OutcomeReporter
 
     def _report_outcomes(self) -> None:
@@ -224,8 +225,8 @@ class ControllerRole(_Role):
         loop = asyncio.get_running_loop()
         self.keeper = LeaseKeeper(
             self.lease,
-            on_acquired=lambda: loop.call_soon_threadsafe(self._begin_takeover),
-            on_lost=lambda: loop.call_soon_threadsafe(self._begin_step_down),
+            on_acquired=lambda: _call_soon(loop, self._begin_takeover),
+            on_lost=lambda: _call_soon(loop, self._begin_step_down),
         )
         self.keeper.start()
         self.cluster_outcomes.start()
@@ -376,3 +377,8 @@ async def _bounded(what: str, stopping: Coroutine[Any, Any, None], within_s: flo
     task.print_stack(file=stack)
     task.cancel()
     log.error("%s did not stop within %.1fs; left behind:\n%s", what, within_s, stack.getvalue())
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """Run `callback` on `loop` from the lease keeper's thread."""
+    loop.call_soon_threadsafe(callback)

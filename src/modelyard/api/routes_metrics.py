@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -67,7 +68,9 @@ def install_metrics(app: FastAPI, services: Services) -> None:
         status = status_of(exc)
         if status in (503, 504) and request.url.path.startswith(_INFERENCE_PATHS):
             services.metrics.refused(status, exc.code or exc.kind)
-        response: Response = await answer(request, exc)
+        answered = answer(request, exc)  # Starlette types a handler as maybe-sync; ours is async
+        assert inspect.isawaitable(answered)
+        response: Response = await answered
         return response
 
     app.add_exception_handler(DomainError, counted)

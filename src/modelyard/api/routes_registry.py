@@ -120,7 +120,7 @@ async def create_version(
     if version.format == "lora":  # endpoints serving its base can serve it now
         await services.endpoints.adapters_changed(principal.tenant_id)
     await services.audit.record(
-        principal, "model_version.push", "model_version", view["id"], None, view
+        principal, "model_version.push", "model_version", str(view["id"]), None, view
     )
     return JSONResponse(view, status_code=201)
 

@@ -87,7 +87,7 @@ class StorableText:
                 return False
             for name, value in scope.get("headers", ()):
                 if name == b"content-type":
-                    return value.split(b";")[0].strip().lower() == b"application/json"
+                    return bool(value.split(b";")[0].strip().lower() == b"application/json")
             return False
 
         async def checked_receive() -> Message:

@@ -24,7 +24,7 @@ from modelyard.gateway.accounting import ItemUsage
 from modelyard.gateway.metering import UsageEvent
 from modelyard.protocol.errors import body_of, status_of
 from modelyard.store import repository as repo
-from modelyard.store.db import Database
+from modelyard.store.db import Database, rows_changed
 from modelyard.store.tables import ApiKey, Batch, BatchItem, Tenant
 
 log = logging.getLogger(__name__)
@@ -156,20 +156,22 @@ class ItemRunner:
             key = s.get(ApiKey, key_id)
             if key is None or key.revoked_at is not None:
                 return False  # nothing is billed under a revoked key
-            changed = s.execute(
-                update(BatchItem)
-                .where(BatchItem.id == item_id, BatchItem.status == ItemStatus.PENDING)
-                .values(
-                    status=ItemStatus.DONE if ok else ItemStatus.ERROR,
-                    status_code=status,
-                    response=result,
-                    error=error,
-                    request_id=request_id,
-                    finished_at=repo.now(),
-                    lease_owner=self.owner,  # who recorded it (its lease no longer matters)
-                    lease_expires_at=None,
+            changed = rows_changed(
+                s.execute(
+                    update(BatchItem)
+                    .where(BatchItem.id == item_id, BatchItem.status == ItemStatus.PENDING)
+                    .values(
+                        status=ItemStatus.DONE if ok else ItemStatus.ERROR,
+                        status_code=status,
+                        response=result,
+                        error=error,
+                        request_id=request_id,
+                        finished_at=repo.now(),
+                        lease_owner=self.owner,  # who recorded it (its lease no longer matters)
+                        lease_expires_at=None,
+                    )
                 )
-            ).rowcount
+            )
             if changed:
                 counter = Batch.completed if ok else Batch.failed
                 s.execute(update(Batch).where(Batch.id == batch_id).values({counter: counter + 1}))

@@ -31,7 +31,7 @@ from sqlalchemy.orm import aliased
 
 from modelyard.batch.service import ItemStatus
 from modelyard.store import repository as repo
-from modelyard.store.db import Database
+from modelyard.store.db import Database, rows_changed
 from modelyard.store.tables import BatchItem
 
 
@@ -129,7 +129,7 @@ class ItemLeases:
             synchronize_session=False
         )
         with self.db.session() as s:
-            return int(s.execute(stmt).rowcount)
+            return rows_changed(s.execute(stmt))
 
     def pending(self, batch_id: str) -> int:
         """Items of the batch not finished yet, held by a runner or not."""

@@ -46,7 +46,9 @@ class Notifier:
         if url:
             return str(url), False
         operator_url = self.settings.batch_webhook_url
-        if operator_url and await asyncio.to_thread(self._is_system, batch.tenant_id):
+        if not operator_url:
+            return None
+        if await asyncio.to_thread(self._is_system, batch.tenant_id):
             return operator_url, True
         return None
 

@@ -11,7 +11,7 @@ from sqlalchemy import select, update
 from modelyard.batch.files import FileService
 from modelyard.batch.service import BatchStatus, ItemStatus
 from modelyard.store import repository as repo
-from modelyard.store.db import Database
+from modelyard.store.db import Database, rows_changed
 from modelyard.store.tables import Batch, BatchItem
 
 # Line separators that JSON leaves unescaped but Python's `str.splitlines()` (and some other
@@ -87,7 +87,7 @@ def finalize(db: Database, files: FileService, batch_id: str) -> bool:
 
 def expire_pending(db: Database, batch_id: str) -> None:
     with db.session() as s:
-        n = s.execute(
+        n = rows_changed(s.execute(
             update(BatchItem)
             .where(BatchItem.batch_id == batch_id, BatchItem.status == ItemStatus.PENDING)
             .values(
@@ -97,5 +97,5 @@ def expire_pending(db: Database, batch_id: str) -> None:
                                   "completion window expired."},
                 finished_at=repo.now(),
             )
-        ).rowcount  # fmt: skip
+        ))  # fmt: skip
         s.execute(update(Batch).where(Batch.id == batch_id).values(failed=Batch.failed + n))

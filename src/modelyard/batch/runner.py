@@ -17,6 +17,7 @@ ends cancelled, saying why (`stops.py`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -109,7 +110,7 @@ class BatchRunner:
                         continue
                     task = asyncio.create_task(self._process(batch_id), name=batch_id)
                     self._tasks[batch_id] = task
-                    task.add_done_callback(lambda t, b=batch_id: self._tasks.pop(b, None))
+                    task.add_done_callback(functools.partial(self._forget, batch_id))
                 if first:
                     await self.notifier.resend()
                     first = False
@@ -146,6 +147,9 @@ class BatchRunner:
 
     def _stop_reason(self, batch_id: str) -> Stop | None:
         return stop_reason(self.db, batch_id)
+
+    def _forget(self, batch_id: str, _task: asyncio.Task[None]) -> None:
+        self._tasks.pop(batch_id, None)
 
     async def _process(self, batch_id: str) -> None:
         try:
@@ -207,7 +211,7 @@ class BatchRunner:
                     if item is not None:
                         held.add(item.id)
                         await self.budget.yield_to_interactive(
-                            lambda b=item.body: self._route(principal, b)
+                            functools.partial(self._route, principal, item.body)
                         )
                         stop = await asyncio.to_thread(self._stop_reason, batch.id)
                 except BaseException:
@@ -228,7 +232,7 @@ class BatchRunner:
                     )
                 )
                 in_flight.add(task)
-                task.add_done_callback(lambda t, i=item.id: done(t, i))
+                task.add_done_callback(functools.partial(done, item_id=item.id))
             stop = await self._drain(batch.id, in_flight, commits, stop)
         except BaseException:
             # Nothing may keep running behind a retry: the retry would send the same pending

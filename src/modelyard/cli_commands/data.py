@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import IO, Annotated, Any
+from typing import IO, Annotated, Any, cast
 
 import typer
 from rich.progress import (
@@ -67,7 +67,9 @@ def upload(c: PlatformClient, path: Path, purpose: str, quiet: bool = False) -> 
     with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
         task = progress.add_task(f"uploading {path.name}", total=size)
         with open(path, "rb") as f:
-            return dict(c.upload(path, purpose, ProgressReader(f, progress, task)))
+            # httpx needs only read, seek, tell and fileno of a file: ProgressReader has them
+            reader = cast(IO[bytes], ProgressReader(f, progress, task))
+            return dict(c.upload(path, purpose, reader))
 
 
 FILE_COLUMNS = [

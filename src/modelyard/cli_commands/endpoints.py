@@ -48,7 +48,7 @@ Outcome = Callable[[dict[str, Any]], bool | None]
 
 def status_of(view: dict[str, Any]) -> EndpointStatus | None:
     try:
-        return EndpointStatus(view.get("status"))
+        return EndpointStatus(str(view.get("status")))
     except ValueError:  # a status newer than this CLI
         return None
 
@@ -149,7 +149,7 @@ def wait_for(
 
 def wait_ready(
     c: PlatformClient, endpoint_id: str, timeout: float, quiet: bool = False, interval: float = 0.5
-) -> dict:
+) -> dict[str, Any]:
     """Follow a deploy until the endpoint serves or is stuck; the last view."""
     return wait_for(c, endpoint_id, timeout, deployed, quiet, interval)[0]
 

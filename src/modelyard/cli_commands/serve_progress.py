@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 
-from modelyard.cli_commands.endpoints import _replicas, _states, progress_line
+from modelyard.cli_commands.endpoint_tables import progress_line
+from modelyard.cli_commands.endpoints import _replicas, _states
 from modelyard.cli_commands.output import console
 
 

@@ -257,6 +257,7 @@ class Versions:
         ):
             raise Conflict("the canary has no replica serving yet", code="canary_not_ready")
         tracks = self.tracks[state.row.id]
+        assert state.row.version_id is not None  # an endpoint with a canary has a stable one
         old = tracks[state.row.version_id]
         old.role, old.weight = VersionRole.PREVIOUS, 0
         old.replicas = max(1, sum(r.version_id == old.version_id for r in state.live))
@@ -283,10 +284,11 @@ class Versions:
         tracks = self.tracks.get(state.row.id, {})
         canary = self.of(state, VersionRole.CANARY)
         previous = self.of(state, VersionRole.PREVIOUS)
+        stable_id = state.row.version_id or ""  # a deployed endpoint always has one
         if canary is not None:
-            gone, back = canary, tracks[state.row.version_id]
+            gone, back = canary, tracks[stable_id]
         elif previous is not None:
-            gone, back = tracks[state.row.version_id], previous
+            gone, back = tracks[stable_id], previous
             self._make_stable(state, previous)
         else:
             raise Conflict(

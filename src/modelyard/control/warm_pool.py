@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -188,7 +189,7 @@ class WarmPool:
 
 def _effective(env: dict[str, str]) -> EngineSettings | None:
     """The engine settings a worker given `env` runs with (None: not comparable)."""
-    fields = {
+    fields: dict[str, Any] = {
         key.removeprefix("MODELYARD_").lower(): value
         for key, value in env.items()
         if key.removeprefix("MODELYARD_").lower() in EngineSettings.model_fields

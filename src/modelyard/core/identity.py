@@ -74,7 +74,10 @@ class Limits:
 class TenantRow(Protocol):
     id: str
     name: str
-    tier: str | None
+
+    @property
+    def tier(self) -> str | None: ...  # read-only: a row whose tier is never None fits too
+
     max_rpm: int | None
     max_tpm: int | None
     monthly_token_quota: int | None

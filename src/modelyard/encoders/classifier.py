@@ -32,9 +32,11 @@ def _labels(config: Any) -> list[str]:
 def _probabilities(logits: np.ndarray, multi_label: bool) -> np.ndarray:
     logits = logits.astype(np.float64)
     if multi_label:
-        return 1.0 / (1.0 + np.exp(-logits))
+        sigmoid: np.ndarray = 1.0 / (1.0 + np.exp(-logits))
+        return sigmoid
     shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return shifted / shifted.sum(axis=1, keepdims=True)
+    softmax: np.ndarray = shifted / shifted.sum(axis=1, keepdims=True)
+    return softmax
 
 
 class _Classifier:
@@ -97,7 +99,8 @@ class SequenceClassifier(_Classifier):
         if self._takes_token_types:
             kwargs["token_type_ids"] = torch.from_numpy(batch.token_type_ids).to(self.device)
         with torch.inference_mode():
-            return self.model(**kwargs).logits.float().cpu().numpy()
+            logits: np.ndarray = self.model(**kwargs).logits.float().cpu().numpy()
+        return logits
 
     def memory_bytes(self) -> int:
         tensors = [*self.model.parameters(), *self.model.buffers()]

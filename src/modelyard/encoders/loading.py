@@ -5,7 +5,7 @@ batcher runs."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -65,7 +65,7 @@ def load_encoder(kind: ModelKind, folder: Path, device: str = "cpu") -> Encoder:
     raise UnsupportedModel(f"unknown model kind {kind!r} (one of {', '.join(MODEL_KINDS)})")
 
 
-def batch_function(model: Encoder) -> Callable[[list[Any]], Sequence[Any]]:
+def batch_function(model: Encoder) -> Callable[[list[Any]], list[Any]]:
     """What the model's batcher runs: one input per item (a text or a token-id list), giving
     `Embedded` for an embedding model and `Classified` for a classifier."""
     if isinstance(model, EmbeddingModel):

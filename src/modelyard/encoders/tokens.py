@@ -22,7 +22,7 @@ from modelyard.encoders.errors import InputTooLong, InputTooManyChars, InvalidTo
 _NO_LIMIT = 10**6
 # Families whose position ids start after the padding id, so max_position_embeddings overstates.
 _OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "mpnet"}
-Inputs = Sequence[str] | Sequence[Sequence[int]]
+Inputs = Sequence[str | Sequence[int]]  # a batch may mix texts and token-id lists
 
 
 @dataclass

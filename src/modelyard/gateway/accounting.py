@@ -69,13 +69,15 @@ class Accounting:
         self.metrics = metrics
         # All three in one Redis: admission takes one round trip (`admit_at_once`), and so
         # does settlement.
-        in_one_redis = (
+        self.at_once: RedisAdmission | None = None
+        self.settle_at_once: RedisSettlement | None = None
+        if (
             isinstance(limiter, RedisRateLimiter)
             and isinstance(quota, RedisQuotaCounter)
             and isinstance(slots, RedisConcurrencyLimiter)
-        )
-        self.at_once = RedisAdmission(limiter, quota, slots) if in_one_redis else None
-        self.settle_at_once = RedisSettlement(limiter, quota, slots) if in_one_redis else None
+        ):
+            self.at_once = RedisAdmission(limiter, quota, slots)
+            self.settle_at_once = RedisSettlement(limiter, quota, slots)
         # With the limits in Redis: what to do while it does not answer (set by the gateway).
         self.outage: LimitsOutage | None = None
         # The quota counters, rebuilt from the usage rows when Redis lost them.
@@ -112,12 +114,13 @@ class Accounting:
         if admitted.refused is not None:
             call.reserved = 0  # nothing taken: the refusal's settlement gives nothing back
             await self.close(call, served=False)
-            if admitted.refused == "quota":
-                exc: DomainError = self.quota_exceeded(p, admitted.quota_before)
-            else:
-                exc = self.concurrency_exceeded(p)
-            exc.headers.update(admitted.decision.headers())
-            raise exc
+            refusal: DomainError = (
+                self.quota_exceeded(p, admitted.quota_before)
+                if admitted.refused == "quota"
+                else self.concurrency_exceeded(p)
+            )
+            refusal.headers.update(admitted.decision.headers())
+            raise refusal
         if p.monthly_token_quota is not None:
             call.quota_reserved, call.quota_month = call.reserved, month
             if outage is not None:  # the last known total, for an outage's quota share

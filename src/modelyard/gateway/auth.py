@@ -173,14 +173,15 @@ class Authenticator:
                         self.stale_ttl_s)  # fmt: skip
             self._outage = True
         found = self._known.last_good(key_hash, now - self.stale_ttl_s)
-        if found is None or found[0] is None:
+        principal = None if found is None else found[0]
+        if found is None or principal is None:
             raise Unavailable(
                 "API keys cannot be checked right now (the platform's database is unreachable); "
                 f"please retry in {_RETRY_AFTER_S}s.",
                 code="auth_unavailable",
                 retry_after_s=_RETRY_AFTER_S,
             )
-        principal, looked_up = found
+        looked_up = found[1]
         # Tried again after one cache period, not on every request of the outage.
         self._known.put(key_hash, principal, now + self.cache_ttl_s, looked_up)
         return principal

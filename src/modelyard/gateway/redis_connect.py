@@ -42,7 +42,8 @@ def open_redis(url: str, timeout_s: float) -> Redis:
         username=target.username,
         password=target.password,
         retry=retry,
-        **timeouts,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
     )
     client.sentinels = tuple(sentinel.sentinels)  # type: ignore[attr-defined]
     return client
@@ -76,6 +77,6 @@ def _primary_following_connection() -> type:
         async def _connect(self) -> None:
             if self.connection_pool.is_master:
                 self.host, self.port = await self.connection_pool.get_master_address()
-            await super()._connect()
+            await super()._connect()  # type: ignore[no-untyped-call]
 
     return PrimaryFollowingConnection

@@ -16,10 +16,10 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -163,3 +163,9 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def rows_changed(result: Result[Any]) -> int:
+    """How many rows an UPDATE or DELETE changed (`Session.execute` is typed as a plain
+    `Result`; for those statements it is a `CursorResult`)."""
+    return int(cast("CursorResult[Any]", result).rowcount)

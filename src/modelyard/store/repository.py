@@ -287,7 +287,7 @@ def insert_usage(s: Session, rows: list[dict[str, Any]]) -> int:
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
     # One statement, the rows as parameters: compiled once and cached, not per batch.
     stmt = (
-        insert(UsageRecord.__table__)
+        insert(UsageRecord.__table__)  # type: ignore[arg-type]  # a Table at run time
         .on_conflict_do_nothing(index_elements=["request_id"])
         .returning(UsageRecord.__table__.c.request_id)
     )

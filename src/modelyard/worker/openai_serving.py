@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from fastapi import Request
 
@@ -256,16 +256,18 @@ class OpenAIServing:
         before it is tokenized."""
         if isinstance(prompt, str):
             prompt = [prompt]
+        prompts: list[list[int]]
         if prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [list(prompt)]  # type: ignore[arg-type]
+            prompts = [cast(list[int], list(prompt))]
         elif prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) > MAX_PROMPTS:
+            texts = cast(list[str], prompt)
+            if len(texts) > MAX_PROMPTS:
                 raise bad_request(f"at most {MAX_PROMPTS} prompts per request", "prompt")
-            for text in prompt:
-                self.budget.check_text(text)  # type: ignore[arg-type]
-            prompts = self.tokenizer.encode_many(prompt)  # type: ignore[arg-type]
+            for text in texts:
+                self.budget.check_text(text)
+            prompts = self.tokenizer.encode_many(texts)
         elif prompt and all(isinstance(p, list) for p in prompt):
-            prompts = [list(p) for p in prompt]  # type: ignore[arg-type]
+            prompts = [list(p) for p in cast(list[list[int]], prompt)]
         else:
             raise bad_request("prompt must be a string, a list of strings or token ids", "prompt")
         if len(prompts) > MAX_PROMPTS:

@@ -149,4 +149,4 @@ class TracedEngine:
 
 def traced(engine: EngineClient) -> EngineClient:
     """The engine the serving code should use: itself, or with spans while tracing is on."""
-    return TracedEngine(engine) if tracing.enabled() else engine  # type: ignore[return-value]
+    return TracedEngine(engine) if tracing.enabled() else engine

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import orjson
@@ -56,7 +56,7 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else []
-    for item in items or req.input:  # type: ignore[union-attr]
+    for item in items or req.input:
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
@@ -196,11 +196,12 @@ class ResponsesServing:
         envelope = self._envelope(req, response_id, created, "in_progress")
         if req.stream:
             usage = Usage()
-            body = self._stream(chat_req, job, request_id, envelope, usage)
-            if wants_stamps(request.headers):
-                body = stamp_tokens(body, usage)
+            stream = self._stream(chat_req, job, request_id, envelope, usage)
+            events: AsyncIterator[bytes] = (
+                stamp_tokens(stream, usage) if wants_stamps(request.headers) else stream
+            )
             return StreamingResponse(
-                body,
+                events,
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no",
                          "x-request-id": request_id, PROMPT_TOKENS_HEADER: str(len(job.prompt))},
@@ -230,7 +231,7 @@ class ResponsesServing:
         chat_req: ChatCompletionRequest,
         job: ChatJob,
         request_id: str,
-        envelope: dict,
+        envelope: dict[str, Any],
         counted: Usage,
     ) -> AsyncGenerator[bytes, None]:
         seq = 0

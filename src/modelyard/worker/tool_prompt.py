@@ -85,8 +85,8 @@ def template_messages(
                 f"<tool_call>\n{json.dumps(obj, ensure_ascii=False)}\n</tool_call>"
             )
         out.append({"role": m.role, "content": content})
-    for m in out:
-        m.pop("_tool_results", None)
+    for turn in out:
+        turn.pop("_tool_results", None)
     if tools:
         section = default_tool_prompt(plan)
         if out and out[0]["role"] in ("system", "developer"):

@@ -103,7 +103,7 @@ class ReplicaHost:
         import ray
 
         path = await asyncio.to_thread(self._model_path, spec, version, store)
-        host = ray.util.get_node_ip_address()
+        host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         port = free_port(host)
         cmd = [sys.executable, "-m", "modelyard.cli", spec.command, "--host", host,
                "--port", str(port), *spec.args]  # fmt: skip

@@ -14,7 +14,9 @@ def _per_node() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]
     """(free, total) resources of every alive node, as this Ray driver sees them."""
     from ray._private import state
 
-    return state.available_resources_per_node(), state.total_resources_per_node()
+    free = state.available_resources_per_node()  # type: ignore[no-untyped-call]
+    total = state.total_resources_per_node()  # type: ignore[no-untyped-call]
+    return free, total
 
 
 def _number(resource: str, value: float) -> str:

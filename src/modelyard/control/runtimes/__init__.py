@@ -38,7 +38,7 @@ class RuntimeLaunch:
         if self.framework == llama_cpp.NAME:
             extra, context = llama_cpp.server_args(options), llama_cpp.context_of(options)
         else:
-            extra, context = vllm.server_args(options), options.get("max_model_len")
+            extra, context = vllm.server_args(options), int(options.get("max_model_len") or 0)
         return (
             "--framework", self.framework, "--executable", self.executable,
             "--model", str(model_path), "--served-model-name", served_name,

@@ -24,5 +24,7 @@ if connection is not None:
     _run(connection)
 else:  # `alembic` command line: MODELYARD_DATABASE_URL or sqlalchemy.url
     url = config.get_main_option("sqlalchemy.url")
+    if url is None:
+        raise SystemExit("alembic: set MODELYARD_DATABASE_URL or sqlalchemy.url")
     with create_engine(url).connect() as conn:
         _run(conn)
