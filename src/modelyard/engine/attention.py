@@ -42,7 +42,9 @@ class AttentionMetadata:
     decode_lengths: torch.Tensor | None = None  # [B] int64
 
 
-def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def write_kv(
+    cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """Store the new tokens' K and V (`[T, kv_heads, head_dim]`) in their cache slots (in the
     cache's dtype, which may be narrower than the model's)."""
     cache[0].index_copy_(0, slot_mapping, k.to(cache.dtype))

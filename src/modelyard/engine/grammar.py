@@ -50,6 +50,8 @@ import torch
 from modelyard.engine.structured import StructuredKind, StructuredOutput
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
     from modelyard.engine.tokenizer import Tokenizer
 
 DEFAULT_CACHE_CAPACITY = 256
@@ -60,7 +62,11 @@ INITIAL_LEXER_FUEL = 50_000
 STEP_LEXER_FUEL = 50_000
 MAX_LEXER_STATES = 50_000  # 1-2 kB each
 MAX_GRAMMAR_SIZE = 100_000
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+}
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
 SAFE_INTEGER = 2**53 - 1
 NUMBER_STEP = 1e-9

@@ -138,9 +138,9 @@ class ModelRunner:
                 mask = torch.arange(padded_len) < lengths.unsqueeze(1)
                 decode_mask = mask.view(len(decodes), 1, 1, padded_len).to(self.device)
 
-        as_long = {"dtype": torch.long, "device": self.device}
+        device = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, **as_long),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             block_size=self.block_size,
             num_decodes=len(decodes),
             decode_block_tables=decode_tables,
@@ -150,10 +150,10 @@ class ModelRunner:
             decode_lengths=lengths,
         )
         return StepInputs(
-            input_ids=torch.tensor(input_ids, **as_long),
-            positions=torch.tensor(positions, **as_long),
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, **as_long),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             sampling_seqs=sampling_seqs,
             lora_slots=lora_slots,
         )
@@ -181,7 +181,8 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states of the flat batch; every tensor-parallel rank runs this each step."""
-        return self.model(input_ids, positions, meta, self.kv_caches)
+        hidden: torch.Tensor = self.model(input_ids, positions, meta, self.kv_caches)
+        return hidden
 
     def close(self) -> None:
         """Stop the helper ranks, if any (idempotent)."""

@@ -67,7 +67,8 @@ def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor) -> torch.ScriptObject:
     with warnings.catch_warnings():  # quantized tensors are deprecated, not yet removed
         warnings.simplefilter("ignore", UserWarning)
         qt = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
-    return torch.ops.quantized.linear_prepack(qt, None)
+    packed: torch.ScriptObject = torch.ops.quantized.linear_prepack(qt, None)
+    return packed
 
 
 @functools.cache
@@ -99,6 +100,12 @@ class Int8Linear(nn.Module):
     packed copy (`packed`, whose size `packed_bytes` is what `weight_bytes` counts for it), or,
     while C kernels with a vectorised int8 matmul are in use (`kernels`), plain rows
     (`qweight`, one byte each) with their sums."""
+
+    # Buffers, typed here (nn.Module's __getattr__ would make each `Tensor | Module`).
+    qweight: torch.Tensor | None  # None only while FBGEMM's packed copy holds the rows
+    scale: torch.Tensor
+    inv_smooth: torch.Tensor | None
+    weight_sums: torch.Tensor | None
 
     def __init__(
         self,
@@ -142,6 +149,7 @@ class Int8Linear(nn.Module):
 
     def _pack(self) -> None:
         if self.packed is None:
+            assert self.qweight is not None  # the rows are in one form or the other
             self.packed = _fbgemm_pack(self.qweight, self.scale)
             # Measured: FBGEMM's packed weights hold ~1.8 bytes of RSS per int8 weight (why was
             # not investigated); counted as 2.
@@ -182,6 +190,7 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.kernel == "fbgemm" and self.packed is None:  # w8a8 in C (VNNI)
             assert self._kernels is not None
+            assert self.qweight is not None and self.weight_sums is not None  # unpacked
             y = self._kernels.int8_matmul(
                 x2.contiguous(), self.qweight, self.weight_sums, self.scale, self.bias,
                 self.inv_smooth,
@@ -206,6 +215,7 @@ class Int8Linear(nn.Module):
         elif self.kernel == "int8pack" and x2.dtype == self.scale.dtype:
             y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale)
         else:  # dequantize on the fly (CUDA, or a dtype the kernel does not take)
+            assert self.qweight is not None  # only w8a8 ever packs its rows
             y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scale.to(x2.dtype)
         return self._finish(y, shape)
 
@@ -217,6 +227,9 @@ class Int8Linear(nn.Module):
 
 class Int8Embedding(nn.Module):
     """Token embedding rows kept int8 with a scale per row (dequantized on lookup)."""
+
+    qweight: torch.Tensor  # buffers
+    scale: torch.Tensor
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
@@ -231,90 +244,6 @@ class Int8Embedding(nn.Module):
         """The tied LM head over the same int8 rows (no second copy)."""
         kernel = int8_kernel("int8", self.qweight.device.type, self.dtype)
         return Int8Linear(self.qweight, self.scale.float(), None, self.dtype, kernel)
-
-
-def _quantize_children(
-    module: nn.Module, dtype: torch.dtype, kernel: str, ranges: dict[nn.Module, torch.Tensor]
-) -> int:
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            layer = Int8Linear.from_weight(
-                child.weight, child.bias, dtype, kernel, activation_max=ranges.get(child)
-            )
-            setattr(module, name, layer)
-            count += 1
-        else:
-            count += _quantize_children(child, dtype, kernel, ranges)
-    return count
-
-
-CALIBRATION_TOKENS = 256
-
-
-@torch.inference_mode()
-def activation_ranges(model: nn.Module) -> dict[nn.Module, torch.Tensor]:
-    """Each linear layer's (and the LM head's, keyed by the model) largest |input| per channel
-    over one prefill of `CALIBRATION_TOKENS` seeded random token ids.
-
-    Random ids, not text: the outlier channels SmoothQuant moves are a property of the weights
-    (the same channels whatever the text), and any model can be calibrated without a dataset.
-    """
-    from modelyard.engine.attention import AttentionMetadata, PrefillChunk
-
-    cfg = model.config  # type: ignore[attr-defined]
-    n = min(CALIBRATION_TOKENS, cfg.max_position_embeddings)
-    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-    ranges: dict[nn.Module, torch.Tensor] = {}
-
-    def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        seen = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(dim=0).float()
-        ranges[module] = torch.maximum(ranges[module], seen) if module in ranges else seen
-
-    hooks = [
-        m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, nn.Linear)
-    ]
-    kv_heads = cfg.num_key_value_heads // model.tp_size  # type: ignore[attr-defined]
-    caches = [torch.zeros(2, n, kv_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        block_size=n,
-        num_decodes=0,
-        decode_block_tables=None,
-        decode_mask=None,
-        prefills=[PrefillChunk(0, n, 0, None)],
-    )
-    try:
-        hidden = model(ids, torch.arange(n), meta, caches)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    ranges[model] = hidden.abs().amax(dim=0).float()
-    return ranges
-
-
-def quantize_model(model: nn.Module, dtype: torch.dtype, mode: str) -> int:
-    """Swap a loaded (fused, unpacked) `LlamaForCausalLM`'s linears, embedding and LM head for
-    their int8 forms in place (`mode`: `int8` or `w8a8`, see the module docstring); returns
-    how many matmuls were quantized. `w8a8` first runs its calibration prefill."""
-    inner = model.model  # type: ignore[attr-defined]
-    weight = inner.embed_tokens.weight
-    kernel = int8_kernel(mode, weight.device.type, dtype)
-    fbgemm = kernel == "fbgemm"
-    ranges = activation_ranges(model) if fbgemm else {}
-    count = _quantize_children(inner, dtype, kernel, ranges)
-    q, scale = quantize_rows(weight)
-    embedding = Int8Embedding(q, scale, dtype)
-    inner.embed_tokens = embedding
-    head = model.lm_head  # type: ignore[attr-defined]
-    if head is None and not fbgemm:
-        model.lm_head = embedding.as_linear()  # type: ignore[attr-defined]
-    else:  # its own weight, or the tied one smoothed for the head's own activations
-        head_weight, bias = (weight, None) if head is None else (head.weight, head.bias)
-        model.lm_head = Int8Linear.from_weight(  # type: ignore[attr-defined]
-            head_weight, bias, dtype, kernel, activation_max=ranges.get(model)
-        )
-    return count + 1
 
 
 def weight_bytes(model: nn.Module) -> int:

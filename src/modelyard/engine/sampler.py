@@ -21,7 +21,7 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]
         p = seqs[r].params
         row = logits[r]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(seqs[r].token_ids, dtype=torch.long, device=device).unique()
+            seen = torch.unique(torch.tensor(seqs[r].token_ids, dtype=torch.long, device=device))
             vals = row[seen]
             row[seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty

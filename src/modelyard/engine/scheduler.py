@@ -130,15 +130,15 @@ class Scheduler:
                 seq, num_new, cached
             ):
                 # Room for a more urgent sequence is taken from less urgent ones.
-                victim = self._priority_victim(seq.priority, scheduled)
-                if victim is None:
+                less_urgent = self._priority_victim(seq.priority, scheduled)
+                if less_urgent is None:
                     break
-                self.running.remove(victim)
-                self.kv.free(victim)
-                victim.num_computed_tokens = 0
+                self.running.remove(less_urgent)
+                self.kv.free(less_urgent)
+                less_urgent.num_computed_tokens = 0
                 self.num_preemptions += 1
-                displaced.append(victim)
-                out.preempted.append(victim)
+                displaced.append(less_urgent)
+                out.preempted.append(less_urgent)
             else:
                 seq.num_computed_tokens = num_computed
                 if not seq.admitted:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from modelyard.engine.models.config import ModelConfig
 
@@ -51,7 +51,7 @@ def _template_environment() -> Any:
         """`{% generation %}…{% endgeneration %}` (marks assistant text for training): the
         body renders as is."""
 
-        tags: ClassVar[set[str]] = {"generation"}
+        tags = {"generation"}  # noqa: RUF012  # jinja2 declares it an instance variable
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
@@ -147,10 +147,11 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         token = self.special_tokens.get("pad_token") or self.special_tokens.get("eos_token")
-        return None if token is None else self.backend.token_to_id(token)
+        return None if token is None else self.token_id(token)
 
     def token_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
+        found: int | None = self.backend.token_to_id(token)
+        return found
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)

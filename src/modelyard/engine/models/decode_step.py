@@ -26,10 +26,12 @@ _Layer = HEADER.struct("my_layer")
 _Model = HEADER.struct("my_model")
 
 
-def _linear(layer: nn.Module | None) -> _Linear | None:
-    """The C description of a w8a8 layer in plain int8 rows, or None for anything else."""
+def _linear(layer: nn.Module | None) -> ctypes.Structure | None:
+    """The C description (a `_Linear`) of a w8a8 layer in plain int8 rows, or None for anything
+    else."""
     if not isinstance(layer, Int8Linear) or layer.kernel != "fbgemm" or layer.packed is not None:
         return None
+    assert layer.qweight is not None and layer.weight_sums is not None  # unpacked
     return _Linear(
         weight=layer.qweight.data_ptr(),
         weight_sums=layer.weight_sums.data_ptr(),
@@ -66,13 +68,15 @@ class DecodeStep:
     def describe(
         cls, lm: nn.Module, kernels: CpuKernels, caches: list[torch.Tensor]
     ) -> DecodeStep | None:
-        cfg = lm.config  # type: ignore[attr-defined]
-        if lm.tp_size != 1 or not kernels.int8_matmul_vectorized:  # type: ignore[attr-defined]
+        # Read structurally: llama.py imports this module, so its classes cannot be named here.
+        model_any: Any = lm
+        cfg = model_any.config
+        if model_any.tp_size != 1 or not kernels.int8_matmul_vectorized:
             return None
         if caches[0].dtype not in (torch.float32, torch.bfloat16):
             return None
-        inner = lm.model  # type: ignore[attr-defined]
-        described = []
+        inner: Any = model_any.model
+        described: list[ctypes.Structure] = []
         for layer, cache in zip(inner.layers, caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             if attn.q_norm is not None or not cache.is_contiguous():

@@ -12,7 +12,7 @@ state.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,9 @@ def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a cos/sin table precomputed for every position."""
+
+    cos: torch.Tensor  # buffers [positions, head_dim]
+    sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -167,7 +170,7 @@ class Attention(nn.Module):
         return _all_reduce(out) if self.tp_size > 1 else out
 
     def _heads(self, qkv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (
             q.reshape(t, self.num_heads, self.head_dim),
             k.reshape(t, self.num_kv_heads, self.head_dim),
@@ -222,7 +225,8 @@ class DecoderLayer(nn.Module):
         cache: torch.Tensor,
     ) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), rope, meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -231,12 +235,17 @@ class LlamaModel(nn.Module):
         # An explicit weight skips the random init: on the meta device that init alone pulls in
         # torch's compiler stack (over a second of a cold start) for values that get replaced.
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
+        # nn.Embedding until quantization swaps in its int8 form
+        self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp_size) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg, max_positions)
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The layers, typed (an `nn.ModuleList` yields plain modules)."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -263,11 +272,11 @@ class LlamaForCausalLM(nn.Module):
         inputs do not fit), and decode steps in one call where all of it is C, or not."""
         for module in self.modules():
             if hasattr(module, "kernels"):
-                module.kernels = kernels  # this model's own among them
+                setattr(module, "kernels", kernels)  # noqa: B010  # this model's own among them
         self.one_call.forget()
 
     def fuse_projections(self) -> None:
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
@@ -279,26 +288,37 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the flat batch after the final norm."""
-        x = self.model.embed_tokens(input_ids)
+        x: torch.Tensor = self.model.embed_tokens(input_ids)
         step = self.one_call.step_for(self, self.kernels, input_ids, meta, kv_caches)
         if step is not None:
             x = x.contiguous()  # updated in place by the C step
             step.run(x, positions, meta)
-            return self.model.norm(x)
+            return self.final_norm(x)
         rope = self.model.rotary
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, cache in zip(self.model.decoder_layers(), kv_caches, strict=True):
             x = layer(positions, x, rope, meta, cache)
-        return self.model.norm(x)
+        return self.final_norm(x)
 
     def pack_for_cpu(self) -> None:
         """Swap every matmul, the LM head included, for its prepacked oneDNN form."""
         pack_linears(self.model)
         if self.lm_head is None:
-            self.lm_head = pack_matrix(self.model.embed_tokens.weight)
+            self.lm_head = pack_matrix(self.embedding_weight())
         else:
             pack_linears(self)
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed: torch.Tensor = self.model.norm(x)
+        return normed
+
+    def embedding_weight(self) -> torch.Tensor:
+        """The float token embedding (what a tied LM head multiplies by)."""
+        weight = self.model.embed_tokens.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return F.linear(hidden, self.embedding_weight()).float()
+        logits: torch.Tensor = self.lm_head(hidden).float()
+        return logits

@@ -16,8 +16,9 @@ from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.gguf_convert import convert_gguf
 from modelyard.engine.models.llama import LlamaForCausalLM
 from modelyard.engine.models.packed_linear import packing_available
+from modelyard.engine.models.quantize import quantize_model
 from modelyard.engine.models.sharding import Slice, check_tensor_parallel, shard_slice
-from modelyard.engine.quantization import QUANTIZATIONS, quantize_model
+from modelyard.engine.quantization import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ def packing_available(device: torch.device, dtype: torch.dtype = torch.float32) 
     instructions for the dtype (bf16 needs AVX-512 or AVX-NE-CONVERT; plain AVX2 has only fp32)."""
     return (
         device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and _packs(dtype)
@@ -55,7 +55,10 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.packed, self.bias, "none", [], ""
+        )
+        return out
 
 
 def pack_linears(module: nn.Module) -> int:

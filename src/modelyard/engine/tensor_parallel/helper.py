@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
 
 from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import DTYPES, ModelRunner
@@ -86,9 +87,7 @@ def run_helper(spec: HelperSpec, rank: int, master_port: int) -> None:
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    store = dist.TCPStore(
-        "127.0.0.1", master_port, spec.world_size, is_master=False, timeout=timeout
-    )
+    store = TCPStore("127.0.0.1", master_port, spec.world_size, is_master=False, timeout=timeout)
     store.set(f"up/{rank}", "1")
     dist.init_process_group(
         backend_for(device), store=store, rank=rank, world_size=spec.world_size, timeout=timeout

@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
 
 from modelyard.engine.attention import AttentionMetadata
 from modelyard.engine.tensor_parallel.wire import (
@@ -64,7 +65,7 @@ class TensorParallelLeader:
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
         self.procs: list[subprocess.Popen[bytes]] = []
-        self._store: dist.TCPStore | None = None
+        self._store: TCPStore | None = None
         self._lock = threading.Lock()
         self._fail_lock = threading.Lock()
         self._closing = threading.Event()
@@ -86,7 +87,7 @@ class TensorParallelLeader:
                 "torch.distributed is already initialised in this process: one tensor-parallel "
                 "engine per process"
             )
-        self._store = dist.TCPStore(
+        self._store = TCPStore(
             "127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False, timeout=timeout
         )
         atexit.register(self.close)
