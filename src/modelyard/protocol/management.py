@@ -215,6 +215,7 @@ ModelPattern = Annotated[
     str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/@*\-]+$")
 ]
 ROTATION_GRACE_MAX_S = 30 * 86_400
+EXPIRY_YEAR_MAX = 3000
 _EXPIRES = "When the key stops working: ISO 8601 (UTC if no offset is given) or unix seconds."
 _ALLOWED = (
     f"At most {ALLOWED_MODELS_MAX} model names the key may call; `*` matches any run of "
@@ -223,10 +224,19 @@ _ALLOWED = (
 
 
 def as_aware(value: datetime | None) -> datetime | None:
-    """A datetime with no offset read as UTC."""
-    if value is None or value.tzinfo is not None:
-        return value
-    return value.replace(tzinfo=UTC)
+    """A datetime in UTC (one with no offset read as UTC), before the year `EXPIRY_YEAR_MAX`
+    (every database reads it back)."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    try:
+        value = value.astimezone(UTC)
+    except OverflowError as exc:
+        raise ValueError("out of range") from exc
+    if value.year >= EXPIRY_YEAR_MAX:
+        raise ValueError(f"must be before the year {EXPIRY_YEAR_MAX}")
+    return value
 
 
 def _inference_only() -> list[KeyScope]:
