@@ -3,7 +3,8 @@
 in Redis): an expired key is a 401 `key_expired`; a rotated key's old secret works for its grace
 period and then stops; a key limited to one model gets 403 `model_not_allowed` on another, on
 every inference route and on a batch line, and sees only its models in /v1/models; its last use
-is recorded; each change is audited, without secrets; bad fields are refused at the edge."""
+is recorded; an expired key's running batch stops; each change is audited, without secrets; bad
+fields are refused at the edge."""
 
 from __future__ import annotations
 
@@ -216,3 +217,23 @@ def test_a_key_limited_to_one_model(platform: PlatformProcess, tenant_admin: htt
     assert {m["id"] for m in api.get("/v1/models").json()["data"]} >= {"tiny", "other"}
     actions = [e["action"] for e in audit_actions(tenant_admin, key["id"])]
     assert "api_key.allowed_models_change" in actions
+
+
+def test_a_batch_stops_when_its_key_expires(
+    platform: PlatformProcess, tenant_admin: httpx.Client
+) -> None:
+    key = create_key(tenant_admin)
+    reader = platform.openai(tenant_admin.headers["authorization"].split()[1])
+    client = platform.openai(key["key"])
+    lines = [batch_line(f"r-{i}", max_tokens=40, ignore_eos=True) for i in range(200)]
+    upload = client.files.create(file=("r.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    poll(lambda: reader.batches.retrieve(batch.id).request_counts.completed >= 1, "an item")
+    r = tenant_admin.patch(f"/v1/keys/{key['id']}", json={"expires_at": int(time.time()) - 1})
+    assert r.status_code == 200, r.text
+    done = wait_batch(reader, batch.id, {"cancelled", "completed", "failed"})
+    assert done.status == "cancelled", done
+    assert done.errors is not None and done.errors.data[0].code == "api_key_revoked"
+    assert 1 <= done.request_counts.completed < 200
