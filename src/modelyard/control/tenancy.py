@@ -1,4 +1,4 @@
-"""Tenants and their API keys: create, read, change and revoke them, each change audited.
+"""Tenants and their API keys: create, read, change, rotate and revoke them, each change audited.
 
 The platform admin (an admin key of the system tenant) manages every tenant, including its tier,
 quota and ceilings; a tenant's admin key manages its own keys, within those ceilings; nothing
