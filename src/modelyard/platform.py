@@ -116,7 +116,10 @@ class Platform:
             self.limiter = MemoryRateLimiter()
             self.quota = MemoryQuotaCounter()
         self.auth = Authenticator(
-            self.db, settings.auth_cache_ttl_s, stale_ttl_s=settings.auth_stale_ttl_s
+            self.db,
+            settings.auth_cache_ttl_s,
+            stale_ttl_s=settings.auth_stale_ttl_s,
+            last_used_every_s=settings.key_last_used_interval_s,
         )
         self.metrics = GatewayMetrics()
         journal = UsageJournal(settings.data_dir / "usage-journal", settings.usage_journal_fsync)

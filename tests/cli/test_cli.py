@@ -135,6 +135,21 @@ def test_tenants_and_keys(platform: PlatformProcess) -> None:
     assert cli_json(platform, "keys", "update", key["id"], "--tpm", "9000")["tpm_limit"] == 9000
     table = cli(platform, "keys", "list").stdout
     assert "API keys" in table and "ID" in table
+    # Expiry, allowed models and rotation.
+    scoped = cli_json(
+        platform, "keys", "create", "--name", "scoped", "--tenant", tenant["id"],
+        "--model", "tiny", "--model", "support-*", "--expires", "2099-01-01T00:00:00",
+    )  # fmt: skip
+    assert scoped["allowed_models"] == ["tiny", "support-*"]
+    assert scoped["expires_at"] == 4_070_908_800 and scoped["last_used_at"] is None
+    rotated = cli_json(platform, "keys", "rotate", scoped["id"], "--grace", "1h")
+    assert rotated["key"].startswith("sk-") and rotated["key"] != scoped["key"]
+    assert rotated["previous_key_expires_at"] - rotated["created_at"] >= 3600
+    cleared = cli_json(platform, "keys", "update", scoped["id"], "--all-models", "--never-expires")
+    assert cleared["allowed_models"] is None and cleared["expires_at"] is None
+    bad = run_cli("keys", "rotate", scoped["id"], "--grace", "soon", env={
+        "MODELYARD_URL": platform.url, "MODELYARD_API_KEY": platform.admin_key})  # fmt: skip
+    assert bad.returncode != 0 and "duration" in bad.stderr + bad.stdout
     cli(platform, "keys", "revoke", key["id"])
     revoked = {k["id"]: k for k in cli_json(platform, "keys", "list")}[key["id"]]
     assert revoked["revoked_at"] is not None

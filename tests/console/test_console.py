@@ -259,6 +259,16 @@ def test_streamed_chat_keys_batch_and_usage(
     assert new_key.startswith("sk-")
     with httpx.Client(base_url=platform.url, headers={"authorization": f"Bearer {new_key}"}) as c:
         assert c.get("/v1/models").status_code == 200
+        # Rotated: a new secret shown once; the old one still works (a 24 h grace).
+        page.get_by_role("button", name="Rotate key from-console").click()
+        page.wait_for_function(
+            "old => document.getElementById('key-secret').value !== old", arg=new_key
+        )
+        rotated = secret.input_value()
+        assert rotated.startswith("sk-") and "works until" in page.inner_text("#key-created")
+        assert c.get("/v1/models").status_code == 200
+        auth = {"authorization": f"Bearer {rotated}"}
+        assert httpx.get(f"{platform.url}/v1/models", headers=auth).status_code == 200
         page.get_by_role("button", name="Revoke key from-console").click()
         page.locator("#keys-list .badge.revoked").wait_for()
         assert c.get("/v1/models").status_code == 401

@@ -37,6 +37,7 @@ class _Key:
     scopes: str = "inference,admin"
     rpm_limit: int | None = 500
     tpm_limit: int | None = 50
+    allowed_models: list[str] | None = None
 
 
 def test_principal_constructors() -> None:
@@ -56,6 +57,19 @@ def test_principal_constructors() -> None:
         batch.require("admin")
     with pytest.raises(NotFound):
         batch.tenant_filter("t-2")
+    # A key's model allow-list: `*` is the only wildcard, and a batch runs under it too.
+    scoped = _Key(allowed_models=["smollm2", "support-*", "*-v?"])
+    for principal in (
+        Principal.for_key(scoped, _Tenant()),
+        Principal.for_batch("k-1", scoped, _Tenant()),
+    ):
+        assert principal.allows_model("smollm2") and principal.allows_model("support-")
+        assert principal.allows_model("support-bot-2") and principal.allows_model("x-v?")
+        assert not principal.allows_model("smollm2x") and not principal.allows_model("x-v1")
+        with pytest.raises(Forbidden) as refused:
+            principal.require_model("other")
+        assert refused.value.code == "model_not_allowed"
+    assert key.allows_model("anything") and batch.allows_model("anything")
 
 
 def test_domain_errors_map_to_statuses_once() -> None:

@@ -190,6 +190,8 @@ def test_another_tenant_can_reach_nothing_by_id(
     # Keys.
     probe("GET", "/v1/keys/{key_id}", key_id=v.key["id"])
     probe("PATCH", "/v1/keys/{key_id}", key_id=v.key["id"], json_body={"rpm_limit": 1})
+    probe("POST", "/v1/keys/{key_id}/rotate", key_id=v.key["id"],
+          json_body={"grace_period_seconds": 0})  # fmt: skip
     probe("DELETE", "/v1/keys/{key_id}", key_id=v.key["id"])
     probe("GET", "/v1/keys", params={"tenant_id": v.id})
     probe("POST", "/v1/keys", json_body={"name": "steal", "tenant_id": v.id})

@@ -47,6 +47,12 @@ class ApiKey(BaseModel):
     tpm_limit: int | None
     created_at: int
     revoked_at: int | None
+    expires_at: int | None = Field(description="Unix seconds; None: never.")
+    allowed_models: list[str] | None = Field(description="Patterns (`*`); None: every model.")
+    last_used_at: int | None = Field(description="Written at most once a minute per gateway.")
+    previous_key_expires_at: int | None = Field(
+        description="Until when the secret replaced by the last rotation works."
+    )
 
 
 class ApiKeyCreated(ApiKey):
@@ -242,6 +248,7 @@ RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
     ("get", "/v1/keys/{key_id}"): ApiKey,
     ("patch", "/v1/keys/{key_id}"): ApiKey,
     ("delete", "/v1/keys/{key_id}"): ApiKey,
+    ("post", "/v1/keys/{key_id}/rotate"): ApiKeyCreated,
     ("get", "/v1/usage"): UsageReport,
     ("get", "/v1/devices"): DeviceList,
     ("get", "/v1/registry/models"): RegistryModelList,

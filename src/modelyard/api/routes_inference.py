@@ -126,7 +126,8 @@ async def list_models(
     principal: Principal = Depends(get_reader), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
     routes = services.routing.visible(principal.tenant_id)
-    return {"object": "list", "data": [_model_object(r, services) for r in routes]}
+    allowed = [r for r in routes if principal.allows_model(r.model_name)]  # the key's, if any
+    return {"object": "list", "data": [_model_object(r, services) for r in allowed]}
 
 
 @router.get("/v1/models/{model}", response_model=None, responses=ok(ModelObject))
@@ -138,4 +139,5 @@ async def retrieve_model(
     route = services.routing.resolve(principal.tenant_id, model)
     if route is None:
         raise model_not_found(model)
+    principal.require_model(route.model_name)
     return _model_object(route, services)

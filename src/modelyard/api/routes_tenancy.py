@@ -18,7 +18,13 @@ from modelyard.api.services import Services
 from modelyard.control.usage import parse_time, summarize, to_csv
 from modelyard.core.identity import Principal
 from modelyard.protocol.errors import APIError
-from modelyard.protocol.management import KeyCreate, KeyUpdate, TenantCreate, TenantUpdate
+from modelyard.protocol.management import (
+    KeyCreate,
+    KeyRotate,
+    KeyUpdate,
+    TenantCreate,
+    TenantUpdate,
+)
 from modelyard.protocol.responses import JSONResponse
 from modelyard.store import repository as repo
 
@@ -82,6 +88,7 @@ async def list_keys(
     principal: Principal = Depends(get_admin),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
+    await services.auth.flush_last_used()  # this gateway's last uses, exact
     return {"object": "list", "data": await services.tenancy.list_keys(principal, tenant_id)}
 
 
@@ -91,6 +98,7 @@ async def get_key(
     principal: Principal = Depends(get_admin),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
+    await services.auth.flush_last_used()
     return await services.tenancy.get_key(principal, key_id)
 
 
@@ -102,6 +110,17 @@ async def update_key(
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     return await services.tenancy.update_key(principal, key_id, body)
+
+
+@router.post("/v1/keys/{key_id}/rotate")
+async def rotate_key(
+    key_id: str,
+    body: KeyRotate | None = None,
+    principal: Principal = Depends(get_admin),
+    services: Services = Depends(get_services),
+) -> dict[str, Any]:
+    """A new secret (shown in this answer only); the old one works for the grace period."""
+    return await services.tenancy.rotate_key(principal, key_id, body or KeyRotate())
 
 
 @router.delete("/v1/keys/{key_id}")

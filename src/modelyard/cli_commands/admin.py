@@ -139,9 +139,36 @@ KEY_COLUMNS = [
     ("SCOPES", lambda r: ",".join(r.get("scopes") or [])),
     ("RPM", field("rpm_limit")),
     ("TPM", field("tpm_limit")),
+    (
+        "MODELS",
+        lambda r: "all" if r.get("allowed_models") is None else ",".join(r["allowed_models"]),
+    ),
+    ("EXPIRES", lambda r: when(r.get("expires_at"))),
+    ("LAST USED", lambda r: when(r.get("last_used_at"))),
     ("CREATED", lambda r: when(r.get("created_at"))),
     ("REVOKED", lambda r: when(r.get("revoked_at"))),
 ]
+Expires = Annotated[
+    str | None,
+    typer.Option(help="When the key stops working: ISO 8601 (UTC unless an offset is given) "
+                 "or unix seconds."),
+]  # fmt: skip
+Models = Annotated[
+    list[str] | None,
+    typer.Option("--model", help="A model the key may call, `*` a wildcard (repeatable; "
+                 "default: all)."),
+]  # fmt: skip
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+
+
+def _seconds(text: str) -> int:
+    """`90`, `90s`, `30m`, `24h`, `7d` as seconds."""
+    text = text.strip().lower()
+    unit = _UNITS.get(text[-1:], 0)
+    digits = text[:-1] if unit else text
+    if not digits.isdigit():
+        raise typer.BadParameter(f"{text!r} is not a duration like 90, 30m, 24h or 7d")
+    return int(digits) * (unit or 1)
 
 
 @keys_app.command("list")
@@ -160,11 +187,15 @@ def keys_create(
     ] = None,
     rpm: Annotated[int | None, typer.Option(help="Requests per minute.")] = None,
     tpm: Annotated[int | None, typer.Option(help="Tokens per minute.")] = None,
+    expires: Expires = None,
+    model: Models = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Create a key; its secret is shown once."""
-    body = _tenant_body(name=name, tenant_id=tenant, scopes=scope or None, rpm_limit=rpm,
-                        tpm_limit=tpm)  # fmt: skip
+    body = _tenant_body(
+        name=name, tenant_id=tenant, scopes=scope or None, rpm_limit=rpm, tpm_limit=tpm,
+        expires_at=expires, allowed_models=model or None,
+    )  # fmt: skip
     with api_errors(), common.client() as c:
         key = c.post("/v1/keys", body)
     if as_json:
@@ -192,12 +223,43 @@ def keys_update(
     name: Annotated[str | None, typer.Option()] = None,
     rpm: Annotated[int | None, typer.Option(help="Requests per minute.")] = None,
     tpm: Annotated[int | None, typer.Option(help="Tokens per minute.")] = None,
+    expires: Expires = None,
+    never_expires: Annotated[bool, typer.Option(help="Remove the key's expiry.")] = False,
+    model: Models = None,
+    all_models: Annotated[bool, typer.Option(help="Remove the key's model list.")] = False,
     as_json: JsonFlag = False,
 ) -> None:
-    """Rename a key or change its limits."""
-    body = _tenant_body(name=name, rpm_limit=rpm, tpm_limit=tpm)
+    """Rename a key or change its limits, expiry (a past time expires it now) or models."""
+    body = _tenant_body(name=name, rpm_limit=rpm, tpm_limit=tpm, expires_at=expires,
+                        allowed_models=model or None)  # fmt: skip
+    if never_expires:
+        body["expires_at"] = None
+    if all_models:
+        body["allowed_models"] = None
     with api_errors(), common.client() as c:
         details(c.patch(f"/v1/keys/{key_id}", body), as_json)
+
+
+_GRACE_HELP = "How long the old secret keeps working: 90s, 30m, 24h, 7d; 0 stops it at once."
+
+
+@keys_app.command("rotate")
+def keys_rotate(
+    key_id: str,
+    grace: Annotated[str, typer.Option(help=_GRACE_HELP)] = "24h",
+    as_json: JsonFlag = False,
+) -> None:
+    """A new secret for the key, shown once; the old one works for the grace period."""
+    body = {"grace_period_seconds": _seconds(grace)}
+    with api_errors(), common.client() as c:
+        key = c.post(f"/v1/keys/{key_id}/rotate", body)
+    if as_json:
+        print_json(key)
+        return
+    until = when(key.get("previous_key_expires_at"))
+    console.print(f"rotated key [bold]{key['id']}[/bold]; the old secret works until {until} "
+                  "UTC; the new one, shown once:")  # fmt: skip
+    typer.echo(key["key"])
 
 
 # ----- usage ----------------------------------------------------------------------------------

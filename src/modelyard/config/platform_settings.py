@@ -126,7 +126,18 @@ class PlatformSettings(SettingsBase):
         description="Failed health probes in a row after which a replica is killed and replaced "
         "(one failed probe already takes it out of routing).",
     )
-    auth_cache_ttl_s: float = Field(5.0, description="How long a key lookup is cached.")
+    auth_cache_ttl_s: float = Field(
+        5.0,
+        description="How long a key lookup is cached: a key revoked, rotated past its grace, "
+        "re-scoped or given an earlier expiry in another gateway takes effect here within it.",
+    )
+    key_last_used_interval_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="How often a gateway writes its keys' last use (one UPDATE per key used "
+        "meanwhile, off the request path).",
+    )
     auth_stale_ttl_s: float = Field(
         300.0,
         ge=0,

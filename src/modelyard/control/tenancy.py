@@ -1,4 +1,4 @@
-"""Tenants and their API keys: create, read, change and revoke them, each change audited.
+"""Tenants and their API keys: create, read, change, rotate and revoke them, each change audited.
 
 The platform admin (an admin key of the system tenant) manages every tenant, including its tier,
 quota and ceilings; a tenant's admin key manages its own keys, within those ceilings; nothing
@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 
-from modelyard.control.audit import AuditLog
-from modelyard.core.errors import Conflict, Forbidden, NotFound
+from modelyard.control.audit import AuditAction, AuditLog
+from modelyard.core.errors import Conflict, Forbidden, Invalid, NotFound
 from modelyard.core.identity import Principal
 from modelyard.protocol.management import (
     TENANT_CEILINGS,
     KeyCreate,
+    KeyRotate,
     KeyUpdate,
     TenantCreate,
     TenantUpdate,
@@ -48,6 +50,10 @@ def tenant_view(t: Tenant) -> dict[str, Any]:
     }
 
 
+def _unix(ts: datetime | None) -> int | None:
+    return None if ts is None else int(repo.as_utc(ts).timestamp())
+
+
 def key_view(k: ApiKey) -> dict[str, Any]:
     return {
         "id": k.id,
@@ -60,7 +66,19 @@ def key_view(k: ApiKey) -> dict[str, Any]:
         "tpm_limit": k.tpm_limit,
         "created_at": int(repo.as_utc(k.created_at).timestamp()),
         "revoked_at": int(repo.as_utc(k.revoked_at).timestamp()) if k.revoked_at else None,
+        "expires_at": _unix(k.expires_at),
+        "allowed_models": list(k.allowed_models) if k.allowed_models is not None else None,
+        "last_used_at": _unix(k.last_used_at),
+        # Until when the secret the last rotation replaced still works (None: none does).
+        "previous_key_expires_at": _unix(k.previous_key_expires_at),
     }
+
+
+# What a key change is recorded as, by the fields it touched (others: `api_key.update`).
+_KEY_CHANGE_ACTIONS = {
+    "expires_at": AuditAction.KEY_EXPIRY_CHANGE,
+    "allowed_models": AuditAction.KEY_MODELS_CHANGE,
+}
 
 
 def _not_found(what: str, ident: str) -> NotFound:
@@ -181,6 +199,8 @@ class Tenancy:
             principal.require_platform_admin()
             tenant_id = body.tenant_id
         key, key_hash, prefix = self.new_key()
+        if body.expires_at is not None and body.expires_at <= repo.now():
+            raise Invalid("expires_at is in the past", param="expires_at", code="invalid_value")
 
         def create() -> dict[str, Any]:
             with self.db.session() as s:
@@ -196,6 +216,8 @@ class Tenancy:
                     list(body.scopes),
                     within_ceiling(tenant, "rpm_limit", body.rpm_limit, default=True),
                     within_ceiling(tenant, "tpm_limit", body.tpm_limit, default=True),
+                    expires_at=body.expires_at,
+                    allowed_models=body.allowed_models,
                 )
                 return {**key_view(row), "key": key}
 
@@ -229,6 +251,7 @@ class Tenancy:
         self, principal: Principal, key_id: str, body: KeyUpdate
     ) -> dict[str, Any]:
         before: dict[str, Any] = {}
+        changed = body.model_fields_set
 
         def update() -> dict[str, Any]:
             with self.db.session() as s:
@@ -236,22 +259,60 @@ class Tenancy:
                 if k is None:
                     raise _not_found("key", key_id)
                 before.update(key_view(k))
-                if "name" in body.model_fields_set and body.name is not None:
+                if "name" in changed and body.name is not None:
                     k.name = body.name
                 for field in KEY_CEILINGS:
-                    if field in body.model_fields_set:
+                    if field in changed:
                         tenant = repo.get_tenant(s, k.tenant_id)
                         assert tenant is not None
                         value = within_ceiling(tenant, field, getattr(body, field), default=False)
                         setattr(k, field, value)
+                if "expires_at" in changed:
+                    k.expires_at = body.expires_at
+                if "allowed_models" in changed:
+                    k.allowed_models = body.allowed_models
                 return key_view(k)
 
         result = await asyncio.to_thread(update)
         self.keys_changed()
-        await self.audit.record(
-            principal, "api_key.update", "api_key", key_id, before, result, result["tenant_id"]
-        )
+        actions = {_KEY_CHANGE_ACTIONS.get(f, AuditAction.KEY_UPDATE) for f in changed}
+        for action in sorted(actions or {AuditAction.KEY_UPDATE}):
+            await self.audit.record(
+                principal, action, "api_key", key_id, before, result, result["tenant_id"]
+            )
         return result
+
+    async def rotate_key(
+        self, principal: Principal, key_id: str, body: KeyRotate
+    ) -> dict[str, Any]:
+        """A new secret for the key (under `key`, shown this once); the one it replaces keeps
+        working for `grace_period_seconds`, and one replaced earlier stops at once."""
+        before: dict[str, Any] = {}
+        key, key_hash, prefix = self.new_key()
+
+        def rotate() -> dict[str, Any]:
+            with self.db.session() as s:
+                k = repo.get_key(s, principal.tenant_filter(), key_id)
+                if k is None:
+                    raise _not_found("key", key_id)
+                if k.revoked_at is not None:
+                    raise Conflict(f"key {key_id!r} is revoked", code="key_revoked")
+                before.update(key_view(k))
+                k.previous_key_hash = k.key_hash
+                k.previous_key_expires_at = repo.now() + timedelta(
+                    seconds=body.grace_period_seconds
+                )
+                k.key_hash, k.prefix = key_hash, prefix
+                return {**key_view(k), "key": key}
+
+        rotated = await asyncio.to_thread(rotate)
+        self.keys_changed()
+        public = {k: v for k, v in rotated.items() if k != "key"}  # never the secret
+        await self.audit.record(
+            principal, AuditAction.KEY_ROTATE, "api_key", key_id, before, public,
+            public["tenant_id"],
+        )  # fmt: skip
+        return rotated
 
     async def revoke_key(self, principal: Principal, key_id: str) -> dict[str, Any]:
         before: dict[str, Any] = {}

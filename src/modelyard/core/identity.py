@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from modelyard.core.errors import Forbidden, NotFound
+from modelyard.core.model_allow import allows, model_not_allowed
 
 
 class Tier(StrEnum):
@@ -92,6 +93,12 @@ class KeyRow(Protocol):
     scopes: str
     rpm_limit: int | None
     tpm_limit: int | None
+    allowed_models: list[str] | None
+
+
+def _allowed(key: KeyRow | None) -> tuple[str, ...] | None:
+    patterns = key.allowed_models if key is not None else None
+    return None if patterns is None else tuple(patterns)
 
 
 def _capped(key_limit: int | None, ceiling: int | None) -> int | None:
@@ -122,6 +129,8 @@ class Principal:
     # The tenant's ceilings on work in flight (None: no ceiling), set by the platform admin.
     max_concurrent_requests: int | None = None
     max_concurrent_batch_items: int | None = None
+    # The key's model name patterns (`core/model_allow.py`); None: every model it can see.
+    allowed_models: tuple[str, ...] | None = None
 
     @classmethod
     def for_key(cls, key: KeyRow, tenant: TenantRow) -> Principal:
@@ -143,6 +152,7 @@ class Principal:
             tier=Tier(tenant.tier or Tier.STANDARD),
             max_concurrent_requests=tenant.max_concurrent_requests,
             max_concurrent_batch_items=tenant.max_concurrent_batch_items,
+            allowed_models=_allowed(key),
         )
 
     @classmethod
@@ -177,7 +187,16 @@ class Principal:
             tier=Tier(tenant.tier or Tier.STANDARD),
             max_concurrent_requests=tenant.max_concurrent_requests,
             max_concurrent_batch_items=tenant.max_concurrent_batch_items,
+            allowed_models=_allowed(key),
         )
+
+    def allows_model(self, name: str) -> bool:
+        return allows(self.allowed_models, name)
+
+    def require_model(self, name: str) -> None:
+        """403 `model_not_allowed` unless the key's allow-list (if any) matches `name`."""
+        if not self.allows_model(name):
+            raise model_not_allowed(name)
 
     def require(self, scope: str) -> None:
         if scope not in self.scopes:

@@ -15,6 +15,7 @@ from modelyard.config import PlatformSettings, PrefixCacheScope
 from modelyard.core.errors import DomainError, Invalid, model_not_found
 from modelyard.core.identity import Principal
 from modelyard.core.logs import current_request_id
+from modelyard.core.model_allow import model_not_allowed
 from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.gateway.accounting import Accounting
 from modelyard.gateway.cache_scope import scope_prefix_cache
@@ -165,7 +166,14 @@ class Admission:
         return reservation_bound(kind, {**payload, **filled}, route.max_tokens_cap)
 
     def resolve(self, principal: Principal, model: str) -> EndpointRoute:
+        """The route of `model` for the caller: 403 `model_not_allowed` outside its key's
+        allowed models (by the name sent, or by the model's name when sent its endpoint id),
+        404 when the tenant cannot see it."""
         route = self.routing.resolve(principal.tenant_id, model)
+        if not principal.allows_model(model):
+            if route is None or model != route.endpoint_id:
+                raise model_not_allowed(model)
+            principal.require_model(route.model_name)
         if route is None and ":" in model:  # `<model>:<adapter>`: its base endpoint serves it
             route = self.routing.resolve(principal.tenant_id, model.rpartition(":")[0])
         if route is None:  # a registry adapter by its own name: an endpoint of its base

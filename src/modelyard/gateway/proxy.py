@@ -89,11 +89,13 @@ class Gateway:
 
     async def start(self) -> None:
         await self.upstream.start()
+        self.auth.start()  # its keys' last use, written in the background
         if self.accounting.outage is not None:
             await self.accounting.outage.start()
 
     async def stop(self) -> None:
         await self.upstream.stop()
+        await self.auth.stop()
         if self.accounting.outage is not None:
             await self.accounting.outage.stop()
 

@@ -9,9 +9,17 @@ when it is adopted at a start: `control/endpoint_config.py`).
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 # A registry reference or a server path (the endpoint row's `artifact` column holds 1000).
 ARTIFACT_MAX = 1000
@@ -201,6 +209,34 @@ class TenantUpdate(TenantCeilings):
 
 
 KeyScope = Literal["inference", "admin", "metrics"]
+# A key's allowed models: names or patterns where `*` matches any run of characters.
+ALLOWED_MODELS_MAX = 100
+ModelPattern = Annotated[
+    str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:/@*\-]+$")
+]
+ROTATION_GRACE_MAX_S = 30 * 86_400
+EXPIRY_YEAR_MAX = 3000
+_EXPIRES = "When the key stops working: ISO 8601 (UTC if no offset is given) or unix seconds."
+_ALLOWED = (
+    f"At most {ALLOWED_MODELS_MAX} model names the key may call; `*` matches any run of "
+    "characters (`support-*`)."
+)
+
+
+def as_aware(value: datetime | None) -> datetime | None:
+    """A datetime in UTC (one with no offset read as UTC), before the year `EXPIRY_YEAR_MAX`
+    (every database reads it back)."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    try:
+        value = value.astimezone(UTC)
+    except OverflowError as exc:
+        raise ValueError("out of range") from exc
+    if value.year >= EXPIRY_YEAR_MAX:
+        raise ValueError(f"must be before the year {EXPIRY_YEAR_MAX}")
+    return value
 
 
 def _inference_only() -> list[KeyScope]:
@@ -223,6 +259,15 @@ class KeyCreate(BaseModel):
     )
     rpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
     tpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
+    expires_at: datetime | None = Field(None, description=_EXPIRES)
+    allowed_models: list[ModelPattern] | None = Field(
+        None, min_length=1, max_length=ALLOWED_MODELS_MAX, description=_ALLOWED
+    )
+
+    @field_validator("expires_at")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        return as_aware(value)
 
 
 class KeyUpdate(BaseModel):
@@ -231,6 +276,28 @@ class KeyUpdate(BaseModel):
     name: str | None = Field(None, min_length=1, max_length=200)
     rpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
     tpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
+    expires_at: datetime | None = Field(
+        None, description=_EXPIRES + " null: never; a time already past expires it now."
+    )
+    allowed_models: list[ModelPattern] | None = Field(
+        None, min_length=1, max_length=ALLOWED_MODELS_MAX, description=_ALLOWED + " null: all."
+    )
+
+    @field_validator("expires_at")
+    @classmethod
+    def _utc(cls, value: datetime | None) -> datetime | None:
+        return as_aware(value)
+
+
+class KeyRotate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    grace_period_seconds: int = Field(
+        86_400,
+        ge=0,
+        le=ROTATION_GRACE_MAX_S,
+        description="How long the replaced secret keeps working (0: it stops at once).",
+    )
 
 
 class FileEntry(BaseModel):

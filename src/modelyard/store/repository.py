@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -92,6 +92,9 @@ def add_key(
     scopes: list[str],
     rpm_limit: int | None,
     tpm_limit: int | None,
+    *,
+    expires_at: datetime | None = None,
+    allowed_models: list[str] | None = None,
 ) -> ApiKey:
     key = ApiKey(
         id=new_id("key"),
@@ -104,6 +107,8 @@ def add_key(
         tpm_limit=tpm_limit,
         created_at=now(),
         revoked_at=None,
+        expires_at=expires_at,
+        allowed_models=allowed_models,
     )
     s.add(key)
     s.flush()
@@ -111,7 +116,21 @@ def add_key(
 
 
 def key_by_hash(s: Session, key_hash: str) -> ApiKey | None:
-    return s.scalar(select(ApiKey).where(ApiKey.key_hash == key_hash))
+    """The key whose secret, or whose secret before its last rotation, hashes to `key_hash`."""
+    found = s.scalar(select(ApiKey).where(ApiKey.key_hash == key_hash))
+    if found is None:
+        found = s.scalar(select(ApiKey).where(ApiKey.previous_key_hash == key_hash).limit(1))
+    return found
+
+
+def touch_key(s: Session, key_id: str, at: datetime) -> None:
+    """Record that the key was used at `at` (never moving its last use back)."""
+    s.execute(
+        update(ApiKey)
+        .where(ApiKey.id == key_id)
+        .where(or_(ApiKey.last_used_at.is_(None), ApiKey.last_used_at < at))
+        .values(last_used_at=at)
+    )
 
 
 def get_key(s: Session, tenant_id: str | None, key_id: str) -> ApiKey | None:

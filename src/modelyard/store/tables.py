@@ -65,6 +65,15 @@ class ApiKey(Base):
     tpm_limit: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
+    # After this the key is refused (401 key_expired); None: it does not expire.
+    expires_at: Mapped[datetime | None]
+    # Model name patterns (`*` a wildcard) the key may call; None: every model it can see.
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON)
+    # When the key was last used, written by the gateways at most once a minute per key.
+    last_used_at: Mapped[datetime | None]
+    # The secret a rotation replaced, still accepted until `previous_key_expires_at`.
+    previous_key_hash: Mapped[str | None] = mapped_column(String(64), index=True)
+    previous_key_expires_at: Mapped[datetime | None]
 
 
 class Blob(Base):
