@@ -15,6 +15,7 @@ from modelyard.config import PlatformSettings, PrefixCacheScope
 from modelyard.core.errors import DomainError, Invalid, model_not_found
 from modelyard.core.identity import Principal
 from modelyard.core.logs import current_request_id
+from modelyard.core.model_kinds import refuse_wrong_kind
 from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.gateway.accounting import Accounting
 from modelyard.gateway.cache_scope import scope_prefix_cache
@@ -102,7 +103,7 @@ class Admission:
         self, principal: Principal, payload: dict[str, Any], req: Any, kind: str
     ) -> Call:
         """Rate limits, then the quota reservation and a concurrency slot; all or nothing."""
-        route = self.resolve(principal, req.model)
+        route = self.resolve(principal, req.model, kind)
         reserved = self.reserve(route, payload, req)
         return await self.admit_reserved(principal, route, req.model, kind, reserved)
 
@@ -164,7 +165,9 @@ class Admission:
         kind = "completions" if isinstance(req, CompletionRequest) else "chat"
         return reservation_bound(kind, {**payload, **filled}, route.max_tokens_cap)
 
-    def resolve(self, principal: Principal, model: str) -> EndpointRoute:
+    def resolve(self, principal: Principal, model: str, kind: str | None = None) -> EndpointRoute:
+        """The endpoint serving `model` for the caller; with the request's `kind`, refused with
+        `wrong_model_kind` when that endpoint's model does not answer that route."""
         route = self.routing.resolve(principal.tenant_id, model)
         if route is None and ":" in model:  # `<model>:<adapter>`: its base endpoint serves it
             route = self.routing.resolve(principal.tenant_id, model.rpartition(":")[0])
@@ -173,4 +176,6 @@ class Admission:
             route = next((r for r in visible if model in r.adapters), None)
         if route is None:
             raise model_not_found(model)
+        if kind is not None:
+            refuse_wrong_kind(model, route.model_kind, kind)
         return route
