@@ -14,7 +14,9 @@ import typer
 from modelyard.cli_commands import admin, audit, chat, common, data, endpoints, registry
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="modelyard inference platform")
-models_app = typer.Typer(no_args_is_help=True, help="The model registry: push, list, show, delete.")
+models_app = typer.Typer(
+    no_args_is_help=True, help="The model registry (push, list, show, delete); the models served."
+)
 app.add_typer(models_app, name="models")
 app.command()(admin.login)
 app.command()(admin.whoami)
@@ -30,6 +32,7 @@ app.command()(chat.chat)
 models_app.command("list")(registry.models_list)
 models_app.command("show")(registry.models_show)
 models_app.command("delete")(registry.models_delete)
+models_app.command("served")(chat.models_served)
 app.command()(registry.devices)
 app.add_typer(registry.webhooks_app, name="webhooks")
 

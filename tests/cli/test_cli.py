@@ -311,3 +311,25 @@ def test_login_checks_the_key(platform: PlatformProcess, config_home: Path) -> N
     listed = runner.invoke(app, ["keys", "list", "--json"])
     assert listed.exit_code == 0, listed.output
     assert isinstance(json.loads(listed.stdout), list)
+
+
+def test_a_url_with_or_without_v1_and_the_models_served_with_their_kind(
+    platform: PlatformProcess, deployed: subprocess.CompletedProcess[str], config_home: Path
+) -> None:
+    """The serve banner prints the OpenAI base URL (`…/v1`); login takes it as well."""
+    for url in (platform.url + "/v1", platform.url + "/v1/", platform.url):
+        done = runner.invoke(app, ["login", "--url", url, "--api-key", platform.admin_key])
+        assert done.exit_code == 0, done.output
+        me = runner.invoke(app, ["whoami", "--json"])
+        assert json.loads(me.stdout)["url"] == platform.url
+    env = {"MODELYARD_URL": platform.url + "/v1", "MODELYARD_API_KEY": platform.admin_key}
+    chat = runner.invoke(app, ["models", "served", "--kind", "chat", "--json"], env=env)
+    assert chat.exit_code == 0, chat.output
+    models = json.loads(chat.stdout)
+    assert "tiny" in [m["id"] for m in models] and {m["kind"] for m in models} == {"chat"}
+    embedding = runner.invoke(app, ["models", "served", "--kind", "embedding", "--json"], env=env)
+    assert json.loads(embedding.stdout) == []
+    table = runner.invoke(app, ["models", "served"], env=env)
+    assert table.exit_code == 0 and "tiny" in table.stdout and "chat" in table.stdout
+    bad = runner.invoke(app, ["models", "served", "--kind", "chatty"], env=env)
+    assert bad.exit_code != 0

@@ -25,6 +25,7 @@ from tests.platform_harness import (
     jsonl,
     wait_status,
 )
+from tests.tiny_encoders import build_embedding_model
 from tests.tiny_models import build_model
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -89,6 +90,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _require_browser()
     root = tmp_path_factory.mktemp("console-models")
     build_model(root / "tiny", "llama")
+    build_embedding_model(root / "tiny-embed")
     return root
 
 
@@ -105,7 +107,11 @@ def platform(
     }
     p = PlatformProcess(tmp_path_factory.mktemp("console-data"), env).start()
     try:
-        deploy(p.api(), "tiny", str(models / "tiny"), public=True)
+        # The playground shows a chat model's defaults; the Embeddings page lists only embedders.
+        embed = deploy(p.api(), "tiny-embed", str(models / "tiny-embed"), wait=False, public=True)
+        deploy(p.api(), "tiny", str(models / "tiny"), public=True,
+               sampling_defaults={"temperature": 0.2})  # fmt: skip
+        wait_status(p.api(), embed, "ready")
         yield p
     finally:
         p.stop()
@@ -381,6 +387,68 @@ def test_keyboard_reaches_every_section(page: Any, platform: PlatformProcess) ->
     page.keyboard.press("Enter")
     page.locator("#view-fleet").wait_for(state="visible")
     page.locator("#fleet-devices table").wait_for()
+
+
+def fits(page: Any) -> list[int]:
+    """What overflows the viewport's width: the page's scroll width, the right edge of each
+    table in the view shown (a table scrolling inside its box overflows too)."""
+    return list(
+        page.evaluate("""() => [document.documentElement.scrollWidth,
+          ...[...document.querySelectorAll('.view:not([hidden]) table')].map(
+            (t) => Math.ceil(t.getBoundingClientRect().right))].filter((x) => x > innerWidth)""")
+    )
+
+
+def test_pickers_list_their_kind_chat_sends_only_what_was_set_and_tables_fit_a_phone(
+    page: Any, platform: PlatformProcess, shots: Shots
+) -> None:
+    sign_in(page, platform.url, platform.admin_key)
+    page.locator("#chat-model option").first.wait_for(state="attached")
+    assert page.locator("#chat-model option").all_inner_texts() == ["tiny"]
+    assert page.get_by_label("Temperature").get_attribute("placeholder") == "model default: 0.2"
+    # The body of each chat request the page sends.
+    bodies: list[dict[str, Any]] = []
+    page.on(
+        "request",
+        lambda r: (
+            bodies.append(json.loads(r.post_data))
+            if r.url.endswith("/v1/chat/completions")
+            else None
+        ),
+    )
+    page.get_by_label("Max tokens").fill("3")
+    page.get_by_label("Message").fill("Hello")
+    for temperature in ("", "0.5"):
+        page.get_by_label("Temperature").fill(temperature)
+        page.get_by_role("button", name="Send").click()
+        page.locator("#chat-stop[disabled]").wait_for(state="attached", timeout=60_000)
+        assert page.locator("#flash").inner_text() == ""
+    assert len(bodies) == 2 and "temperature" not in bodies[0], bodies
+    assert bodies[1]["temperature"] == 0.5
+
+    page.get_by_role("link", name="Embeddings").click()
+    page.locator("#embed-model option").first.wait_for(state="attached")
+    assert page.locator("#embed-model option").all_inner_texts() == ["tiny-embed"]
+    page.locator("#embed-input").fill("a phone is narrow\nso are its tables")
+    page.get_by_role("button", name="Embed").click()
+    page.locator("#embed-result table, #flash:not(:empty)").first.wait_for(timeout=60_000)
+    assert page.locator("#flash").inner_text() == ""
+    # Every view with a table, at a desktop's width and at a phone's.
+    views = {"embeddings": "#embed-result table", "endpoints": "#endpoints-list table",
+             "keys": "#keys-list table", "tenants": "#tenants-list table",
+             "fleet": "#fleet-devices table"}  # fmt: skip
+    for view, ready in views.items():
+        if view != "embeddings":
+            page.locator(f'#nav a[data-view="{view}"]').click()
+            page.locator(ready).wait_for()
+        assert fits(page) == [], (view, "at 1280 px")
+        page.set_viewport_size(PHONE)
+        assert fits(page) == [], (view, "at 375 px")
+        if view in ("embeddings", "endpoints"):
+            shots.take(page, f"console-{view}-375")
+            page.set_viewport_size(WIDE)
+            shots.take(page, f"console-{view}-1280")
+        page.set_viewport_size(WIDE)
 
 
 def test_platform_admin_sees_tenants_and_fleet(

@@ -38,6 +38,8 @@ def entry(replicas: list[tuple[str, bool]], weights: dict[str, int] | None = Non
         "max_tokens_cap": 128,
         "upstream_model": None,
         "sampling_defaults": {"temperature": 0.2},
+        "model_kind": "chat",
+        "capabilities": {"tools": True, "max_context": 512},
         "weights": weights or {},
         "unavailable": None,
         "retry_after_s": 10,
@@ -69,6 +71,8 @@ def test_newer_generations_apply_in_place_older_ones_never(db: Database) -> None
         assert await mirror.refresh() == 1
         route = routing.resolve("tn-2", "tiny")
         assert route is not None and route.sampling_defaults == {"temperature": 0.2}
+        # What the gateway checks a request's route against, and what /v1/models shows.
+        assert (route.model_kind, route.capabilities["max_context"]) == ("chat", 512)
         replica_a = route.replicas[0]
         replica_a.outstanding = 2  # this gateway's requests in flight on it
 

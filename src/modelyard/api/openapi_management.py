@@ -200,6 +200,9 @@ class Endpoint(BaseModel):
     status_message: str | None
     public: bool
     kind: str | None = Field(description="llm, or the encoder kind (embedding, classifier).")
+    model_kind: str | None = Field(
+        description="chat, completion, embedding or classifier, as /v1/models shows it."
+    )
     model_artifact: str
     version_id: str | None
     rollout_from: str | None

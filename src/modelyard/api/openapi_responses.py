@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class ModelObject(BaseModel):
@@ -17,6 +17,16 @@ class ModelObject(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    endpoint_id: str
+    kind: Literal["chat", "completion", "embedding", "classifier"] | None = Field(
+        description="Which routes the model answers; null while its endpoint is provisioning."
+    )
+    capabilities: dict[str, Any] = Field(
+        description="tools, structured_outputs, reasoning, adapters (LLMs) and max_context."
+    )
+    sampling_defaults: dict[str, float] = Field(
+        description="Filled into chat and completion requests that leave these fields out."
+    )
 
 
 class ModelList(BaseModel):

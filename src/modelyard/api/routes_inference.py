@@ -118,6 +118,11 @@ def _model_object(route: EndpointRoute, services: Services) -> dict[str, Any]:
         "created": created,
         "owned_by": "modelyard" if route.public else route.tenant_id,
         "endpoint_id": route.endpoint_id,
+        # chat, completion, embedding or classifier (null while the endpoint is provisioning):
+        # which routes it answers (`core/model_kinds.py`), and what it can do.
+        "kind": route.model_kind,
+        "capabilities": dict(route.capabilities),
+        "sampling_defaults": dict(route.sampling_defaults),
     }
 
 

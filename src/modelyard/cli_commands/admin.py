@@ -19,7 +19,7 @@ from modelyard.cli_commands.output import (
     show,
     when,
 )
-from modelyard.cli_commands.profiles import Target, config_path, save_profile
+from modelyard.cli_commands.profiles import Target, config_path, platform_url, save_profile
 
 tenants_app = typer.Typer(no_args_is_help=True, help="Tenants (platform admin).")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys.")
@@ -31,7 +31,9 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts."
 
 
 def login(
-    url: Annotated[str, typer.Option(help="Platform URL, e.g. http://127.0.0.1:8000.")],
+    url: Annotated[
+        str, typer.Option(help="Platform URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine).")
+    ],
     api_key: Annotated[str, typer.Option(help="API key (sk-…).", prompt=True, hide_input=True)],
     profile: Annotated[str, typer.Option(help="Profile name to write.")] = "default",
     verify: Annotated[bool, typer.Option(help="Check the key against the platform first.")] = True,
@@ -40,7 +42,7 @@ def login(
     ] = True,
 ) -> None:
     """Save URL and key as a profile in config.toml (mode 0600)."""
-    url = url.rstrip("/")
+    url = platform_url(url)
     with api_errors():
         if verify:
             with PlatformClient(Target(url, api_key, "--url", "--api-key")) as c:

@@ -1,4 +1,5 @@
-"""`modelyard chat MODEL [PROMPT]`: a streamed answer on the terminal, or a REPL without PROMPT."""
+"""`modelyard chat MODEL [PROMPT]`: a streamed answer on the terminal, or a REPL without PROMPT;
+`modelyard models served`: the models the key can call, with their kind (`GET /v1/models`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,31 @@ import typer
 
 from modelyard.cli_commands import common
 from modelyard.cli_commands.client import ApiError, PlatformClient
-from modelyard.cli_commands.output import api_errors, errors, safe
+from modelyard.cli_commands.output import api_errors, errors, field, safe, show
+
+KINDS = ("chat", "completion", "embedding", "classifier")
+SERVED_COLUMNS = [
+    ("MODEL", field("id")),
+    ("KIND", lambda m: m.get("kind") or "provisioning"),
+    ("CONTEXT", lambda m: (m.get("capabilities") or {}).get("max_context") or "-"),
+    ("CAN", lambda m: ", ".join(k for k, v in (m.get("capabilities") or {}).items() if v is True)),
+    ("OWNER", field("owned_by")),
+]
+
+
+def models_served(
+    kind: Annotated[
+        str | None, typer.Option(help=f"Only models of this kind ({', '.join(KINDS)}).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """The models this key can call, with their kind (which routes they answer), context length
+    and capabilities."""
+    if kind is not None and kind not in KINDS:
+        raise typer.BadParameter(f"--kind must be one of {', '.join(KINDS)}")
+    with api_errors(), common.client() as c:
+        models = [m for m in c.get("/v1/models")["data"] if kind is None or m.get("kind") == kind]
+    show(models, SERVED_COLUMNS, "Models served", as_json)
 
 
 def stream_answer(c: PlatformClient, body: dict[str, Any]) -> str:
@@ -28,7 +53,7 @@ def stream_answer(c: PlatformClient, body: dict[str, Any]) -> str:
 
 
 def chat(
-    model: Annotated[str, typer.Argument(help="Model name (see `modelyard endpoints list`).")],
+    model: Annotated[str, typer.Argument(help="A chat model (`modelyard models served`).")],
     prompt: Annotated[str | None, typer.Argument(help="One message; without it, a REPL.")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
     temperature: Annotated[float | None, typer.Option("-t", "--temperature")] = None,

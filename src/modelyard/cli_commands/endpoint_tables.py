@@ -160,7 +160,7 @@ def check_line(check: dict[str, Any]) -> str:
 ENDPOINT_COLUMNS: list[Column] = [
     ("ID", field("endpoint_id")),
     ("MODEL", field("model_name")),
-    ("KIND", field("kind")),
+    ("KIND", lambda r: str(r.get("model_kind") or r.get("kind") or "-")),
     ("STATUS", field("status")),
     ("REPLICAS", replica_counts),
     ("TRAFFIC", traffic_summary),

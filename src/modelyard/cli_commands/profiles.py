@@ -19,6 +19,15 @@ class ProfileError(ValueError):
     """The config file or the chosen profile is unusable; its message says why."""
 
 
+def platform_url(url: str) -> str:
+    """The platform's base URL: given with or without the OpenAI base path (`…/v1`, what the
+    serve banner and the OpenAI SDKs use), the same one, since every command names its path."""
+    url = url.strip().rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")].rstrip("/")
+    return url
+
+
 def config_path() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "modelyard" / "config.toml"
@@ -76,7 +85,7 @@ def resolve(
         (local_key, str(LOCAL_ADMIN_KEY)),
         (None, "none"),
     )
-    return Target(str(url_found[0]).rstrip("/"), key_found[0], url_found[1], key_found[1])
+    return Target(platform_url(str(url_found[0])), key_found[0], url_found[1], key_found[1])
 
 
 def _first(*candidates: tuple[str | None, str]) -> tuple[str | None, str]:

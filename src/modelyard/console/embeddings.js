@@ -11,7 +11,7 @@ export function init() {
 }
 
 export async function show() {
-  await loadModels("embed-model");
+  await loadModels("embed-model", "embedding");
 }
 
 async function embed() {

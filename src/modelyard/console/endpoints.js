@@ -80,7 +80,8 @@ export function versionCell(ep) {
 async function list() {
   const res = await get("/v1/endpoints");
   const rows = res.data.map((ep) => [
-    el("strong", {}, ep.model_name), badge(ep.status), replicaSummary(ep),
+    el("strong", {}, ep.model_name), ep.model_kind || ep.kind || "–", badge(ep.status),
+    replicaSummary(ep),
     versionCell(ep),
     loadCell(ep),
     ep.status_message || ep.replicas.last_error || "–",
@@ -94,7 +95,7 @@ async function list() {
     }, "Delete"),
   ]);
   fill("endpoints-list", table("Your endpoints",
-    ["model", "status", "replicas", "versions (traffic)", "loading", "last message", ""], rows,
+    ["model", "kind", "status", "replicas", "versions (traffic)", "loading", "last message", ""], rows,
     "No endpoints yet: deploy one from the registry below."));
 }
 

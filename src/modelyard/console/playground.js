@@ -8,16 +8,30 @@ let controller = null;
 export function init() {
   $("chat-form").addEventListener("submit", send);
   $("chat-stop").addEventListener("click", () => controller?.abort());
+  $("chat-model").addEventListener("change", showDefaults);
 }
+
+// Each chat model's sampling defaults (GET /v1/models): the fields left empty take them.
+let defaults = {};
 
 export async function show() {
-  await loadModels("chat-model");
+  const models = await loadModels("chat-model", "chat");
+  defaults = Object.fromEntries(models.map((m) => [m.id, m.sampling_defaults || {}]));
+  showDefaults();
 }
 
-export async function loadModels(selectId) {
-  const models = await get("/v1/models");
-  options($(selectId), models.data.map((m) => m.id));
-  if (!models.data.length) flash("No model is deployed that this key can use.");
+// The models of one kind (chat, embedding...) into a picker; the models listed.
+export async function loadModels(selectId, kind) {
+  const models = (await get("/v1/models")).data.filter((m) => m.kind === kind);
+  options($(selectId), models.map((m) => m.id));
+  if (!models.length) flash(`No ${kind} model is deployed that this key can use.`);
+  return models;
+}
+
+// An empty Temperature field sends none, so the model's default applies: say which it is.
+function showDefaults() {
+  const value = defaults[$("chat-model").value]?.temperature;
+  $("chat-temperature").placeholder = value === undefined ? "model default" : `model default: ${value}`;
 }
 
 function setStat(id, text) { $(id).textContent = text; }
@@ -31,11 +45,12 @@ async function send(event) {
   const body = {
     model: form.get("model"),
     messages,
-    temperature: Number(form.get("temperature")),
     max_tokens: Number(form.get("max_tokens")),
     stream: true,
     stream_options: { include_usage: true },
   };
+  // Only what the user set: the endpoint's sampling defaults fill the rest.
+  if (form.get("temperature").trim() !== "") body.temperature = Number(form.get("temperature"));
   const output = $("chat-output");
   output.textContent = "";
   output.classList.add("streaming");

@@ -19,14 +19,16 @@ export function badge(text) {
   return el("span", { class: `badge ${String(text).replace(/[^a-z_]/gi, "")}` }, text);
 }
 
-// A table with a caption (for screen readers) from rows of cells (strings or nodes).
+// A table with a caption (for screen readers) from rows of cells (strings or nodes). Each cell
+// carries its column's name: on a phone a row shows as a card of labelled cells (console.css).
 export function table(caption, headers, rows, empty = "Nothing yet.") {
   if (!rows.length) return el("p", { class: "muted" }, empty);
   return el("div", { class: "table-wrap" },
     el("table", {},
       el("caption", { class: "sr-only" }, caption),
       el("thead", {}, el("tr", {}, headers.map((h) => el("th", { scope: "col" }, h)))),
-      el("tbody", {}, rows.map((r) => el("tr", {}, r.map((c) => el("td", {}, c)))))));
+      el("tbody", {}, rows.map((r) => el("tr", {},
+        r.map((c, i) => el("td", { "data-label": headers[i] }, c)))))));
 }
 
 export function fill(id, ...nodes) { $(id).replaceChildren(...nodes.flat()); }

@@ -20,6 +20,7 @@ from modelyard.control.backends.base import Backend
 from modelyard.control.encoder_pool import EncoderPool
 from modelyard.control.endpoint_config import EndpointConfig
 from modelyard.control.endpoint_status import EndpointStatuses
+from modelyard.control.model_card import describe
 from modelyard.control.model_kind import LLM, detect
 from modelyard.control.reconcile import Reconciler
 from modelyard.control.replicas import ReplicaController
@@ -129,6 +130,10 @@ class Provisioner:
                 else:
                     state.model_path = await self.replicas.fetch_model(state)
             state.kind = await asyncio.to_thread(detect, state.model_path)
+            route = state.route
+            route.model_kind, route.capabilities = await asyncio.to_thread(
+                describe, state.model_path, state.kind, state.engine
+            )
         except Exception as exc:
             why = f"cannot prepare the model files: {exc}"
             await self.statuses.set(state, EndpointStatus.FAILED, why, StatusTrigger.PREPARE_FAILED)

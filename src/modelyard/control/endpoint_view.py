@@ -21,6 +21,7 @@ def endpoint_view(state: EndpointState, base_url: str) -> dict[str, Any]:
         "status_message": state.message,
         "public": row.public,
         "kind": state.kind,
+        "model_kind": state.route.model_kind,  # chat, completion, embedding, classifier
         # The version it was asked to run (a rollout's while one runs: the row's serves until
         # it is promoted, and shows as `rollout_from`).
         "model_artifact": state.target.artifact,

@@ -118,6 +118,8 @@ class EndpointRoute:
     retry_after_s: int = 10
     # Registry LoRA adapters its replicas serve, by their own names (control/adapters.py).
     adapters: frozenset[str] = frozenset()
+    model_kind: str | None = None  # core/model_kinds.py's ModelKind; None until provisioned
+    capabilities: dict[str, Any] = field(default_factory=dict)  # what /v1/models shows
     queue: AdmissionQueue = field(default_factory=lambda: AdmissionQueue())
     # Cluster mode, on the controller: requests queued at the gateways (summed from Redis).
     remote_waiting: int = 0

@@ -16,6 +16,7 @@ from modelyard.core.errors import DomainError, Invalid, model_not_found
 from modelyard.core.identity import Principal
 from modelyard.core.logs import current_request_id
 from modelyard.core.model_allow import model_not_allowed
+from modelyard.core.model_kinds import refuse_wrong_kind
 from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.gateway.accounting import Accounting
 from modelyard.gateway.cache_scope import scope_prefix_cache
@@ -103,7 +104,7 @@ class Admission:
         self, principal: Principal, payload: dict[str, Any], req: Any, kind: str
     ) -> Call:
         """Rate limits, then the quota reservation and a concurrency slot; all or nothing."""
-        route = self.resolve(principal, req.model)
+        route = self.resolve(principal, req.model, kind)
         reserved = self.reserve(route, payload, req)
         return await self.admit_reserved(principal, route, req.model, kind, reserved)
 
@@ -165,10 +166,11 @@ class Admission:
         kind = "completions" if isinstance(req, CompletionRequest) else "chat"
         return reservation_bound(kind, {**payload, **filled}, route.max_tokens_cap)
 
-    def resolve(self, principal: Principal, model: str) -> EndpointRoute:
+    def resolve(self, principal: Principal, model: str, kind: str | None = None) -> EndpointRoute:
         """The route of `model` for the caller: 403 `model_not_allowed` outside its key's
         allowed models (by the name sent, or by the model's name when sent its endpoint id),
-        404 when the tenant cannot see it."""
+        404 when the tenant cannot see it; with the request's `kind`, refused with
+        `wrong_model_kind` when that endpoint's model does not answer that route."""
         route = self.routing.resolve(principal.tenant_id, model)
         if not principal.allows_model(model):
             if route is None or model != route.endpoint_id:
@@ -181,4 +183,6 @@ class Admission:
             route = next((r for r in visible if model in r.adapters), None)
         if route is None:
             raise model_not_found(model)
+        if kind is not None:
+            refuse_wrong_kind(model, route.model_kind, kind)
         return route

@@ -56,7 +56,7 @@ class OipProxy:
     async def handle(self, request: Request, model: str, action: str) -> Response:
         principal = await self.auth.authenticate(request.headers.get("authorization"))
         principal.require("inference")
-        route = self.admission.resolve(principal, model)
+        route = self.admission.resolve(principal, model, "oip")
         upstream = route.upstream_model or route.model_name
         path = oip_path(upstream, action)
         if action != "infer":

@@ -160,7 +160,7 @@ class Gateway:
         `settle_item` once the result is committed, or not); raises a `DomainError` for what fails
         before a worker (bad body, unknown model, quota, no replica)."""
         req = validate(kind, payload)
-        route = self.admission.resolve(principal, req.model)
+        route = self.admission.resolve(principal, req.model, kind)
         # Embeddings have no stream field (and refuse unknown ones); the rest must not stream.
         body = dict(payload) if kind == "embeddings" else {**payload, "stream": False}
         shape_for_worker(
