@@ -30,6 +30,7 @@ from modelyard.control.audit import AuditLog
 from modelyard.control.backends import open_backend
 from modelyard.control.backends.base import Backend
 from modelyard.control.endpoints import EndpointManager
+from modelyard.control.people import People
 from modelyard.control.registry import Registry
 from modelyard.control.takeover import ReplicaTakeover
 from modelyard.control.tenancy import Tenancy
@@ -170,6 +171,7 @@ class Platform:
             batches=self.batches,
             audit=self.audit,
             tenancy=Tenancy(self.db, self.audit, self.auth.invalidate, generate_key),
+            people=People(self.db, self.audit, self.auth.invalidate),
             reclaimer=self.reclaimer,
         )
         self.bootstrap: Bootstrap | None = None

@@ -37,6 +37,8 @@ class _Key:
     scopes: str = "inference,admin"
     rpm_limit: int | None = 500
     tpm_limit: int | None = 50
+    owner_user_id: str | None = None
+    owner_team_id: str | None = None
 
 
 def test_principal_constructors() -> None:

@@ -16,6 +16,7 @@ from modelyard.config import PlatformSettings
 from modelyard.control.audit import AuditLog
 from modelyard.control.endpoint_versions import VersionVerbs
 from modelyard.control.endpoints import EndpointManager
+from modelyard.control.people import People
 from modelyard.control.registry import Registry
 from modelyard.control.tenancy import Tenancy
 from modelyard.core.routing import RoutingTable
@@ -45,6 +46,7 @@ class Services:
     batches: BatchService
     audit: AuditLog
     tenancy: Tenancy
+    people: People  # users, teams, membership
     # Sweeps blobs no tenant holds; told after a delete (None: nothing sweeps here).
     reclaimer: Reclaimer | None = None
 
