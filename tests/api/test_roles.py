@@ -30,6 +30,10 @@ MATRIX: dict[tuple[str, str], str] = {
     ("get", "/v2/health/ready"): PUBLIC,
     ("get", "/metrics"): VIEWER,
     ("get", "/v1/me"): VIEWER,
+    ("get", "/v1/auth/config"): PUBLIC,
+    ("get", "/v1/auth/oidc/login"): PUBLIC,
+    ("get", "/v1/auth/oidc/callback"): PUBLIC,
+    ("post", "/v1/auth/logout"): VIEWER,
     # Reading the tenant's configuration and records.
     ("get", "/v1/models"): VIEWER,
     ("get", "/v1/models/{model}"): VIEWER,

@@ -18,6 +18,7 @@ from modelyard.api import (
     routes_inference,
     routes_people,
     routes_registry,
+    routes_sso,
     routes_tenancy,
     routes_webhooks,
 )
@@ -81,6 +82,7 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
         routes_registry,
         routes_tenancy,
         routes_people,
+        routes_sso,
         routes_batch,
     ):
         app.include_router(module.router)
