@@ -240,6 +240,11 @@ def test_what_each_role_means(platform: PlatformProcess) -> None:
         r = t.api.post("/v1/users", json=body)
         assert r.status_code == 400 and param in r.text, (body, r.text)
     assert t.api.post("/v1/users", json={"email": dev["email"]}).status_code == 409
+    page = t.api.get("/v1/users").json()
+    ids = [u["id"] for u in page["data"]]
+    assert len(ids) == 3 and ids == sorted(ids) and page["has_more"] is False
+    after = t.api.get("/v1/users", params={"after": ids[0]}).json()["data"]
+    assert [u["id"] for u in after] == ids[1:]
     assert t.api.post("/v1/teams", json={"name": "t", "members": []}).status_code == 400
 
     # A team, a member, a team key: the key's principal carries the team.

@@ -41,10 +41,13 @@ async def create_user(
 @router.get("/v1/users")
 async def list_users(
     tenant_id: str | None = _TENANT,
+    after: str | None = Query(None, max_length=64, description="The last id of the page before."),
     principal: Principal = Depends(get_tenant_reader),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
-    return {"object": "list", "data": await services.people.list_users(principal, tenant_id)}
+    """Users by id, 1,000 a page (`has_more`: ask again with `after`, the page's last id)."""
+    data, more = await services.people.list_users(principal, tenant_id, after)
+    return {"object": "list", "data": data, "has_more": more}
 
 
 @router.get("/v1/users/{user_id}")

@@ -98,15 +98,19 @@ class People:
                                 view["id"], None, view, tenant_id)  # fmt: skip
         return view
 
-    async def list_users(self, principal: Principal, tenant_id: str | None) -> list[dict[str, Any]]:
+    async def list_users(
+        self, principal: Principal, tenant_id: str | None, after: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """A page of users (by id, after `after`), and whether more follow."""
         scope = principal.tenant_filter(tenant_id)
 
-        def load() -> list[dict[str, Any]]:
+        def load() -> tuple[list[dict[str, Any]], bool]:
             with self.db.session() as s:
-                users = repo.list_users(s, scope, LIST_LIMIT)
-                return [user_view(u, repo.user_teams(s, u.id)) for u in users]
+                users = repo.list_users(s, scope, LIST_LIMIT + 1, after)
+                page = [user_view(u, repo.user_teams(s, u.id)) for u in users[:LIST_LIMIT]]
+                return page, len(users) > LIST_LIMIT
 
-        result: list[dict[str, Any]] = await self._run(load)
+        result: tuple[list[dict[str, Any]], bool] = await self._run(load)
         return result
 
     async def get_user(self, principal: Principal, user_id: str) -> dict[str, Any]:

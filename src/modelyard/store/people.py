@@ -38,10 +38,15 @@ def user_by_subject(s: Session, subject: str) -> User | None:
     return s.scalar(select(User).where(User.subject == subject))
 
 
-def list_users(s: Session, tenant_id: str | None, limit: int) -> Sequence[User]:
-    q = select(User).order_by(User.created_at, User.id).limit(limit)
+def list_users(
+    s: Session, tenant_id: str | None, limit: int, after: str | None = None
+) -> Sequence[User]:
+    """Users by id, from the one after `after`."""
+    q = select(User).order_by(User.id).limit(limit)
     if tenant_id is not None:
         q = q.where(User.tenant_id == tenant_id)
+    if after is not None:
+        q = q.where(User.id > after)
     return s.scalars(q).all()
 
 
