@@ -132,6 +132,12 @@ def test_first_sign_in_and_what_is_refused(platform: Any, provider: Provider) ->
     assert again != token
     users = [u for u in admin.get("/v1/users").json()["data"] if u["email"] == email]
     assert len(users) == 1 and users[0]["sso"] is True
+    # A user holds at most 20 sessions: the 21st sign-in ends the oldest.
+    newest = [_session(_flow(p)) for _ in range(19)][-1]
+    assert viewer.get("/v1/me").status_code == 401
+    for held in (again, newest):
+        me = httpx.get(p.url + "/v1/me", headers={"authorization": f"Bearer {held}"})
+        assert me.status_code == 200, me.text
 
     # What the platform refuses.
     for tamper in ("signature", "nonce", "audience", "expired"):

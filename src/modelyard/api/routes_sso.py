@@ -88,6 +88,7 @@ async def oidc_callback(
     token, token_hash = generate_session_token()
     assert services.sign_in is not None
     await services.sign_in.sign_in(client.issuer, claims, token_hash)
+    services.auth.invalidate()  # a session the sign-in ended (the user's oldest) ends now
     page = (
         '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>Signing in…</title>'
         f'<meta name="modelyard-session" content="{html.escape(token)}">'

@@ -239,7 +239,9 @@ class OidcClient:
         return await self.verify(id_token, pending.nonce, doc)
 
     async def verify(self, id_token: str, nonce: str, doc: dict[str, Any]) -> dict[str, Any]:
-        announced = doc.get("id_token_signing_alg_values_supported") or ["RS256"]
+        announced = doc.get("id_token_signing_alg_values_supported")
+        if not isinstance(announced, list) or not announced:
+            announced = ["RS256"]  # the default OpenID Connect Discovery names
         algorithms = [a for a in _ALGORITHMS if a in announced]
         if not algorithms:
             raise _unavailable("the provider signs ID tokens with no algorithm accepted here")

@@ -6,7 +6,8 @@ admin created with the token's email, which is linked now; else, when `oidc_tena
 `oidc_default_role` are set, a new user of that tenant with that role. The email must be
 verified (`email_verified` not false) and, with `oidc_allowed_domains`, of one of those domains,
 at every sign-in. The session is a row of `console_sessions` (its token's hash, an expiry);
-the sign-in is audited (`user.sign_in`).
+the sign-in is audited (`user.sign_in`). A user holds at most `MAX_SESSIONS_PER_USER` sessions
+(the oldest ends first), and expired ones are dropped at each sign-in.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from modelyard.store import people
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import Tenant, User
+
+# A user's console sessions at once (signing in again past this ends the oldest).
+MAX_SESSIONS_PER_USER = 20
 
 
 def _refused(message: str) -> Forbidden:
@@ -101,6 +105,8 @@ class ConsoleSignIn:
                 tenant = repo.get_tenant(s, user.tenant_id)
                 assert tenant is not None
                 row = people.add_session(s, user.id, token_hash, repo.now() + ttl)
+                s.flush()
+                people.trim_sessions(s, user.id, MAX_SESSIONS_PER_USER)
                 principal = Principal.for_session(row, user, tenant)
                 return principal, user_view(user, people.user_teams(s, user.id)), created
 

@@ -148,5 +148,18 @@ def end_session(s: Session, session_id: str) -> None:
     s.execute(delete(ConsoleSession).where(ConsoleSession.id == session_id))
 
 
+def trim_sessions(s: Session, user_id: str, keep: int) -> None:
+    """Keep the user's `keep` newest sessions, end the rest."""
+    q = (
+        select(ConsoleSession.id)
+        .where(ConsoleSession.user_id == user_id)
+        .order_by(ConsoleSession.created_at.desc(), ConsoleSession.id)
+        .offset(keep)
+    )
+    old = list(s.scalars(q).all())
+    if old:
+        s.execute(delete(ConsoleSession).where(ConsoleSession.id.in_(old)))
+
+
 def drop_expired_sessions(s: Session) -> None:
     s.execute(delete(ConsoleSession).where(ConsoleSession.expires_at < now()))
