@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.exc import IntegrityError
 
@@ -25,6 +25,7 @@ from modelyard.store.db import Database
 from modelyard.store.tables import Team, User
 
 LIST_LIMIT = 1000
+T = TypeVar("T")
 
 
 def user_view(u: User, teams: list[str]) -> dict[str, Any]:
@@ -72,7 +73,7 @@ class People:
         self.audit = audit
         self.keys_changed = keys_changed
 
-    async def _run(self, fn: Callable[[], Any]) -> Any:
+    async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.to_thread(fn)
 
     # ----- users ------------------------------------------------------------------------------
