@@ -30,7 +30,10 @@ from modelyard.control.audit import AuditLog
 from modelyard.control.backends import open_backend
 from modelyard.control.backends.base import Backend
 from modelyard.control.endpoints import EndpointManager
+from modelyard.control.oidc import OidcClient
+from modelyard.control.people import People
 from modelyard.control.registry import Registry
+from modelyard.control.sso import ConsoleSignIn
 from modelyard.control.takeover import ReplicaTakeover
 from modelyard.control.tenancy import Tenancy
 from modelyard.core.cluster_auth import ensure_replica_secret
@@ -157,6 +160,17 @@ class Platform:
             sender=self.gateway,
             routing=self.routing,
         )
+        self.oidc = (
+            OidcClient(
+                settings.oidc_issuer,
+                settings.oidc_client_id,
+                settings.oidc_client_secret,
+                settings.oidc_scopes,
+                settings.oidc_timeout_s,
+            )
+            if settings.oidc_issuer and settings.oidc_client_id
+            else None
+        )
         self.services = Services(
             settings=settings,
             db=self.db,
@@ -173,7 +187,10 @@ class Platform:
             batches=self.batches,
             audit=self.audit,
             tenancy=Tenancy(self.db, self.audit, self.auth.invalidate, generate_key),
+            people=People(self.db, self.audit, self.auth.invalidate),
             reclaimer=self.reclaimer,
+            oidc=self.oidc,
+            sign_in=ConsoleSignIn(self.db, self.audit, settings) if self.oidc else None,
         )
         self.bootstrap: Bootstrap | None = None
         self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's banner
@@ -247,6 +264,8 @@ class Platform:
         await self.recorder.stop()
         await self.gateway.stop()
         await self.limiter.close()
+        if self.oidc is not None:
+            await self.oidc.aclose()
         if self._redis is not None:
             await self._redis.aclose()
         self.db.dispose()

@@ -38,6 +38,8 @@ class _Key:
     rpm_limit: int | None = 500
     tpm_limit: int | None = 50
     allowed_models: list[str] | None = None
+    owner_user_id: str | None = None
+    owner_team_id: str | None = None
 
 
 def test_principal_constructors() -> None:

@@ -116,12 +116,21 @@ class Victim:
         self.output = read_jsonl(self.client, self.output_file)
         assert len(self.output) == 1
 
+        # A user in a team, and a key of that user.
+        self.email = f"victim-{ns}@example.com"
+        self.user = self.api.post("/v1/users", json={"email": self.email}).json()
+        self.team = self.api.post("/v1/teams", json={"name": f"vteam-{ns}"}).json()
+        r = self.api.post(f"/v1/teams/{self.team['id']}/members", json={"user_id": self.user["id"]})
+        assert r.status_code == 200, r.text
+        create_key(self.api, name=f"vuser-key-{ns}", owner_user_id=self.user["id"])
+
         self.client.chat.completions.create(model=self.model_name, messages=MESSAGES, max_tokens=2)
         self.usage = wait_usage(self.api, lambda rows: len(rows) >= 2)
 
     def markers(self) -> list[str]:
         """Strings only tenant A's data holds: none may appear in an answer to tenant B."""
         return [self.name, self.key["name"], self.key["prefix"], self.secret, self.filename,
+                self.email, self.team["name"],
                 self.output[0]["response"]["body"]["id"], self.usage[0]["request_id"]]  # fmt: skip
 
 
@@ -196,6 +205,25 @@ def test_another_tenant_can_reach_nothing_by_id(
     probe("GET", "/v1/keys", params={"tenant_id": v.id})
     probe("POST", "/v1/keys", json_body={"name": "steal", "tenant_id": v.id})
     assert v.key["id"] not in str(probe("GET", "/v1/keys", {200}).json())
+    # Users and teams.
+    b_user = probe.api.post("/v1/users", json={"email": f"b-{b_id}@example.com"}).json()["id"]
+    b_team = probe.api.post("/v1/teams", json={"name": "b-team"}).json()["id"]
+    probe("GET", "/v1/users/{user_id}", user_id=v.user["id"])
+    probe("PATCH", "/v1/users/{user_id}", user_id=v.user["id"], json_body={"role": "admin"})
+    probe("DELETE", "/v1/users/{user_id}", user_id=v.user["id"])
+    probe("GET", "/v1/teams/{team_id}", team_id=v.team["id"])
+    probe("DELETE", "/v1/teams/{team_id}", team_id=v.team["id"])
+    probe("POST", "/v1/teams/{team_id}/members", team_id=v.team["id"],
+          json_body={"user_id": b_user})  # fmt: skip
+    probe("POST", "/v1/teams/{team_id}/members", team_id=b_team,
+          json_body={"user_id": v.user["id"]})  # fmt: skip
+    probe("DELETE", "/v1/teams/{team_id}/members/{user_id}", team_id=v.team["id"],
+          user_id=v.user["id"])  # fmt: skip
+    probe("POST", "/v1/keys", json_body={"name": "steal", "owner_user_id": v.user["id"]})
+    probe("POST", "/v1/keys", json_body={"name": "steal", "owner_team_id": v.team["id"]})
+    probe("GET", "/v1/users", params={"tenant_id": v.id})
+    assert [u["id"] for u in probe("GET", "/v1/users", {200}).json()["data"]] == [b_user]
+    assert [t["id"] for t in probe("GET", "/v1/teams", {200}).json()["data"]] == [b_team]
     # Usage.
     probe("GET", "/v1/usage", params={"tenant_id": v.id})
     probe("GET", "/v1/usage/export", params={"tenant_id": v.id})
@@ -262,6 +290,8 @@ def test_another_tenant_can_reach_nothing_by_id(
     assert v.api.get(f"/v1/tenants/{v.id}").json()["monthly_token_quota"] == 10**7
     key = v.api.get(f"/v1/keys/{v.key['id']}").json()
     assert key["revoked_at"] is None and key["rpm_limit"] is None
+    user = v.api.get(f"/v1/users/{v.user['id']}").json()
+    assert user["role"] == "developer" and user["teams"] == [v.team["id"]]
     assert v.api.get(f"/v1/endpoints/{v.endpoint}").json()["status"] == "ready"
     assert v.api.get(f"/v1/registry/models/{v.reg_name}").status_code == 200
     assert v.api.head(f"/v1/blobs/{v.blob_sha}").status_code == 200

@@ -16,7 +16,9 @@ from modelyard.api import (
     routes_console,
     routes_endpoints,
     routes_inference,
+    routes_people,
     routes_registry,
+    routes_sso,
     routes_tenancy,
     routes_webhooks,
 )
@@ -79,6 +81,8 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
         routes_endpoints,
         routes_registry,
         routes_tenancy,
+        routes_people,
+        routes_sso,
         routes_batch,
     ):
         app.include_router(module.router)

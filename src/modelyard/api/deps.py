@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from modelyard.api.services import Services
 from modelyard.core.identity import Principal
+from modelyard.core.roles import DEPLOYERS, KEY_OWNERS, READ, TENANT_READERS
 
 # auto_error=False: the 401 is ours (OpenAI's shape), not FastAPI's 403.
 bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer sk-my-…`.")
@@ -44,13 +45,39 @@ async def get_inference(principal: Principal = Depends(get_principal)) -> Princi
 
 
 async def get_reader(principal: Principal = Depends(get_principal)) -> Principal:
-    """A key that may read its tenant's configuration (endpoints, models): admin or inference.
-    A metrics-only key reads `/metrics` and nothing else."""
+    """A caller that may read its tenant's configuration (endpoints, models): admin or
+    inference, or a user's `read` (a viewer). A metrics-only key reads `/metrics` only."""
     principal.require_any(READER_SCOPES)
     return principal
 
 
-READER_SCOPES = ("admin", "inference")
+async def get_tenant_key(principal: Principal = Depends(get_principal)) -> Principal:
+    """A key that works for the tenant (admin or inference; no viewer): webhook secrets."""
+    principal.require_any(WORKER_SCOPES)
+    return principal
+
+
+async def get_tenant_reader(principal: Principal = Depends(get_principal)) -> Principal:
+    """A reader of the tenant's records (registry, usage, users, teams): admin or `read`."""
+    principal.require_any(TENANT_READERS)
+    return principal
+
+
+async def get_deployer(principal: Principal = Depends(get_principal)) -> Principal:
+    """A caller that may deploy and push models: admin, or a user's `deploy` (a developer)."""
+    principal.require_any(DEPLOYERS)
+    return principal
+
+
+async def get_key_owner(principal: Principal = Depends(get_principal)) -> Principal:
+    """A caller that may manage API keys: every key of the tenant (admin), or its own
+    (`own_keys`, a developer); `control/tenancy.py` tells which."""
+    principal.require_any(KEY_OWNERS)
+    return principal
+
+
+WORKER_SCOPES = ("admin", "inference")
+READER_SCOPES = ("admin", "inference", READ)
 
 # The scopes each dependency accepts (any one of them), so the pre-authentication can check
 # them before the body.
@@ -58,6 +85,10 @@ SCOPE_OF_DEPENDENCY: dict[object, tuple[str, ...]] = {
     get_admin: ("admin",),
     get_inference: ("inference",),
     get_reader: READER_SCOPES,
+    get_tenant_key: WORKER_SCOPES,
+    get_tenant_reader: TENANT_READERS,
+    get_deployer: DEPLOYERS,
+    get_key_owner: KEY_OWNERS,
 }
 
 

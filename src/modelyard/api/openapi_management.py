@@ -45,6 +45,8 @@ class ApiKey(BaseModel):
     scopes: list[str]
     rpm_limit: int | None
     tpm_limit: int | None
+    owner_user_id: str | None = Field(None, description="The user whose key it is.")
+    owner_team_id: str | None = Field(None, description="The team whose key it is.")
     created_at: int
     revoked_at: int | None
     expires_at: int | None = Field(description="Unix seconds; None: never.")

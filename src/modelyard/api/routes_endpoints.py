@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from modelyard.api.deps import base_url, get_admin, get_reader, get_services
+from modelyard.api.deps import base_url, get_admin, get_deployer, get_reader, get_services
 from modelyard.api.routes_versions import router as versions_router
 from modelyard.api.services import Services
 from modelyard.control.audit import endpoint_snapshot
@@ -61,7 +61,7 @@ def _check_ceilings(services: Services, tenant_id: str, replicas: int) -> None:
 async def deploy(
     body: DeployRequest,
     request: Request,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_deployer),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     async with _deploying[principal.tenant_id]:
@@ -121,7 +121,7 @@ class EndpointUpdate(BaseModel):
 async def update_endpoint(
     endpoint_id: str,
     body: EndpointUpdate,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_deployer),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     before = endpoint_snapshot(services.endpoints, endpoint_id)
@@ -144,7 +144,7 @@ async def update_endpoint(
 @router.delete("/v1/endpoints/{endpoint_id}", status_code=202)
 async def delete_endpoint(
     endpoint_id: str,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_deployer),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     before = endpoint_snapshot(services.endpoints, endpoint_id)

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from modelyard.api.deps import get_admin, get_services
+from modelyard.api.deps import get_deployer, get_services, get_tenant_reader
 from modelyard.api.services import Services
 from modelyard.control.registry import check_model_name
 from modelyard.core.identity import Principal
@@ -53,7 +53,7 @@ def _over_quota(size: int | None, room: int) -> APIError:
 @router.head("/v1/blobs/{sha256}")
 async def blob_exists(
     sha256: str,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_deployer),
     services: Services = Depends(get_services),
 ) -> Response:
     owned = await asyncio.to_thread(services.registry.has_blob, principal.tenant_id, _sha(sha256))
@@ -64,7 +64,7 @@ async def blob_exists(
 async def upload_blob(
     sha256: str,
     request: Request,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_deployer),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     expected = _sha(sha256)
@@ -95,7 +95,7 @@ async def upload_blob(
 async def create_version(
     name: str,
     body: VersionCreate,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_deployer),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     files = {path: entry.model_dump(exclude_none=True) for path, entry in body.files.items()}
@@ -127,7 +127,7 @@ async def create_version(
 
 @router.get("/v1/registry/models")
 async def list_registry_models(
-    principal: Principal = Depends(get_admin), services: Services = Depends(get_services)
+    principal: Principal = Depends(get_tenant_reader), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
     models = await asyncio.to_thread(services.registry.list_models, principal.tenant_id)
     return {"object": "list", "data": models}
@@ -135,7 +135,9 @@ async def list_registry_models(
 
 @router.get("/v1/registry/models/{name}")
 async def get_registry_model(
-    name: str, principal: Principal = Depends(get_admin), services: Services = Depends(get_services)
+    name: str,
+    principal: Principal = Depends(get_tenant_reader),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     check_model_name(name)
     models = await asyncio.to_thread(services.registry.list_models, principal.tenant_id)
@@ -147,7 +149,9 @@ async def get_registry_model(
 
 @router.delete("/v1/registry/models/{name}")
 async def delete_registry_model(
-    name: str, principal: Principal = Depends(get_admin), services: Services = Depends(get_services)
+    name: str,
+    principal: Principal = Depends(get_deployer),
+    services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     models = await asyncio.to_thread(services.registry.list_models, principal.tenant_id)
     await asyncio.to_thread(services.registry.delete_model, principal.tenant_id, name)

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import Response
 
-from modelyard.api.deps import get_admin, get_services
+from modelyard.api.deps import get_admin, get_key_owner, get_services, get_tenant_reader
 from modelyard.api.services import Services
 from modelyard.control.usage import parse_time, summarize, to_csv
 from modelyard.core.identity import Principal
@@ -75,7 +75,7 @@ async def update_tenant(
 @router.post("/v1/keys", status_code=201)
 async def create_key(
     body: KeyCreate,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_key_owner),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     created = await services.tenancy.create_key(principal, body)
@@ -85,7 +85,7 @@ async def create_key(
 @router.get("/v1/keys")
 async def list_keys(
     tenant_id: str | None = None,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_key_owner),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     await services.auth.flush_last_used()  # this gateway's last uses, exact
@@ -95,7 +95,7 @@ async def list_keys(
 @router.get("/v1/keys/{key_id}")
 async def get_key(
     key_id: str,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_key_owner),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     await services.auth.flush_last_used()
@@ -106,7 +106,7 @@ async def get_key(
 async def update_key(
     key_id: str,
     body: KeyUpdate,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_key_owner),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     return await services.tenancy.update_key(principal, key_id, body)
@@ -126,7 +126,7 @@ async def rotate_key(
 @router.delete("/v1/keys/{key_id}")
 async def revoke_key(
     key_id: str,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_key_owner),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     return await services.tenancy.revoke_key(principal, key_id)
@@ -152,7 +152,7 @@ async def usage(
     end: str | None = Query(None, description="Unix seconds or ISO 8601 (default: now)"),
     group_by: str = Query("model", description="model, key or day"),
     tenant_id: str | None = Query(None, description="Platform admin only."),
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_tenant_reader),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     start_ts, end_ts = _window(start, end)
@@ -193,7 +193,7 @@ async def usage_export(
     start: str | None = None,
     end: str | None = None,
     tenant_id: str | None = None,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_tenant_reader),
     services: Services = Depends(get_services),
 ) -> Response:
     start_ts, end_ts = _window(start, end)

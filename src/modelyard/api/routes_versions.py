@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from modelyard.api.deps import get_admin, get_services
+from modelyard.api.deps import get_deployer, get_services
 from modelyard.api.services import Services
 from modelyard.control.audit import AuditAction, endpoint_snapshot
 from modelyard.core.identity import Principal
@@ -87,7 +87,7 @@ class RollbackRequest(BaseModel):
 async def add_version(
     endpoint_id: str,
     body: VersionAdd,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_deployer),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     async def change() -> dict[str, Any]:
@@ -104,7 +104,7 @@ async def add_version(
 async def set_traffic(
     endpoint_id: str,
     body: TrafficUpdate,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_deployer),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     async def change() -> dict[str, Any]:
@@ -116,7 +116,7 @@ async def set_traffic(
 @router.post("/v1/endpoints/{endpoint_id}/promote")
 async def promote(
     endpoint_id: str,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_deployer),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     async def change() -> dict[str, Any]:
@@ -129,7 +129,7 @@ async def promote(
 async def rollback(
     endpoint_id: str,
     body: RollbackRequest | None = None,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_deployer),
     services: Services = Depends(get_services),
 ) -> JSONResponse:
     async def change() -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from modelyard.api.deps import get_reader, get_services
+from modelyard.api.deps import get_services, get_tenant_key
 from modelyard.api.services import Services
 from modelyard.batch.webhook import tenant_secret
 from modelyard.core.identity import Principal
@@ -19,7 +19,7 @@ from modelyard.core.identity import Principal
 router = APIRouter()
 
 
-_tenant_key = get_reader
+_tenant_key = get_tenant_key
 
 
 def _view(principal: Principal, secret: str) -> dict[str, Any]:

@@ -16,7 +16,10 @@ from modelyard.config import PlatformSettings
 from modelyard.control.audit import AuditLog
 from modelyard.control.endpoint_versions import VersionVerbs
 from modelyard.control.endpoints import EndpointManager
+from modelyard.control.oidc import OidcClient
+from modelyard.control.people import People
 from modelyard.control.registry import Registry
+from modelyard.control.sso import ConsoleSignIn
 from modelyard.control.tenancy import Tenancy
 from modelyard.core.routing import RoutingTable
 from modelyard.gateway.auth import Authenticator
@@ -45,8 +48,12 @@ class Services:
     batches: BatchService
     audit: AuditLog
     tenancy: Tenancy
+    people: People  # users, teams, membership
     # Sweeps blobs no tenant holds; told after a delete (None: nothing sweeps here).
     reclaimer: Reclaimer | None = None
+    # Console single sign-on (None: not configured).
+    oidc: OidcClient | None = None
+    sign_in: ConsoleSignIn | None = None
 
 
 class Lifecycle(Protocol):

@@ -9,7 +9,8 @@ its own module, and every importer takes them from here (`from modelyard.config 
 - `engine_settings.py`: `EngineSettings`, the LLM engine and its worker;
 - `process_settings.py`: `TelemetrySettings` (logs, traces, the loop-stall guard) and
   `WorkerAuthSettings`;
-- `platform_settings.py`: `PlatformSettings`, `modelyard serve`; `ModelPrice`, `PrefixCacheScope`.
+- `platform_settings.py`: `PlatformSettings`, `modelyard serve`; `ModelPrice`, `PrefixCacheScope`;
+  its single sign-on settings in `sso_settings.py` (`SsoSettings`).
 """
 
 from modelyard.config.engine_settings import EngineSettings

@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from modelyard.config.sources import SettingsBase, parse_size
+from modelyard.config.sources import parse_size
+from modelyard.config.sso_settings import SsoSettings
 
 
 class ModelPrice(BaseModel):
@@ -36,8 +37,9 @@ class RedisOutage(enum.StrEnum):
     FAIL_CLOSED = "fail_closed"  # every request whose limits live in Redis gets a 503
 
 
-class PlatformSettings(SettingsBase):
-    """Knobs of `modelyard serve`: the gateway, the control plane and their state."""
+class PlatformSettings(SsoSettings):
+    """Knobs of `modelyard serve`: the gateway, the control plane and their state (single
+    sign-on's: `sso_settings.py`)."""
 
     host: str = "127.0.0.1"
     port: int = 8000

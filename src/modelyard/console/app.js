@@ -15,7 +15,7 @@ const VIEWS = {
   tenants: { init: () => { admin.initTenants(); admin.initTenantUpdate(); }, show: admin.showTenants },
   fleet: { init: () => {}, show: admin.showFleet },
 };
-const role = { admin: false, platform: false };
+const role = { admin: false, platform: false, user: null };
 
 async function probe() {
   // 401 here means a wrong or revoked key; 403 only that the key lacks the inference scope.
@@ -34,6 +34,8 @@ async function probe() {
   // /health answers its details to the platform admin only.
   const health = await (await call("GET", "/health", undefined, { raw: true })).json();
   role.platform = role.admin && "endpoints" in health;
+  const me = await get("/v1/me");
+  role.user = me.user ? `${me.user.email} (${me.role})` : null;
 }
 
 function allowed(needs) {
@@ -61,7 +63,8 @@ function enter() {
     const ok = allowed(node.dataset.needs);
     (node.closest("li") ?? node).hidden = !ok;
   }
-  $("who").textContent = role.platform ? "platform admin" : role.admin ? "tenant admin" : "inference key";
+  $("who").textContent = role.user ??
+    (role.platform ? "platform admin" : role.admin ? "tenant admin" : "inference key");
   $("signin").hidden = true;
   $("shell").hidden = false;
   $("signout").hidden = false;
@@ -85,7 +88,11 @@ async function signIn(event) {
   $("main").focus({ preventScroll: true });
 }
 
-function signOut() {
+async function signOut() {
+  // A console session (single sign-on) ends on the server too; an API key stays valid.
+  if (session.key?.startsWith("sk-my-session-")) {
+    try { await call("POST", "/v1/auth/logout"); } catch { /* gone already */ }
+  }
   session.clear();
   location.hash = "";
   location.reload();
@@ -102,3 +109,7 @@ if (session.key) {
 } else {
   $("signin-key").focus();
 }
+// Offer single sign-on when the platform has it.
+call("GET", "/v1/auth/config", undefined, { raw: true })
+  .then((res) => res.json())
+  .then((config) => { $("sso").hidden = !config.oidc; }, () => {});

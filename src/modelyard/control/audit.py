@@ -1,4 +1,5 @@
-"""The audit log: who changed what (endpoints, keys, tenants, registry versions) and when.
+"""The audit log: who changed what (endpoints, keys, tenants, users, teams, registry versions)
+and when.
 
 Routes and the controller call `AuditLog.record` after a change took effect, with the public
 views before and after (the same dicts the API answers with). Rows are scoped to the tenant whose
@@ -60,6 +61,14 @@ class AuditAction(StrEnum):
     TENANT_WEBHOOK_SECRET_ROTATE = "tenant.webhook_secret_rotate"
     MODEL_VERSION_PUSH = "model_version.push"
     MODEL_DELETE = "model.delete"
+    USER_CREATE = "user.create"
+    USER_UPDATE = "user.update"
+    USER_DELETE = "user.delete"
+    USER_SIGN_IN = "user.sign_in"  # a console session begun with single sign-on
+    TEAM_CREATE = "team.create"
+    TEAM_DELETE = "team.delete"
+    TEAM_MEMBER_ADD = "team.member_add"
+    TEAM_MEMBER_REMOVE = "team.member_remove"
 
 
 class AuditTarget(StrEnum):
@@ -68,6 +77,8 @@ class AuditTarget(StrEnum):
     TENANT = "tenant"
     MODEL_VERSION = "model_version"
     MODEL = "model"
+    USER = "user"
+    TEAM = "team"
 
 
 SYSTEM_ACTOR = "system"

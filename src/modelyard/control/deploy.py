@@ -13,6 +13,7 @@ from modelyard.control.registry import Registry, ResolvedVersion
 from modelyard.control.state import engine_env
 from modelyard.core.errors import Forbidden, Invalid
 from modelyard.core.identity import Principal
+from modelyard.core.roles import DEPLOYERS
 from modelyard.core.status import EndpointStatus
 from modelyard.protocol.management import DeployRequest
 from modelyard.store import repository as repo
@@ -24,7 +25,7 @@ _REMOTE_SCHEMES = ("s3://", "gs://", "http://", "https://")
 def check_request(principal: Principal, req: DeployRequest, settings: PlatformSettings) -> None:
     """What needs no file or database: the caller's rights, the framework (known, and its
     runtime installed on this node), engine options."""
-    principal.require("admin")
+    principal.require_any(DEPLOYERS)
     runtimes.check_framework(settings, req.framework)
     if req.public and not principal.platform_admin:
         raise Forbidden("only the platform admin can deploy public endpoints", param="public")

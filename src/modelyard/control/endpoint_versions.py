@@ -28,6 +28,7 @@ from modelyard.control.state import EndpointState
 from modelyard.control.versions import Versions
 from modelyard.core.errors import Invalid
 from modelyard.core.identity import Principal
+from modelyard.core.roles import DEPLOYERS
 from modelyard.core.status import EndpointStatus, StatusTrigger
 from modelyard.protocol.management import SamplingDefaults, Scaling
 from modelyard.store.db import Database
@@ -70,7 +71,7 @@ class VersionVerbs:
         """Roll the endpoint out to another registry version (`Versions.roll_out`: a canary at
         100 % promoted as soon as it serves). Its replicas keep serving until the new version's
         are; if those fail to load, the endpoint falls back."""
-        principal.require("admin")
+        principal.require_any(DEPLOYERS)
         state = self._changeable(principal, endpoint_id)
         if state.kind not in (None, LLM):
             raise Invalid(
@@ -103,7 +104,7 @@ class VersionVerbs:
     ) -> dict[str, Any]:
         """A registry version joins the endpoint as a canary with `weight` percent of its
         requests (see `control/versions.py`)."""
-        principal.require("admin")
+        principal.require_any(DEPLOYERS)
         validation.check_engine_paths(self.settings, principal, engine)
         state = self._llm(principal, endpoint_id)
         policy = SloPolicy.from_request(self.settings, slo, steps)
@@ -116,13 +117,13 @@ class VersionVerbs:
     async def set_traffic(
         self, principal: Principal, endpoint_id: str, weights: dict[str, int]
     ) -> dict[str, Any]:
-        principal.require("admin")
+        principal.require_any(DEPLOYERS)
         state = self._llm(principal, endpoint_id)
         await self.versions.set_traffic(state, weights)
         return self.versions.view(state)
 
     async def promote(self, principal: Principal, endpoint_id: str) -> dict[str, Any]:
-        principal.require("admin")
+        principal.require_any(DEPLOYERS)
         state = self._llm(principal, endpoint_id)
         await self.versions.promote(state)
         self.reconciler.poke(state)
@@ -132,7 +133,7 @@ class VersionVerbs:
         self, principal: Principal, endpoint_id: str, reason: str | None
     ) -> dict[str, Any]:
         """All traffic back at once, to replicas that already run (see `Versions.rollback`)."""
-        principal.require("admin")
+        principal.require_any(DEPLOYERS)
         state = self._llm(principal, endpoint_id)
         started = time.perf_counter()
         record = await self.versions.rollback(
@@ -155,7 +156,7 @@ class VersionVerbs:
     ) -> None:
         """New sampling defaults (the next request gets them) or scaling policy (the next
         tick's decision follows it), without a rollout."""
-        principal.require("admin")
+        principal.require_any(DEPLOYERS)
         state = self._changeable(principal, endpoint_id)
         row = state.row
         # The new policy is built before anything changes: a bad one changes nothing.

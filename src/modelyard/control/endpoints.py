@@ -39,6 +39,7 @@ from modelyard.control.takeover import ReplicaTakeover
 from modelyard.control.versions import Versions
 from modelyard.core.errors import Conflict, NotFound
 from modelyard.core.identity import Principal
+from modelyard.core.roles import DEPLOYERS
 from modelyard.core.routing import RoutingTable
 from modelyard.core.status import EndpointStatus, StatusTrigger
 from modelyard.protocol.management import DeployRequest
@@ -221,7 +222,7 @@ class EndpointManager:
         return {**endpoint_view(state, base_url), "versions": self.versions.view(state)}
 
     async def delete(self, principal: Principal, endpoint_id: str) -> dict[str, Any]:
-        principal.require("admin")
+        principal.require_any(DEPLOYERS)
         state = self._get(principal, endpoint_id)
         if state.status is EndpointStatus.DRAINING:
             return {"endpoint_id": endpoint_id, "status": EndpointStatus.DRAINING}

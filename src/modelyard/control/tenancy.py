@@ -2,9 +2,11 @@
 
 The platform admin (an admin key of the system tenant) manages every tenant, including its tier,
 quota and ceilings; a tenant's admin key manages its own keys, within those ceilings; nothing
-here crosses tenants otherwise. The routes (`api/routes_tenancy.py`) only parse and answer; the
-rules live here and fail with domain errors (`core/errors.py`). The database work runs on a
-worker thread, off the event loop.
+here crosses tenants otherwise. A key may belong to a user or a team of its tenant
+(`owner_user_id`, `owner_team_id`); a caller with `own_keys` but not `admin` (a developer)
+sees and manages only keys it owns, and makes them within its role. The routes
+(`api/routes_tenancy.py`) only parse and answer; the rules live here and fail with domain
+errors (`core/errors.py`). The database work runs on a worker thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from modelyard.control.audit import AuditAction, AuditLog
 from modelyard.core.errors import Conflict, Forbidden, Invalid, NotFound
 from modelyard.core.identity import Principal
+from modelyard.core.roles import ROLE_SCOPES
 from modelyard.protocol.management import (
     TENANT_CEILINGS,
     KeyCreate,
@@ -27,6 +30,7 @@ from modelyard.protocol.management import (
     TenantCreate,
     TenantUpdate,
 )
+from modelyard.store import people
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import ApiKey, Tenant
@@ -64,6 +68,8 @@ def key_view(k: ApiKey) -> dict[str, Any]:
         "scopes": k.scopes.split(","),
         "rpm_limit": k.rpm_limit,
         "tpm_limit": k.tpm_limit,
+        "owner_user_id": k.owner_user_id,
+        "owner_team_id": k.owner_team_id,
         "created_at": int(repo.as_utc(k.created_at).timestamp()),
         "revoked_at": int(repo.as_utc(k.revoked_at).timestamp()) if k.revoked_at else None,
         "expires_at": _unix(k.expires_at),
@@ -103,6 +109,35 @@ def within_ceiling(tenant: Tenant, field: str, value: int | None, default: bool)
             code="above_tenant_ceiling",
         )
     return value
+
+
+def _own_key_body(principal: Principal, body: KeyCreate) -> KeyCreate:
+    """A key a non-admin makes for itself: owned by it, within its role's scopes."""
+    if principal.user_id is None or principal.role is None:
+        raise Forbidden("Only a tenant admin can make keys.", code="insufficient_scope")
+    if body.owner_team_id is not None or body.owner_user_id not in (None, principal.user_id):
+        raise Forbidden("You can make keys for yourself only.", param="owner_user_id",
+                        code="insufficient_scope")  # fmt: skip
+    above = set(body.scopes) - ROLE_SCOPES[principal.role]
+    if above:
+        raise Forbidden(f"scopes {sorted(above)} are above your role {principal.role}",
+                        param="scopes", code="insufficient_scope")  # fmt: skip
+    return body.model_copy(update={"owner_user_id": principal.user_id})
+
+
+def _check_owner(s: Any, tenant_id: str, body: KeyCreate) -> None:
+    """The key's owner is a user or team of the key's tenant."""
+    if body.owner_user_id is not None and people.get_user(s, tenant_id, body.owner_user_id) is None:
+        raise _not_found("user", body.owner_user_id)
+    if body.owner_team_id is not None and people.get_team(s, tenant_id, body.owner_team_id) is None:
+        raise _not_found("team", body.owner_team_id)
+
+
+def _visible(principal: Principal, k: ApiKey | None) -> ApiKey | None:
+    """`k` if the caller manages it: any key of its tenant (admin), else its own."""
+    if k is None or "admin" in principal.scopes:
+        return k
+    return k if principal.user_id is not None and k.owner_user_id == principal.user_id else None
 
 
 class Tenancy:
@@ -198,6 +233,8 @@ class Tenancy:
         if body.tenant_id is not None and body.tenant_id != principal.tenant_id:
             principal.require_platform_admin()
             tenant_id = body.tenant_id
+        if "admin" not in principal.scopes:
+            body = _own_key_body(principal, body)
         key, key_hash, prefix = self.new_key()
         if body.expires_at is not None and body.expires_at <= repo.now():
             raise Invalid("expires_at is in the past", param="expires_at", code="invalid_value")
@@ -207,6 +244,7 @@ class Tenancy:
                 tenant = repo.get_tenant(s, tenant_id)
                 if tenant is None:
                     raise _not_found("tenant", tenant_id)
+                _check_owner(s, tenant_id, body)
                 row = repo.add_key(
                     s,
                     tenant_id,
@@ -219,6 +257,8 @@ class Tenancy:
                     expires_at=body.expires_at,
                     allowed_models=body.allowed_models,
                 )
+                row.owner_user_id, row.owner_team_id = body.owner_user_id, body.owner_team_id
+                s.flush()
                 return {**key_view(row), "key": key}
 
         created = await asyncio.to_thread(create)
@@ -233,14 +273,14 @@ class Tenancy:
 
         def load() -> list[dict[str, Any]]:
             with self.db.session() as s:
-                return [key_view(k) for k in repo.list_keys(s, scope)]
+                return [key_view(k) for k in repo.list_keys(s, scope) if _visible(principal, k)]
 
         return await asyncio.to_thread(load)
 
     async def get_key(self, principal: Principal, key_id: str) -> dict[str, Any]:
         def load() -> dict[str, Any]:
             with self.db.session() as s:
-                k = repo.get_key(s, principal.tenant_filter(), key_id)
+                k = _visible(principal, repo.get_key(s, principal.tenant_filter(), key_id))
                 if k is None:
                     raise _not_found("key", key_id)
                 return key_view(k)
@@ -255,7 +295,7 @@ class Tenancy:
 
         def update() -> dict[str, Any]:
             with self.db.session() as s:
-                k = repo.get_key(s, principal.tenant_filter(), key_id)
+                k = _visible(principal, repo.get_key(s, principal.tenant_filter(), key_id))
                 if k is None:
                     raise _not_found("key", key_id)
                 before.update(key_view(k))
@@ -319,7 +359,7 @@ class Tenancy:
 
         def revoke() -> dict[str, Any]:
             with self.db.session() as s:
-                k = repo.get_key(s, principal.tenant_filter(), key_id)
+                k = _visible(principal, repo.get_key(s, principal.tenant_filter(), key_id))
                 if k is None:
                     raise _not_found("key", key_id)
                 before.update(key_view(k))

@@ -1,9 +1,10 @@
 """Who is calling: a `Principal` (key, tenant, scopes, limits, tier), built one way per kind.
 
-`Principal.for_key` is an API key of a tenant (what authentication yields), `Principal.system`
-the platform acting for itself (bootstrap deploys), `Principal.for_batch` the owner of a batch
-whose items the runner sends. Rows are read through small protocols so this module needs no
-database code.
+`Principal.for_key` is an API key of a tenant (what authentication yields; a user's key is cut
+to the user's role, `core/roles.py`), `Principal.for_session` a user signed in to the console,
+`Principal.system` the platform acting for itself (bootstrap deploys), `Principal.for_batch` the
+owner of a batch whose items the runner sends. Rows are read through small protocols so this
+module needs no database code.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Protocol
 
 from modelyard.core.errors import Forbidden, NotFound
 from modelyard.core.model_allow import allows, model_not_allowed
+from modelyard.core.roles import ROLE_SCOPES, Role, user_key_scopes
 
 
 class Tier(StrEnum):
@@ -94,11 +96,23 @@ class KeyRow(Protocol):
     rpm_limit: int | None
     tpm_limit: int | None
     allowed_models: list[str] | None
+    owner_user_id: str | None
+    owner_team_id: str | None
 
 
 def _allowed(key: KeyRow | None) -> tuple[str, ...] | None:
     patterns = key.allowed_models if key is not None else None
     return None if patterns is None else tuple(patterns)
+
+
+class UserRow(Protocol):
+    id: str
+    email: str
+    role: str
+
+
+class SessionRow(Protocol):
+    id: str
 
 
 def _capped(key_limit: int | None, ceiling: int | None) -> int | None:
@@ -131,11 +145,20 @@ class Principal:
     max_concurrent_batch_items: int | None = None
     # The key's model name patterns (`core/model_allow.py`); None: every model it can see.
     allowed_models: tuple[str, ...] | None = None
+    # The team a key belongs to (None: a tenant's key or a user's), for team budgets.
+    team_id: str | None = None
+    # The user behind the key or console session, and their role (None: a plain key).
+    user_id: str | None = None
+    role: Role | None = None
 
     @classmethod
-    def for_key(cls, key: KeyRow, tenant: TenantRow) -> Principal:
-        """An API key of `tenant`: its scopes, and its limits within the tenant's ceilings."""
+    def for_key(cls, key: KeyRow, tenant: TenantRow, user: UserRow | None = None) -> Principal:
+        """An API key of `tenant`: its scopes (a user's key: within the user's role, `user`
+        being its owner), and its limits within the tenant's ceilings."""
         scopes = frozenset(filter(None, key.scopes.split(",")))
+        role = Role(user.role) if user is not None else None
+        if role is not None:
+            scopes = user_key_scopes(scopes, role)
         return cls(
             key_id=key.id,
             key_name=key.name,
@@ -153,6 +176,31 @@ class Principal:
             max_concurrent_requests=tenant.max_concurrent_requests,
             max_concurrent_batch_items=tenant.max_concurrent_batch_items,
             allowed_models=_allowed(key),
+            team_id=key.owner_team_id,
+            user_id=user.id if user is not None else None,
+            role=role,
+        )
+
+    @classmethod
+    def for_session(cls, session: SessionRow, user: UserRow, tenant: TenantRow) -> Principal:
+        """A user signed in to the console: the scopes of their role, the tenant's limits
+        (no key of its own: the session id stands for the key in usage and audit)."""
+        role = Role(user.role)
+        scopes = ROLE_SCOPES[role]
+        return cls(
+            key_id=session.id,
+            key_name=f"console: {user.email}",
+            tenant_id=tenant.id,
+            tenant_name=tenant.name,
+            scopes=scopes,
+            limits=Limits(tenant.max_rpm, tenant.max_tpm, _shared(tenant)),
+            monthly_token_quota=tenant.monthly_token_quota,
+            platform_admin=tenant.is_system and "admin" in scopes,
+            tier=Tier(tenant.tier or Tier.STANDARD),
+            max_concurrent_requests=tenant.max_concurrent_requests,
+            max_concurrent_batch_items=tenant.max_concurrent_batch_items,
+            user_id=user.id,
+            role=role,
         )
 
     @classmethod
@@ -188,6 +236,7 @@ class Principal:
             max_concurrent_requests=tenant.max_concurrent_requests,
             max_concurrent_batch_items=tenant.max_concurrent_batch_items,
             allowed_models=_allowed(key),
+            team_id=key.owner_team_id if key else None,
         )
 
     def allows_model(self, name: str) -> bool:

@@ -1,5 +1,9 @@
 """API keys: generation, hashing, and authenticating a request's bearer key to a `Principal`.
 
+A bearer is an API key (`sk-my-…`; a user's key is cut to the user's role) or a console
+session a user began with single sign-on (`sk-my-session-…`, until it expires); both are
+stored only as their sha256 and looked up the same way.
+
 Keys are random (256 bits), shown once, stored only as their sha256; the lookup goes by hash
 and the final comparison is constant-time. Lookups are cached for a few seconds; revocation in
 this process invalidates the cache at once. The cache is bounded (least recently used first
@@ -46,12 +50,14 @@ from modelyard.core.errors import Unauthorized, Unavailable
 from modelyard.core.identity import Principal
 from modelyard.core.periodic import Periodic
 from modelyard.gateway.metrics import REQUEST_TENANT
+from modelyard.store import people
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "sk-my-"
+SESSION_PREFIX = "sk-my-session-"
 # What a lookup raises when the database cannot be reached (not when a query is wrong).
 _UNREACHABLE = (OperationalError, InterfaceError, PoolTimeout, OSError)
 _RETRY_AFTER_S = 5
@@ -61,6 +67,12 @@ def generate_key() -> tuple[str, str, str]:
     """A new key: (the key itself, its stored hash, a displayable prefix)."""
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     return key, hash_key(key), key[: len(KEY_PREFIX) + 4]
+
+
+def generate_session_token() -> tuple[str, str]:
+    """A new console session's bearer token and its stored hash."""
+    token = SESSION_PREFIX + secrets.token_urlsafe(32)
+    return token, hash_key(token)
 
 
 def hash_key(key: str) -> str:
@@ -186,7 +198,9 @@ class Authenticator:
     @staticmethod
     def _lookup_in(s: Session, key_hash: str) -> _Access | None:
         key = repo.key_by_hash(s, key_hash)
-        if key is None or key.revoked_at is not None:
+        if key is None:
+            return Authenticator._session_in(s, key_hash)
+        if key.revoked_at is not None:
             return None
         if hmac.compare_digest(key.key_hash, key_hash):
             not_after, rotated = _ts(key.expires_at), False
@@ -198,7 +212,27 @@ class Authenticator:
             return None
         tenant = repo.get_tenant(s, key.tenant_id)
         assert tenant is not None
-        return _Access(Principal.for_key(key, tenant), not_after, rotated)
+        user = None
+        if key.owner_user_id is not None:
+            user = people.get_user(s, key.tenant_id, key.owner_user_id)
+            if user is None:
+                return None
+        return _Access(Principal.for_key(key, tenant, user), not_after, rotated)
+
+    @staticmethod
+    def _session_in(s: Session, token_hash: str) -> _Access | None:
+        """A console session (single sign-on) by its token's hash, valid until it expires."""
+        session = people.session_by_hash(s, token_hash)
+        if session is None or repo.as_utc(session.expires_at) <= repo.now():
+            return None
+        if not hmac.compare_digest(session.token_hash, token_hash):
+            return None
+        user = people.get_user(s, None, session.user_id)
+        if user is None:
+            return None
+        tenant = repo.get_tenant(s, user.tenant_id)
+        assert tenant is not None
+        return _Access(Principal.for_session(session, user, tenant), _ts(session.expires_at))
 
     async def authenticate(self, authorization: str | None) -> Principal:
         if not authorization:

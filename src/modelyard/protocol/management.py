@@ -264,6 +264,22 @@ class KeyCreate(BaseModel):
         None, min_length=1, max_length=ALLOWED_MODELS_MAX, description=_ALLOWED
     )
 
+    owner_user_id: str | None = Field(
+        None,
+        max_length=ID_MAX,
+        description="A user of the tenant whose key this is (its "
+        "scopes are cut to the user's role); a developer's own keys are always theirs.",
+    )
+    owner_team_id: str | None = Field(
+        None, max_length=ID_MAX, description="A team of the tenant whose key this is."
+    )
+
+    @model_validator(mode="after")
+    def _one_owner(self) -> KeyCreate:
+        if self.owner_user_id is not None and self.owner_team_id is not None:
+            raise ValueError("a key belongs to a user or to a team, not both")
+        return self
+
     @field_validator("expires_at")
     @classmethod
     def _utc(cls, value: datetime | None) -> datetime | None:
