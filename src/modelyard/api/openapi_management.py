@@ -59,7 +59,8 @@ class ApiKeyList(BaseModel):
 
 
 class UsageGroup(BaseModel):
-    """One group; its key field is named after `group_by` (`model`, `key`, `day`, `version`)."""
+    """One group; its key field is named after `group_by` (`model`, `key`, `team`, `day`,
+    `version`)."""
 
     requests: int
     prompt_tokens: int
@@ -67,6 +68,7 @@ class UsageGroup(BaseModel):
     cached_tokens: int
     total_tokens: int
     cost_usd: float
+    cost_micro_usd: int = Field(description="The same cost in micro-dollars, exact.")
 
 
 class UsageTotals(UsageGroup):

@@ -14,6 +14,7 @@ from modelyard.batch.files import FileService
 from modelyard.batch.service import BatchService
 from modelyard.config import PlatformSettings
 from modelyard.control.audit import AuditLog
+from modelyard.control.budgets import Budgets
 from modelyard.control.endpoint_versions import VersionVerbs
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.registry import Registry
@@ -47,6 +48,7 @@ class Services:
     tenancy: Tenancy
     # Sweeps blobs no tenant holds; told after a delete (None: nothing sweeps here).
     reclaimer: Reclaimer | None = None
+    budgets: Budgets | None = None  # prices and budgets in dollars
 
 
 class Lifecycle(Protocol):

@@ -127,6 +127,12 @@ class PlatformSettings(SettingsBase):
         "(one failed probe already takes it out of routing).",
     )
     auth_cache_ttl_s: float = Field(5.0, description="How long a key lookup is cached.")
+    budget_refresh_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often a gateway rereads prices and budgets (a change made through "
+        "the same process applies at once).",
+    )
     auth_stale_ttl_s: float = Field(
         300.0,
         ge=0,

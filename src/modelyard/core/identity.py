@@ -119,6 +119,8 @@ class Principal:
     # The tenant's ceilings on work in flight (None: no ceiling), set by the platform admin.
     max_concurrent_requests: int | None = None
     max_concurrent_batch_items: int | None = None
+    # The team the key belongs to (None: none); its team's budgets apply to its requests.
+    team_id: str | None = None
 
     @classmethod
     def for_key(cls, key: KeyRow, tenant: TenantRow) -> Principal:

@@ -195,6 +195,9 @@ class UsageRecord(Base):
     status: Mapped[str] = mapped_column(String(40))  # ok | client_disconnected | error
     batch: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(index=True)
+    # Micro-dollars at the price when it ran (`core/pricing.py`); NULL for rows before prices.
+    cost_micro: Mapped[int | None] = mapped_column(BigInteger)
+    team_id: Mapped[str | None] = mapped_column(String(40))  # the key's team, if any
 
 
 Index("ix_usage_tenant_time", UsageRecord.tenant_id, UsageRecord.created_at)
@@ -335,3 +338,47 @@ class LimitsJournalEntry(Base):
     epoch: Mapped[str] = mapped_column(String(40))
     change: Mapped[dict[str, Any]]  # {"moves": [[month, tokens], ...], "slot": [scope, id] | None}
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
+class ModelPriceRow(Base):
+    """An endpoint's prices in micro-dollars per 1M tokens (`core/pricing.py`), set by the
+    platform admin or the endpoint's tenant; an endpoint without a row costs 0."""
+
+    __tablename__ = "model_prices"
+
+    endpoint_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(40), index=True)
+    input_micro: Mapped[int] = mapped_column(BigInteger)
+    output_micro: Mapped[int] = mapped_column(BigInteger)
+    cached_input_micro: Mapped[int | None] = mapped_column(BigInteger)
+    batch_discount_bps: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime]
+
+
+class BudgetRow(Base):
+    """A spend limit in micro-dollars per day or month for a tenant, a key or a team."""
+
+    __tablename__ = "budgets"
+    __table_args__ = (UniqueConstraint("tenant_id", "scope", "subject_id", "period"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(40), index=True)
+    scope: Mapped[str] = mapped_column(String(20))  # tenant | key | team
+    subject_id: Mapped[str] = mapped_column(String(40))  # the tenant, key or team id
+    period: Mapped[str] = mapped_column(String(20))  # day | month
+    limit_micro: Mapped[int] = mapped_column(BigInteger)
+    soft_limit_micro: Mapped[int | None] = mapped_column(BigInteger)
+    webhook_url: Mapped[str | None] = mapped_column(String(2000))
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class BudgetAlert(Base):
+    """A budget's soft threshold crossed in one period: the row is the once-only marker."""
+
+    __tablename__ = "budget_alerts"
+
+    budget_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    period_key: Mapped[str] = mapped_column(String(20), primary_key=True)
+    spent_micro: Mapped[int] = mapped_column(BigInteger)
+    at: Mapped[datetime]
