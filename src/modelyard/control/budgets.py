@@ -16,6 +16,7 @@ from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from modelyard.control.audit import AuditLog
 from modelyard.core.errors import Conflict, Forbidden, Invalid, NotFound
@@ -97,7 +98,7 @@ class Budgets:
 
     # ----- prices -----------------------------------------------------------------------------
 
-    def _endpoint(self, s: Any, principal: Principal, endpoint: str) -> Endpoint:
+    def _endpoint(self, s: Session, principal: Principal, endpoint: str) -> Endpoint:
         row = s.get(Endpoint, endpoint)
         if row is None:  # the caller's own endpoint by its model name
             row = repo.live_endpoint_by_name(s, principal.tenant_id, endpoint)
@@ -156,8 +157,9 @@ class Budgets:
 
     # ----- budgets ----------------------------------------------------------------------------
 
-    def _subject(self, s: Any, principal: Principal, tenant_id: str, body: BudgetCreate) -> str:
-        if body.scope == BudgetScope.TENANT:
+    def _subject(self, s: Session, principal: Principal, tenant_id: str, body: BudgetCreate) -> str:
+        scope = BudgetScope(body.scope)
+        if scope is BudgetScope.TENANT:
             if not principal.platform_admin:
                 raise Forbidden("Only the platform administrator sets a tenant's own budget.",
                                 code="insufficient_scope")  # fmt: skip
@@ -166,7 +168,7 @@ class Budgets:
             return tenant_id
         if body.subject_id is None:
             raise Invalid(f"a {body.scope} budget needs subject_id", param="subject_id")
-        if body.scope == BudgetScope.KEY:
+        if scope is BudgetScope.KEY:
             key = s.get(ApiKey, body.subject_id)
             if key is None or key.tenant_id != tenant_id:
                 raise NotFound(f"No key {body.subject_id!r}.", param="subject_id")
@@ -215,7 +217,7 @@ class Budgets:
         self.on_change()
         return view
 
-    def _own(self, s: Any, principal: Principal, budget_id: str) -> BudgetRow:
+    def _own(self, s: Session, principal: Principal, budget_id: str) -> BudgetRow:
         row = s.get(BudgetRow, budget_id, with_for_update=True)
         if row is None or principal.tenant_filter(row.tenant_id) != row.tenant_id:
             raise NotFound(f"No budget {budget_id!r}.", code="not_found")
