@@ -45,12 +45,12 @@ def _usd(value: object, param: str, maximum: int) -> int:
 
 def _percent_bps(value: object) -> int:
     try:
-        bps = Decimal(str(value).strip()) * 100
-    except ArithmeticError as exc:
-        raise Invalid(
-            "batch_discount_percent must be a number", param="batch_discount_percent"
-        ) from exc
-    if not bps.is_finite() or bps != bps.to_integral_value() or not 0 <= bps <= FULL_BPS:
+        percent = Decimal(str(value).strip())
+        bps = percent * 100 if percent.is_finite() and 0 <= percent <= 100 else Decimal(-1)
+        whole = bps == bps.to_integral_value()
+    except ArithmeticError:  # not a number at all
+        bps, whole = Decimal(-1), False
+    if not whole or not 0 <= bps <= FULL_BPS:
         raise Invalid(
             "batch_discount_percent must be 0-100 with at most 2 decimals",
             param="batch_discount_percent",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from enum import StrEnum
 
 MICRO = 1_000_000  # micro-dollars per dollar
@@ -101,12 +101,15 @@ def parse_usd(value: object, param: str, maximum_micro: int) -> int:
         raise ValueError(f"{param} must be a number of dollars")
     try:
         amount = Decimal(str(value).strip())
-    except InvalidOperation as exc:
+        if not amount.is_finite() or amount < 0:
+            raise ValueError(f"{param} must be a finite amount of dollars, not negative")
+        if amount > Decimal(maximum_micro) / MICRO:
+            raise ValueError(f"{param} is above the maximum of {usd(maximum_micro)} dollars")
+        micro = amount * MICRO
+        fractional = micro != micro.to_integral_value()
+    except ArithmeticError as exc:  # InvalidOperation, Overflow: not a usable amount
         raise ValueError(f"{param} must be a number of dollars, got {value!r}") from exc
-    if not amount.is_finite() or amount < 0:
-        raise ValueError(f"{param} must be a finite amount of dollars, not negative")
-    micro = amount * MICRO
-    if micro != micro.to_integral_value():
+    if fractional:
         raise ValueError(f"{param} has more than 6 decimals (the unit is a micro-dollar)")
     if micro > maximum_micro:
         raise ValueError(f"{param} is above the maximum of {usd(maximum_micro)} dollars")
