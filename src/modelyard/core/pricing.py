@@ -3,7 +3,7 @@
 Prices are micro-dollars (1e-6 USD) per 1M tokens, so `$0.15 / 1M` is 150000; a request's cost
 is micro-dollars, rounded up once per request (never a float: sums of costs are exact). A batch
 item's cost is cut by the price's batch discount, in basis points (5000 = 50 %). A model with no
-price costs 0: budgets then never bind on it.
+price costs 0: budgets neither count nor refuse its requests.
 """
 
 from __future__ import annotations
@@ -60,11 +60,6 @@ class Price:
     output_micro: int = 0
     cached_input_micro: int | None = None
     batch_discount_bps: int = 0
-
-    @property
-    def free(self) -> bool:
-        cached = self.cached_input_micro or 0
-        return self.input_micro == 0 and self.output_micro == 0 and cached == 0
 
     def _scaled(self, numerator: int, batch: bool) -> int:
         """`numerator` (micro-dollars x tokens / 1M) as micro-dollars, discounted, rounded up."""

@@ -201,12 +201,15 @@ class BudgetBook:
         self, p: Principal, route: EndpointRoute, tokens: int, batch: bool = False
     ) -> BudgetHold | None:
         """Reserve the request's most cost on every budget it falls under; None when none
-        applies; `QuotaExceeded` (`budget_exceeded`) when one is spent."""
+        applies (or the model is free); `QuotaExceeded` (`budget_exceeded`) when one is
+        spent."""
         await self.fresh()
         budgets = self.applicable(p)
         if not budgets:
             return None
         micro = self.price(route).bound(tokens, batch)
+        if micro == 0:  # a free model: nothing to count, nothing to refuse
+            return None
         ts = now()
         held = tuple((b, period_key(b.period, ts)) for b in budgets)
         with fail_closed():
