@@ -18,7 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
+from modelyard.cli import app
 from tests.platform_harness import (
     PlatformProcess,
     create_key,
@@ -118,7 +120,8 @@ class Tenant:
         assert r.status_code == 201, r.text
         self.id = str(r.json()["id"])
         self.platform = platform
-        self.api = platform.api(create_key(admin, self.id, scopes=["admin", "inference"])["key"])
+        self.admin_key = create_key(admin, self.id, scopes=["admin", "inference"])["key"]
+        self.api = platform.api(self.admin_key)
         self.key = create_key(admin, self.id, scopes=["inference"])
 
     def budget(self, **body: Any) -> dict[str, Any]:
@@ -284,3 +287,19 @@ def test_the_management_api_bounds_and_audits(
     assert t.api.delete(f"/v1/budgets/{made['id']}").status_code == 200
     actions = [e["action"] for e in t.api.get("/v1/audit").json()["data"]]
     assert {"budget.create", "budget.update", "budget.delete"} <= set(actions), actions
+
+    # The CLI: a budget made and listed with its spend, the usage by key with its cost.
+    env = {"MODELYARD_URL": platform.url, "MODELYARD_API_KEY": t.admin_key}
+
+    def cli(*args: str) -> Any:
+        result = CliRunner().invoke(app, [*args, "--json"], env=env)
+        assert result.exit_code == 0, (result.output, result.exception)
+        return json.loads(result.stdout)
+
+    made = cli("budgets", "create", "key", "--subject", key_id, "--limit", "0.5", "--period", "day")
+    assert made["limit_micro_usd"] == 500_000
+    assert t.chat(4).status_code == 200
+    (listed,) = cli("budgets", "list")
+    assert listed["id"] == made["id"] and listed["spent_micro_usd"] > 0, listed
+    usage = cli("usage", "--group-by", "key")
+    assert [g["cost_micro_usd"] for g in usage["data"]] == [listed["spent_micro_usd"]], usage
