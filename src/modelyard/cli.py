@@ -11,16 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
-from modelyard.cli_commands import (
-    admin,
-    audit,
-    budgets,
-    chat,
-    common,
-    data,
-    endpoints,
-    registry,
-)
+from modelyard.cli_commands import admin, audit, chat, common, data, endpoints, registry
+from modelyard.cli_commands.budgets import budgets_app, prices_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="modelyard inference platform")
 models_app = typer.Typer(no_args_is_help=True, help="The model registry: push, list, show, delete.")
@@ -30,8 +22,8 @@ app.command()(admin.whoami)
 app.add_typer(admin.tenants_app, name="tenants")
 app.add_typer(admin.keys_app, name="keys")
 app.add_typer(admin.usage_app, name="usage")
-app.add_typer(budgets.budgets_app, name="budgets")
-app.add_typer(budgets.prices_app, name="prices")
+app.add_typer(budgets_app, name="budgets")
+app.add_typer(prices_app, name="prices")
 app.command()(endpoints.deploy)
 app.add_typer(endpoints.endpoints_app, name="endpoints")
 app.add_typer(audit.audit_app, name="audit")
