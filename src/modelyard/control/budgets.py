@@ -15,7 +15,7 @@ from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from modelyard.control.audit import AuditLog
@@ -34,6 +34,9 @@ from modelyard.store import budgets as rows
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
 from modelyard.store.tables import ApiKey, BudgetRow, Endpoint, ModelPriceRow
+
+# Every gateway holds every budget in memory: a tenant's are bounded.
+MAX_BUDGETS_PER_TENANT = 1000
 
 
 def _usd(value: object, param: str, maximum: int) -> int:
@@ -190,6 +193,13 @@ class Budgets:
                 if repo.get_tenant(s, tenant_id) is None:
                     raise NotFound("No such tenant.", param="tenant_id")
                 subject = self._subject(s, principal, tenant_id, body)
+                held = s.scalar(select(func.count()).where(BudgetRow.tenant_id == tenant_id))
+                if (held or 0) >= MAX_BUDGETS_PER_TENANT:
+                    raise Conflict(
+                        f"This tenant has {MAX_BUDGETS_PER_TENANT} budgets, the most it may "
+                        "have: delete one first.",
+                        code="too_many_budgets",
+                    )
                 taken = s.scalar(select(BudgetRow.id).where(
                     BudgetRow.tenant_id == tenant_id, BudgetRow.scope == body.scope,
                     BudgetRow.subject_id == subject, BudgetRow.period == body.period,
