@@ -1,7 +1,7 @@
 """`modelyard …`: the command line (typer + rich). Errors are one clear line, not a traceback.
 
-The process commands (`serve`, `worker`, `encoders`) live here; the admin commands talk to a
-running platform over HTTP and live in `modelyard.cli_commands` (registered below)."""
+The process commands (`serve`, `worker`, `encoders`) live here; the admin commands (over HTTP
+to a running platform) in `modelyard.cli_commands`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from modelyard.cli_commands import admin, audit, chat, common, data, endpoints, registry
+from modelyard.cli_commands.budgets import budgets_app, prices_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="modelyard inference platform")
 models_app = typer.Typer(
@@ -23,6 +24,8 @@ app.command()(admin.whoami)
 app.add_typer(admin.tenants_app, name="tenants")
 app.add_typer(admin.keys_app, name="keys")
 app.add_typer(admin.usage_app, name="usage")
+app.add_typer(budgets_app, name="budgets")
+app.add_typer(prices_app, name="prices")
 app.command()(endpoints.deploy)
 app.add_typer(endpoints.endpoints_app, name="endpoints")
 app.add_typer(audit.audit_app, name="audit")
@@ -112,17 +115,9 @@ def serve(
     # Everything serve writes (database, keys, blobs, logs, node cache) is the owner's alone;
     # the start also fixes what an older install left readable (`Platform._secure_files`).
     os.umask(0o077)
-    overrides: dict[str, Any] = {
-        k: v
-        for k, v in {
-            "host": host,
-            "port": port,
-            "data_dir": data_dir,
-            "database_url": database_url,
-            "default_models": default_models,
-        }.items()
-        if v is not None
-    }
+    given: dict[str, Any] = {"host": host, "port": port, "data_dir": data_dir,
+        "database_url": database_url, "default_models": default_models}  # fmt: skip
+    overrides = {k: v for k, v in given.items() if v is not None}
     settings = PlatformSettings(**overrides)
     try:
         platform = Platform(settings)

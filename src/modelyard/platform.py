@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modelyard.api.services import Services
+from modelyard.batch.budget_alerts import BudgetAlerts
 from modelyard.batch.files import FileService
 from modelyard.batch.runner import BatchRunner
 from modelyard.batch.service import BatchService
@@ -29,6 +30,7 @@ from modelyard.config import PlatformSettings
 from modelyard.control.audit import AuditLog
 from modelyard.control.backends import open_backend
 from modelyard.control.backends.base import Backend
+from modelyard.control.budgets import Budgets
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.oidc import OidcClient
 from modelyard.control.people import People
@@ -140,6 +142,13 @@ class Platform:
             self.metrics,
             activate=self.endpoints.activate,
         )
+        # Budgets in dollars: their soft limits' alerts (webhook, audit), their management.
+        book = self.gateway.accounting.budgets
+        assert book is not None
+        self.budget_alerts = BudgetAlerts(
+            self.db, WebhookPolicy(settings.batch_webhook_hosts), self.audit.record
+        )
+        book.sink = self.budget_alerts
         # The canary's SLO gate reads each version's outcomes through this verb of the gateway's.
         self.endpoints.versions.read_stats = self.gateway.upstream.stats.window
         self.files = FileService(
@@ -191,6 +200,7 @@ class Platform:
             reclaimer=self.reclaimer,
             oidc=self.oidc,
             sign_in=ConsoleSignIn(self.db, self.audit, settings) if self.oidc else None,
+            budgets=Budgets(self.db, self.audit, book.invalidate),
         )
         self.bootstrap: Bootstrap | None = None
         self.on_ready: Callable[[], None] | None = None  # e.g. the CLI's banner
@@ -262,6 +272,7 @@ class Platform:
         await self.reclaimer.stop()
         await self.endpoints.stop()
         await self.recorder.stop()
+        await self.budget_alerts.stop()
         await self.gateway.stop()
         await self.limiter.close()
         if self.oidc is not None:

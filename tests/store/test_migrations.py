@@ -18,7 +18,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, inspect, text
 
 from modelyard.store.db import MIGRATIONS, Database, make_engine, sqlite_url
-from modelyard.store.tables import Base
+from modelyard.store.schema import metadata as schema
 from tests.databases import fresh_postgres
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -112,7 +112,7 @@ def drift(engine: Engine) -> list[Any]:
         ctx = MigrationContext.configure(
             conn, opts={"compare_type": True, "render_as_batch": conn.dialect.name == "sqlite"}
         )
-        return list(compare_metadata(ctx, Base.metadata))
+        return list(compare_metadata(ctx, schema))
 
 
 SEEDS = {"0001": seed_0001, "0002": seed_0002}
@@ -167,7 +167,7 @@ def test_every_migration_keeps_the_data_and_head_matches_the_models(engine: Engi
     # No drift: what the migrations built is what the models declare.
     diff = drift(engine)
     assert diff == [], f"schema drift between store/tables.py and the migrations: {diff}"
-    assert set(inspect(engine).get_table_names()) >= set(Base.metadata.tables)
+    assert set(inspect(engine).get_table_names()) >= set(schema.tables)
 
 
 def test_migrating_an_up_to_date_database_is_a_no_op(engine: Engine) -> None:

@@ -13,6 +13,7 @@ from modelyard import __version__
 from modelyard.api import (
     routes_audit,
     routes_batch,
+    routes_budgets,
     routes_console,
     routes_endpoints,
     routes_inference,
@@ -87,6 +88,7 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
     ):
         app.include_router(module.router)
     app.include_router(routes_webhooks.router)
+    app.include_router(routes_budgets.router)
     app.include_router(routes_audit.router)
     app.include_router(routes_console.router)
     install_openapi(app)

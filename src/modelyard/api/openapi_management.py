@@ -67,7 +67,8 @@ class ApiKeyList(BaseModel):
 
 
 class UsageGroup(BaseModel):
-    """One group; its key field is named after `group_by` (`model`, `key`, `day`, `version`)."""
+    """One group; its key field is named after `group_by` (`model`, `key`, `team`, `day`,
+    `version`)."""
 
     requests: int
     prompt_tokens: int
@@ -75,6 +76,7 @@ class UsageGroup(BaseModel):
     cached_tokens: int
     total_tokens: int
     cost_usd: float
+    cost_micro_usd: int = Field(description="The same cost in micro-dollars, exact.")
 
 
 class UsageTotals(UsageGroup):
@@ -242,6 +244,49 @@ class WebhookSecret(BaseModel):
     format: str
 
 
+class ModelPrice(BaseModel):
+    object: Literal["model.price"]
+    endpoint_id: str
+    tenant_id: str
+    input_usd_per_million: str = Field(description="Exact decimal dollars.")
+    output_usd_per_million: str
+    cached_input_usd_per_million: str | None
+    batch_discount_percent: str
+    updated_at: int
+
+
+class Budget(BaseModel):
+    object: Literal["budget"]
+    id: str
+    tenant_id: str
+    scope: Literal["tenant", "key", "team"]
+    subject_id: str
+    period: Literal["day", "month"]
+    limit_usd: str
+    limit_micro_usd: int
+    soft_limit_usd: str | None
+    soft_limit_micro_usd: int | None
+    webhook_url: str | None
+    created_at: int
+
+
+class BudgetWithSpend(Budget):
+    period_key: str = Field(description="The current period: 2026-12-05 or 2026-12 (UTC).")
+    spent_usd: str = Field(description="Billed plus held by requests in flight.")
+    spent_micro_usd: int
+
+
+class BudgetList(BaseModel):
+    object: Literal["list"]
+    data: list[BudgetWithSpend]
+
+
+class BudgetDeleted(BaseModel):
+    object: Literal["budget.deleted"]
+    id: str
+    deleted: bool
+
+
 # (method, path) -> the model of the route's success answer.
 RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
     ("get", "/v1/tenants"): TenantList,
@@ -271,6 +316,13 @@ RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/v1/endpoints/{endpoint_id}/promote"): EndpointVersions,
     ("post", "/v1/endpoints/{endpoint_id}/rollback"): VersionsRolledBack,
     ("get", "/v1/webhooks/secret"): WebhookSecret,
+    ("put", "/v1/prices/{endpoint}"): ModelPrice,
+    ("get", "/v1/prices/{endpoint}"): ModelPrice,
+    ("post", "/v1/budgets"): Budget,
+    ("get", "/v1/budgets"): BudgetList,
+    ("get", "/v1/budgets/{budget_id}"): BudgetWithSpend,
+    ("patch", "/v1/budgets/{budget_id}"): Budget,
+    ("delete", "/v1/budgets/{budget_id}"): BudgetDeleted,
     ("post", "/v1/webhooks/secret/rotate"): WebhookSecret,
 }
 
@@ -300,6 +352,11 @@ LINKS: dict[tuple[str, str], tuple[str, str, list[tuple[str, str]]]] = {
         "file_id",
         [(m, "/v1/files/{file_id}") for m in ("get", "delete")]
         + [("get", "/v1/files/{file_id}/content")],
+    ),
+    ("post", "/v1/budgets"): (
+        "id",
+        "budget_id",
+        [(m, "/v1/budgets/{budget_id}") for m in ("get", "patch", "delete")],
     ),
     ("post", "/v1/batches"): (
         "id",

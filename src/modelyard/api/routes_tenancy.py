@@ -150,7 +150,7 @@ def _window(start: str | None, end: str | None) -> tuple[Any, Any]:
 async def usage(
     start: str | None = Query(None, description="Unix seconds or ISO 8601 (default: month start)"),
     end: str | None = Query(None, description="Unix seconds or ISO 8601 (default: now)"),
-    group_by: str = Query("model", description="model, key or day"),
+    group_by: str = Query("model", description="model, key, team, day or version"),
     tenant_id: str | None = Query(None, description="Platform admin only."),
     principal: Principal = Depends(get_tenant_reader),
     services: Services = Depends(get_services),
@@ -165,7 +165,7 @@ async def usage(
 
     rows = await asyncio.to_thread(load)
     groups = summarize(rows, group_by, services.settings.prices, services.settings.batch_discount)
-    return {
+    report: dict[str, Any] = {
         "object": "usage",
         "start": int(start_ts.timestamp()),
         "end": int(end_ts.timestamp()),
@@ -179,10 +179,12 @@ async def usage(
                 "completion_tokens",
                 "cached_tokens",
                 "total_tokens",
-                "cost_usd",
+                "cost_micro_usd",
             )
         },
     }
+    report["totals"]["cost_usd"] = report["totals"]["cost_micro_usd"] / 1e6
+    return report
 
 
 @router.get(

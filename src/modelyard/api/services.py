@@ -14,6 +14,7 @@ from modelyard.batch.files import FileService
 from modelyard.batch.service import BatchService
 from modelyard.config import PlatformSettings
 from modelyard.control.audit import AuditLog
+from modelyard.control.budgets import Budgets
 from modelyard.control.endpoint_versions import VersionVerbs
 from modelyard.control.endpoints import EndpointManager
 from modelyard.control.oidc import OidcClient
@@ -54,6 +55,7 @@ class Services:
     # Console single sign-on (None: not configured).
     oidc: OidcClient | None = None
     sign_in: ConsoleSignIn | None = None
+    budgets: Budgets | None = None  # prices and budgets in dollars
 
 
 class Lifecycle(Protocol):

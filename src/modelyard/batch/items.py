@@ -20,7 +20,7 @@ from modelyard.batch.service import ItemStatus
 from modelyard.config import PlatformSettings
 from modelyard.core.errors import DomainError
 from modelyard.core.identity import Principal
-from modelyard.gateway.accounting import ItemUsage
+from modelyard.gateway.item_usage import ItemUsage
 from modelyard.gateway.metering import UsageEvent
 from modelyard.protocol.errors import body_of, status_of
 from modelyard.store import repository as repo

@@ -274,13 +274,13 @@ TenantOpt = Annotated[str | None, typer.Option("--tenant", help="Tenant id (plat
 @usage_app.callback()
 def usage(
     ctx: typer.Context,
-    group_by: Annotated[str, typer.Option(help="model, key or day.")] = "model",
+    group_by: Annotated[str, typer.Option(help="model, key, team, day or version.")] = "model",
     start: Start = None,
     end: End = None,
     tenant: TenantOpt = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Requests, tokens and cost, grouped by model, key or day."""
+    """Requests, tokens and cost (USD), grouped by model, key, team, day or version."""
     if ctx.invoked_subcommand is not None:
         return
     with api_errors(), common.client() as c:
@@ -289,7 +289,8 @@ def usage(
         print_json(result)
         return
     groups: list[dict[str, Any]] = result["data"]
-    keys = [k for k in (groups[0] if groups else {}) if k not in _NUMBERS] or [group_by]
+    keys = [k for k in (groups[0] if groups else {}) if k not in (*_NUMBERS, "cost_micro_usd")]
+    keys = keys or [group_by]
     columns = [(k.upper(), field(k)) for k in keys] + [
         (k.upper().replace("_", " "), field(k)) for k in _NUMBERS
     ]

@@ -65,6 +65,9 @@ class PlatformClient:
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         return self.request("POST", path, json=body or {}).json()
 
+    def put(self, path: str, body: dict[str, Any]) -> Any:
+        return self.request("PUT", path, json=body).json()
+
     def patch(self, path: str, body: dict[str, Any]) -> Any:
         return self.request("PATCH", path, json=body).json()
 

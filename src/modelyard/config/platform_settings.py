@@ -140,6 +140,12 @@ class PlatformSettings(SsoSettings):
         description="How often a gateway writes its keys' last use (one UPDATE per key used "
         "meanwhile, off the request path).",
     )
+    budget_refresh_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often a gateway rereads prices and budgets (a change made through "
+        "the same process applies at once).",
+    )
     auth_stale_ttl_s: float = Field(
         300.0,
         ge=0,

@@ -22,7 +22,7 @@ from modelyard.protocol.people import MAX_TEAMS, MAX_USERS, TeamCreate, UserCrea
 from modelyard.store import people as repo
 from modelyard.store import repository as base_repo
 from modelyard.store.db import Database
-from modelyard.store.tables import Team, User
+from modelyard.store.people_tables import Team, User
 
 LIST_LIMIT = 1000
 T = TypeVar("T")

@@ -29,7 +29,8 @@ from modelyard.protocol.people import MAX_USERS
 from modelyard.store import people
 from modelyard.store import repository as repo
 from modelyard.store.db import Database
-from modelyard.store.tables import Tenant, User
+from modelyard.store.people_tables import User
+from modelyard.store.tables import Tenant
 
 # A user's console sessions at once (signing in again past this ends the oldest).
 MAX_SESSIONS_PER_USER = 20

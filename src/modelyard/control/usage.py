@@ -1,10 +1,15 @@
-"""Usage reports: metered rows grouped by model, key, day or model version (a canary beside
-the stable one), priced per model, and CSV export."""
+"""Usage reports: metered rows grouped by model, key, team, day or model version (a canary
+beside the stable one), priced per model, and CSV export.
+
+A row's cost is the one it was billed at (`cost_micro`: micro-dollars at the model's price when
+it ran, what budgets count); rows written before prices were kept are priced with the `prices`
+setting. `cost_micro_usd` sums exact integers; `cost_usd` is the same in dollars."""
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -15,7 +20,7 @@ from modelyard.core.errors import Invalid
 from modelyard.store.repository import as_utc
 from modelyard.store.tables import UsageRecord
 
-GROUPS = ("model", "key", "day", "version")
+GROUPS = ("model", "key", "team", "day", "version")
 CSV_COLUMNS = (
     "request_id", "created_at", "tenant_id", "key_id", "endpoint_id", "model", "version_id",
     "kind", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms", "ttft_ms",
@@ -39,6 +44,8 @@ def parse_time(value: str | int | None, param: str) -> datetime | None:
 
 
 def cost(row: UsageRecord, prices: dict[str, ModelPrice], batch_discount: float = 0.0) -> float:
+    if row.cost_micro is not None:
+        return row.cost_micro / 1e6
     price = prices.get(row.model)
     if price is None:
         return 0.0
@@ -52,11 +59,20 @@ def cost(row: UsageRecord, prices: dict[str, ModelPrice], batch_discount: float 
     return full * (1.0 - batch_discount) if row.batch else full
 
 
+def cost_micro(row: UsageRecord, prices: dict[str, ModelPrice], batch_discount: float = 0.0) -> int:
+    """The row's cost in micro-dollars: as billed, else (an older row) priced now, rounded up."""
+    if row.cost_micro is not None:
+        return row.cost_micro
+    return math.ceil(round(cost(row, prices, batch_discount) * 1e6, 6))
+
+
 def _group_key(row: UsageRecord, group_by: str) -> str:
     if group_by == "model":
         return row.model
     if group_by == "key":
         return row.key_id
+    if group_by == "team":
+        return row.team_id or ""  # "": a key of no team
     if group_by == "version":
         return row.version_id or ""  # "": served from a path, no registry version
     return as_utc(row.created_at).strftime("%Y-%m-%d")
@@ -83,6 +99,7 @@ def summarize(
                 "cached_tokens": 0,
                 "total_tokens": 0,
                 "cost_usd": 0.0,
+                "cost_micro_usd": 0,
             },
         )
         g["requests"] += 1
@@ -90,9 +107,9 @@ def summarize(
         g["completion_tokens"] += row.completion_tokens
         g["cached_tokens"] += row.cached_tokens
         g["total_tokens"] += row.prompt_tokens + row.completion_tokens
-        g["cost_usd"] += cost(row, prices, batch_discount)
+        g["cost_micro_usd"] += cost_micro(row, prices, batch_discount)
     for g in groups.values():
-        g["cost_usd"] = round(g["cost_usd"], 8)
+        g["cost_usd"] = g["cost_micro_usd"] / 1e6
     return [groups[k] for k in sorted(groups)]
 
 

@@ -13,9 +13,9 @@ disconnects cancels its wait, never the settlement; the slot is released in the 
 With the limits store (Redis) unreachable (`limits_outage.py`), admission goes on this
 gateway's shares of each limit (`redis_outage = fail_open`) or fails closed (503), and the
 settlements Redis cannot take are journaled and applied once it answers; the usage row is
-written either way. With Redis back but its
-quota counters lost (a restart, a failover), the first quota check rebuilds them from the usage
-rows before it checks (`quota_rebuild.py`).
+written either way. With Redis back but its quota counters lost (a restart, a failover), the
+first quota check rebuilds them from the usage rows (`quota_rebuild.py`). Budgets in dollars
+are held after the rest and settled with it (`budgets.py`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from typing import Any
 
 from modelyard.core.errors import DomainError, QuotaExceeded, RateLimited
-from modelyard.core.identity import Limits, Principal
+from modelyard.core.identity import Principal
 from modelyard.gateway.access_log import logged
+from modelyard.gateway.budgets import BudgetBook
 from modelyard.gateway.call import Call
+from modelyard.gateway.item_usage import ItemUsage
 from modelyard.gateway.limits_outage import LimitsOutage, fail_closed, limits_unavailable
 from modelyard.gateway.metering import UsageEvent, UsageRecorder, quota_moves
 from modelyard.gateway.metrics import GatewayMetrics
@@ -82,6 +83,21 @@ class Accounting:
         self.outage: LimitsOutage | None = None
         # The quota counters, rebuilt from the usage rows when Redis lost them.
         self.quota_rebuild = QuotaRebuild(quota, recorder)
+        # Budgets in dollars (`budgets.py`): held with the rest, settled with the rest.
+        self.budgets: BudgetBook | None = None
+
+    async def hold_budget(self, call: Call) -> None:
+        """Reserve the request's most cost on its budgets; refused, everything it holds goes
+        back (the caller's admission took the rest already)."""
+        if self.budgets is None:
+            return
+        try:
+            p, batch = call.principal, call.batch
+            call.budget = await self.budgets.hold(p, call.route, call.reserved, batch)
+        except BaseException:
+            if not call.batch:
+                await self.close(call, served=False)
+            raise
 
     async def admit_at_once(self, call: Call, model: str) -> None:
         """`acquire` and `hold` as one Redis script: the same refusals, and on a refusal
@@ -114,11 +130,9 @@ class Accounting:
         if admitted.refused is not None:
             call.reserved = 0  # nothing taken: the refusal's settlement gives nothing back
             await self.close(call, served=False)
-            refusal: DomainError = (
-                self.quota_exceeded(p, admitted.quota_before)
-                if admitted.refused == "quota"
-                else self.concurrency_exceeded(p)
-            )
+            quota = admitted.refused == "quota"
+            refusal: DomainError = (self.quota_exceeded(p, admitted.quota_before) if quota
+                                    else self.concurrency_exceeded(p))  # fmt: skip
             refusal.headers.update(admitted.decision.headers())
             raise refusal
         if p.monthly_token_quota is not None:
@@ -260,12 +274,23 @@ class Accounting:
                 else:
                     await self._apply(settlement)
             finally:
+                await self._settle_budget(call, event, first)
                 if event is not None and first:
                     # Journaled last, with nothing awaited between it and the answer leaving:
                     # a crash before it bills an answer that never left, never the reverse,
                     # and one right after it (the answer on its way) is as short as it gets.
                     await self.recorder.write(event)
         return event
+
+    async def _settle_budget(self, call: Call, event: UsageEvent | None, first: bool) -> None:
+        """The budgets' counters from the reservation to the real cost (a batch item's stay
+        held until `settle_item`; a duplicate report costs nothing)."""
+        if call.budget is None or self.budgets is None:
+            return
+        if event is not None and call.batch:
+            return
+        cost = (event.cost_micro or 0) if event is not None and first else 0
+        await _tolerant(self.budgets.settle(call.budget, cost), "budget settlement")
 
     def _meter(self, call: Call, settlement: Settlement) -> tuple[UsageEvent, bool]:
         """The served request's usage event and whether the gateway writes its row (its first
@@ -302,6 +327,8 @@ class Accounting:
             status_code=call.status_code,
             status=call.status,
             batch=call.batch,
+            cost_micro=self._cost(call),
+            team_id=p.team_id,
         )
         if call.batch:
             # The runner writes the item's row with its result; its quota reservation stays
@@ -312,11 +339,21 @@ class Accounting:
         )
         return event, first
 
+    def _cost(self, call: Call) -> int:
+        if self.budgets is None:
+            return 0
+        price = self.budgets.price(call.route)
+        return price.cost(call.prompt_tokens, call.cached_tokens, call.completion_tokens,
+                          call.batch)  # fmt: skip
+
     async def settle_item(self, usage: ItemUsage, recorded: bool) -> None:
         """Settle a served batch item's quota once the runner committed its result (and usage
         row: `recorded`) or did not (a revoked key, an item recorded before): the reservation
         held since admission moves to the real count, or goes back. Same settlement as every
         request's (`_apply`)."""
+        if usage.budget is not None and self.budgets is not None:
+            cost = (usage.event.cost_micro or 0) if recorded else 0
+            await _tolerant(self.budgets.settle(usage.budget, cost), "budget settlement")
         held = usage.held
         if held is None:
             return
@@ -348,34 +385,6 @@ class Accounting:
         if s.slot is not None:
             # Unreleased in Redis, the slot expires with its lease.
             await _tolerant(self.slots.release(*s.slot), "slot release")
-
-
-@dataclass(frozen=True)
-class QuotaHold:
-    """Monthly quota tokens a served batch item still holds (in `month`) until its result is
-    committed."""
-
-    tenant_id: str
-    key_id: str
-    limits: Limits
-    month: str
-    tokens: int
-
-
-@dataclass(frozen=True)
-class ItemUsage:
-    """A served batch item's usage record, and the quota it holds until `settle_item`."""
-
-    event: UsageEvent
-    held: QuotaHold | None
-
-
-def item_usage(call: Call, event: UsageEvent) -> ItemUsage:
-    p = call.principal
-    held = None
-    if call.quota_reserved:
-        held = QuotaHold(p.tenant_id, p.key_id, p.limits, call.quota_month, call.quota_reserved)
-    return ItemUsage(event, held)
 
 
 async def _tolerant(work: Awaitable[Any], what: str) -> None:

@@ -122,6 +122,7 @@ class Admission:
                 decision=NO_LIMITS,
             )
             await self.accounting.admit_at_once(call, model)
+            await self.accounting.hold_budget(call)
             return call
         decision = await self.accounting.acquire(principal, model, reserved)
         call = Call(
@@ -140,6 +141,7 @@ class Admission:
             if isinstance(exc, DomainError):
                 exc.headers.update(decision.headers())
             raise
+        await self.accounting.hold_budget(call)
         return call
 
     def reserve(self, route: EndpointRoute, payload: dict[str, Any], req: Any) -> int:

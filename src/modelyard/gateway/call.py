@@ -16,6 +16,7 @@ from modelyard.gateway.rate_decision import Decision
 from modelyard.protocol.errors import GRAMMAR_FAILED
 
 if TYPE_CHECKING:
+    from modelyard.gateway.budgets import BudgetHold
     from modelyard.gateway.metering import UsageEvent
 
 # The rate-limit decision of a request no limits apply to (a batch item, an internal call).
@@ -62,6 +63,7 @@ class Call:
     version_id: str | None = None
     affinity: str | None = None
     prefix: PrefixHint | None = None  # where its prompt prefix is likely cached (several replicas)
+    budget: BudgetHold | None = None  # spend held on its budgets since admission
     local: int = 0  # admitted on this gateway's shares while Redis was away: their generation
 
 

@@ -58,6 +58,8 @@ class UsageEvent:
     status: str
     batch: bool = False
     created_at: datetime = field(default_factory=repo.now)
+    cost_micro: int | None = None  # micro-dollars at the model's price (`core/pricing.py`)
+    team_id: str | None = None
 
     @property
     def total_tokens(self) -> int:

@@ -21,7 +21,7 @@ from modelyard.config import PlatformSettings
 from modelyard.core.identity import Principal
 from modelyard.core.prefix_affinity import PrefixHint, prefix_hint
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
-from modelyard.gateway.accounting import Accounting, ItemUsage, item_usage
+from modelyard.gateway.accounting import Accounting
 from modelyard.gateway.admission import (
     BATCH_PRIORITY_BASE,
     Admission,
@@ -31,7 +31,9 @@ from modelyard.gateway.admission import (
 )
 from modelyard.gateway.async_results import AsyncResults
 from modelyard.gateway.auth import Authenticator
+from modelyard.gateway.budgets import BudgetBook, spend_beside
 from modelyard.gateway.call import NO_LIMITS, Call, take_usage
+from modelyard.gateway.item_usage import ItemUsage, item_usage
 from modelyard.gateway.limits_outage import LimitsOutage
 from modelyard.gateway.local_limits import LocalLimits
 from modelyard.gateway.metering import UsageRecorder
@@ -71,6 +73,10 @@ class Gateway:
         # Tenants' requests in flight, kept where the quota is (Redis or this process).
         slots = slots if slots is not None else concurrency_beside(quota)
         self.accounting = Accounting(limiter, quota, slots, recorder, metrics)
+        self.accounting.budgets = BudgetBook(
+            recorder.db, spend_beside(quota), settings.budget_refresh_s, settings.prices,
+            settings.batch_discount,
+        )  # fmt: skip
         if self.accounting.at_once is not None and isinstance(slots, RedisConcurrencyLimiter):
             # Limits in Redis: what admission and settlement do while it does not answer.
             assert isinstance(quota, RedisQuotaCounter)
@@ -174,6 +180,9 @@ class Gateway:
             call.reserved = self.admission.reserve(route, payload, req)
             await self.accounting.reserve_quota(call)
         try:
+            if self.accounting.budgets is not None:  # held like the quota, settled with it
+                call.reserved = call.reserved or self.admission.reserve(route, payload, req)
+                await self.accounting.hold_budget(call)
             status, content = await self.upstream.call_unary(call, orjson.dumps(body))
             result = orjson.loads(content)
             if route.upstream_model and isinstance(result, dict) and "model" in result:

@@ -9,8 +9,9 @@ from datetime import datetime
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
+from modelyard.store.people_tables import ConsoleSession, Team, TeamMember, User
 from modelyard.store.repository import new_id, now
-from modelyard.store.tables import ApiKey, ConsoleSession, Team, TeamMember, User
+from modelyard.store.tables import ApiKey
 
 
 def add_user(

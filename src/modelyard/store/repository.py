@@ -302,6 +302,8 @@ def insert_usage(s: Session, rows: list[dict[str, Any]]) -> int:
     """Insert usage rows, skipping request ids already recorded; returns how many were new."""
     if not rows:
         return 0
+    # Rows journaled before a column existed get it empty (one statement needs one shape).
+    rows = [{"cost_micro": None, "team_id": None, **r} for r in rows]
     dialect = s.get_bind().dialect.name
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
     # One statement, the rows as parameters: compiled once and cached, not per batch.

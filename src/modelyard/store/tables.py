@@ -79,51 +79,6 @@ class ApiKey(Base):
     owner_team_id: Mapped[str | None] = mapped_column(ForeignKey("teams.id"), index=True)
 
 
-class User(Base):
-    """A person of a tenant with a role (`core/roles.py`); `subject` is their OpenID Connect
-    `sub` once they signed in with single sign-on."""
-
-    __tablename__ = "users"
-    __table_args__ = (UniqueConstraint("tenant_id", "email"),)
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
-    email: Mapped[str] = mapped_column(String(254))
-    name: Mapped[str | None] = mapped_column(String(200))
-    role: Mapped[str] = mapped_column(String(20))  # admin | developer | viewer
-    subject: Mapped[str | None] = mapped_column(String(255), unique=True)
-    created_at: Mapped[datetime]
-
-
-class Team(Base):
-    __tablename__ = "teams"
-    __table_args__ = (UniqueConstraint("tenant_id", "name"),)
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
-    name: Mapped[str] = mapped_column(String(200))
-    created_at: Mapped[datetime]
-
-
-class TeamMember(Base):
-    __tablename__ = "team_members"
-
-    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"), primary_key=True)
-    user_id: Mapped[str] = mapped_column(ForeignKey("users.id"), primary_key=True, index=True)
-
-
-class ConsoleSession(Base):
-    """A user signed in to the console (single sign-on): the token is stored as its sha256."""
-
-    __tablename__ = "console_sessions"
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    user_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
-    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    created_at: Mapped[datetime]
-    expires_at: Mapped[datetime]
-
-
 class Blob(Base):
     """One content-addressed file in the artifact store."""
 
@@ -252,6 +207,9 @@ class UsageRecord(Base):
     status: Mapped[str] = mapped_column(String(40))  # ok | client_disconnected | error
     batch: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(index=True)
+    # Micro-dollars at the price when it ran (`core/pricing.py`); NULL for rows before prices.
+    cost_micro: Mapped[int | None] = mapped_column(BigInteger)
+    team_id: Mapped[str | None] = mapped_column(String(40))  # the key's team, if any
 
 
 Index("ix_usage_tenant_time", UsageRecord.tenant_id, UsageRecord.created_at)

@@ -3,7 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from modelyard.store.tables import Base
+from modelyard.store.schema import metadata
 
 config = context.config
 connection = config.attributes.get("connection")
@@ -12,7 +12,7 @@ connection = config.attributes.get("connection")
 def _run(conn) -> None:  # type: ignore[no-untyped-def]
     context.configure(
         connection=conn,
-        target_metadata=Base.metadata,
+        target_metadata=metadata,
         render_as_batch=conn.dialect.name == "sqlite",
         compare_type=True,
     )

@@ -1,0 +1,92 @@
+"""Money arithmetic and the gateway's budget book on a real database and real spend counters
+(in memory; the Redis counters run in `test_budgets.py`): costs are exact integers rounded up
+once, a reservation is never below the cost whatever the split of its tokens, a team's budget
+binds only its team's keys, and a restarted gateway starts from the spend its rows recorded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from modelyard.core.errors import QuotaExceeded
+from modelyard.core.identity import Limits, Principal
+from modelyard.core.pricing import Price, parse_usd, usd
+from modelyard.core.routing import EndpointRoute
+from modelyard.gateway.budgets import BudgetBook
+from modelyard.gateway.spend import MemorySpend
+from modelyard.store import repository as repo
+from modelyard.store.budget_tables import BudgetRow, ModelPriceRow
+from modelyard.store.db import Database, sqlite_url
+from modelyard.store.tables import UsageRecord
+
+
+def test_costs_are_exact_and_reservations_bound_them() -> None:
+    price = Price(input_micro=150_000, output_micro=600_000, batch_discount_bps=5_000)
+    assert price.cost(10, 0, 5) == 5  # 1.5 + 3.0 micro-dollars, rounded up once
+    assert price.cost(10, 0, 5, batch=True) == 3  # half of 4.5, rounded up
+    assert Price(1_000_000, 2_000_000, cached_input_micro=0).cost(10, 4, 1) == 8
+    for prompt in range(0, 40, 7):
+        for completion in range(0, 40, 9):
+            for batch in (False, True):
+                bound = price.bound(prompt + completion, batch)
+                assert price.cost(prompt, 0, completion, batch) <= bound
+    assert parse_usd("0.15", "x", 10**9) == 150_000 and parse_usd(2, "x", 10**9) == 2_000_000
+    for bad in ("0.0000001", "-1", "NaN", "1e999999999", "x", True):
+        with pytest.raises(ValueError):
+            parse_usd(bad, "x", 10**9)
+    assert (usd(1_500_000), usd(150_000), usd(0)) == ("1.5", "0.15", "0")
+
+
+@pytest.fixture()
+def database(tmp_path: Path) -> Iterator[Database]:
+    db = Database(sqlite_url(tmp_path / "budgets.db"))
+    db.migrate()
+    try:
+        yield db
+    finally:
+        db.dispose()
+
+
+def principal(key_id: str, team_id: str | None) -> Principal:
+    return Principal(key_id, key_id, "tn-1", "acme", frozenset({"inference"}), Limits(None, None),
+                     None, False, team_id=team_id)  # fmt: skip
+
+
+def test_a_team_budget_binds_its_keys_and_survives_a_restart(database: Database) -> None:
+    at = repo.now()
+    with database.session() as s:
+        s.add(BudgetRow(id="bdg-1", tenant_id="tn-1", scope="team", subject_id="team-a",
+                        period="day", limit_micro=1_000, soft_limit_micro=None, webhook_url=None,
+                        created_at=at, updated_at=at))  # fmt: skip
+        # 600 micro-dollars the team spent earlier today (another key of it).
+        s.add(UsageRecord(request_id="r-0", tenant_id="tn-1", key_id="k-0", endpoint_id="ep-1",
+                          model="m", version_id=None, kind="chat.completions", prompt_tokens=1,
+                          completion_tokens=1, cached_tokens=0, latency_ms=1.0, ttft_ms=None,
+                          status_code=200, status="ok", batch=False, created_at=at,
+                          cost_micro=600, team_id="team-a"))  # fmt: skip
+    route = EndpointRoute("ep-1", "tn-1", "m", False, None, 64)
+    with database.session() as s:
+        s.add(ModelPriceRow(endpoint_id="ep-1", tenant_id="tn-1", input_micro=1_000_000,
+                            output_micro=1_000_000, cached_input_micro=None,
+                            batch_discount_bps=0, updated_at=at))  # fmt: skip
+
+    async def run() -> None:
+        book = BudgetBook(database, MemorySpend(), 60.0, {}, 0.0)
+        member, outsider = principal("k-1", "team-a"), principal("k-2", None)
+        hold = await book.hold(member, route, 300)  # reserves 300: 600 + 300 < 1000
+        assert hold is not None and hold.micro == 300
+        await book.settle(hold, 250)
+        hold = await book.hold(member, route, 300)  # 850 < 1000: admitted, may end at 1150
+        assert hold is not None
+        await book.settle(hold, 200)
+        with pytest.raises(QuotaExceeded) as info:  # 1050 spent: refused
+            await book.hold(member, route, 1)
+        assert info.value.code == "budget_exceeded" and "team's daily budget" in str(info.value)
+        assert await book.hold(outsider, route, 300) is None  # no budget of its own
+        (current,) = await book.current(book.applicable(member))
+        assert current[1] == 1_050
+
+    asyncio.run(run())
