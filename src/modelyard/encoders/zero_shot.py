@@ -10,6 +10,7 @@ the embedding model's similarity: fine for coarse topics and sentiment, not a tr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import warnings
@@ -59,6 +60,8 @@ def make_classifier(
     tokenizer); `labels` maps each label to its description."""
     from transformers import AutoModel
 
+    if importlib.util.find_spec("onnx") is None:  # torch's exporter writes through it
+        raise UnsupportedModel("exporting the classifier needs the onnx package: pip install onnx")
     if not labels:
         raise UnsupportedModel("a classifier needs at least one label")
     config = EmbeddingConfig.read(embedding_folder)
