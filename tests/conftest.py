@@ -53,6 +53,7 @@ _LONGEST_FILES = [
     "test_platform_encoders.py",  # both store modes: about 5 min
     "test_model_parity.py",
     "test_smollm2.py",
+    "test_langchain_standard.py",  # a serve with the bundled models, LangChain's suites
     "test_ray_backend.py",
     "test_cluster.py",
     "test_postgres_failover.py",  # two failovers under load: 50-95 s

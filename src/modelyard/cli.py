@@ -36,6 +36,7 @@ models_app.command("list")(registry.models_list)
 models_app.command("show")(registry.models_show)
 models_app.command("delete")(registry.models_delete)
 models_app.command("served")(chat.models_served)
+models_app.command("make-classifier")(registry.make_classifier)
 app.command()(registry.devices)
 app.add_typer(registry.webhooks_app, name="webhooks")
 

@@ -50,7 +50,7 @@ def test_only_the_pages_own_assets_are_served(platform: PlatformProcess) -> None
 
 
 # Answer anyone (a load balancer's probes): no key required.
-PUBLIC = {"/health", "/v2/health/live", "/v2/health/ready"}
+PUBLIC = {"/health", "/v2", "/v2/health/live", "/v2/health/ready"}
 # POSTs that act on the resource their path names and take no body.
 NO_BODY = {"/v1/endpoints/{endpoint_id}/promote", "/v1/batches/{batch_id}/cancel",
            "/v1/webhooks/secret/rotate"}  # fmt: skip

@@ -127,6 +127,23 @@ def test_token_id_inputs(client: openai.OpenAI, minilm: EmbeddingModel) -> None:
     assert single.usage.prompt_tokens == text.usage.prompt_tokens == len(ids) + 2
 
 
+# What OpenAI's cl100k tokenizer gives for SENTENCES[0] (LangChain's `OpenAIEmbeddings` sends
+# these by default): common words and punctuation are small ids, BERT's reserved [unused…] ones.
+OPENAI_IDS = [791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13]
+
+
+def test_another_tokenizers_ids_are_refused(url: str) -> None:
+    for ids, words in (
+        ([4062, 39935], "vocabulary"),  # 39935: past MiniLM's 30,522 entries
+        ([i for i in OPENAI_IDS if i < 30522], "reserved token '[unused786]'"),
+    ):
+        status, error = _openai_error(url, {"model": "minilm", "input": [[2003], ids]})
+        assert status == 400 and error["param"] == "input", error
+        message = str(error["message"])
+        assert message.startswith("input 1 ") and words in message, message
+        assert "check_embedding_ctx_length=False" in message
+
+
 def _openai_error(url: str, body: dict[str, object]) -> tuple[int, dict[str, object]]:
     r = httpx.post(f"{url}/v1/embeddings", json=body, timeout=30)
     return r.status_code, r.json()["error"]
@@ -144,7 +161,7 @@ def test_embedding_errors_are_openai_shaped(url: str, client: openai.OpenAI) -> 
     assert status == 400 and error["param"] == "input"
     status, error = _openai_error(url, {"model": "minilm", "input": "x", "dimensions": 128})
     assert status == 400 and error["param"] == "dimensions"
-    status, error = _openai_error(url, {"model": "minilm", "input": [[1, 99999]]})
+    status, error = _openai_error(url, {"model": "minilm", "input": [[2003, 99999]]})
     assert status == 400 and "vocabulary" in str(error["message"])
     status, error = _openai_error(url, {"model": "clf", "input": "x"})
     assert status == 400 and error["param"] == "model"
@@ -222,6 +239,24 @@ def test_v2_infer_embedding_model(url: str, minilm: EmbeddingModel) -> None:
     assert np.allclose(got, minilm.encode(SENTENCES[:2])[0].numpy(), atol=1e-6)
 
 
+def test_v2_binary_tensors_on_the_worker(url: str, minilm: EmbeddingModel) -> None:
+    """The worker speaks the binary extension itself (`modelyard encoders` standing alone):
+    `tritonclient`'s defaults, binary input and output."""
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(url.removeprefix("http://"))
+    assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
+    text = triton.InferInput("text", [2], "BYTES")
+    text.set_data_from_numpy(np.array([s.encode() for s in SENTENCES[:2]], dtype=np.object_))
+    result = client.infer("minilm", [text])
+    assert "data" not in result.get_output("embedding")
+    got = result.as_numpy("embedding")
+    assert np.allclose(got, minilm.encode(SENTENCES[:2])[0].numpy(), atol=1e-6)
+    result = client.infer("clf", [text], outputs=[triton.InferRequestedOutput("label")])
+    plain = infer(url, "clf", texts_tensor(SENTENCES[:2], [2])).json()["outputs"][0]
+    assert [x.decode() for x in result.as_numpy("label")] == plain["data"]
+
+
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [
@@ -236,6 +271,11 @@ def test_v2_infer_embedding_model(url: str, minilm: EmbeddingModel) -> None:
         ({"inputs": [{"name": "text"}]}, 400, "shape"),
         ({**texts_tensor(["a"], [1]), "parameters": {"top_k": 9}}, 400, "top_k"),
         ({**texts_tensor(["a"], [1]), "outputs": [{"name": "logits"}]}, 400, "logits"),
+        (
+            {"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "BYTES", "data": ["a"]}]},
+            400,
+            "unknown input 'INPUT0'",
+        ),
     ],
 )
 def test_v2_errors_have_the_protocol_shape(

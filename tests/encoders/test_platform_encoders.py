@@ -125,6 +125,78 @@ def test_open_inference_protocol_through_the_gateway(
     assert int(rows[0]["prompt_tokens"]) > 0
 
 
+def test_tritonclient_on_its_defaults(platform: PlatformProcess, tenant: tuple[str, str]) -> None:
+    """`tritonclient[http]` as its docs show it: binary input tensors, binary outputs (asked by
+    default when no outputs are named), server metadata; the numbers match the JSON route's."""
+    import tritonclient.http as triton
+    from tritonclient.utils import InferenceServerException
+
+    tenant_id, key = tenant
+    auth = {"Authorization": f"Bearer {key}"}
+    client = triton.InferenceServerClient(platform.url.removeprefix("http://"))
+    meta = client.get_server_metadata()
+    assert meta["name"] == "modelyard" and "binary_tensor_data" in meta["extensions"]
+    assert client.is_server_live() and client.is_model_ready("minilm", headers=auth)
+    assert client.get_model_metadata("minilm", headers=auth)["inputs"][0]["name"] == "text"
+    texts = np.array([[t.encode()] for t in SENTENCES], dtype=np.object_)
+    text = triton.InferInput("text", list(texts.shape), "BYTES")
+    text.set_data_from_numpy(texts)  # binary_data=True: the client's default
+    result = client.infer("minilm", [text], headers=auth)
+    assert result.get_response()["outputs"][0]["parameters"]["binary_data_size"] == 3 * 384 * 4
+    got = result.as_numpy("embedding")
+    reference, counts = EmbeddingModel(minilm_folder()).encode(SENTENCES)
+    assert got.shape == (3, 384) and np.abs(got - reference.numpy()).max() < 1e-5
+    assert result.get_response()["parameters"]["usage"]["prompt_tokens"] == sum(counts)
+    # The classifier, its outputs named (binary by default) and one asked for as JSON.
+    outputs = [triton.InferRequestedOutput("label"), triton.InferRequestedOutput("score", False)]
+    result = client.infer("clf", [text], outputs=outputs, headers=auth)
+    tensor = {"name": "text", "shape": [3], "datatype": "BYTES", "data": SENTENCES}
+    plain = platform.api(key).post("/v2/models/clf/infer", json={"inputs": [tensor]}).json()
+    by_name = {o["name"]: o for o in plain["outputs"]}
+    assert [x.decode() for x in result.as_numpy("label")] == by_name["label"]["data"]
+    assert "data" in result.get_output("score") and "data" not in result.get_output("label")
+    assert np.allclose(result.as_numpy("score"), by_name["score"]["data"], atol=1e-6)
+    # An input name the model does not take is refused, naming it.
+    wrong = triton.InferInput("INPUT0", [1], "BYTES")
+    wrong.set_data_from_numpy(np.array([b"x"], dtype=np.object_))
+    with pytest.raises(InferenceServerException, match="unknown input 'INPUT0'"):
+        client.infer("clf", [wrong], headers=auth)
+    rows = wait_usage(
+        platform.api(),
+        lambda rows: (
+            len([r for r in rows if r["model"] == "minilm" and r["kind"] == "oip.infer"]) >= 1
+        ),
+        tenant_id=tenant_id,
+    )
+    assert [r["prompt_tokens"] for r in rows if r["model"] == "minilm" and r["kind"] == "oip.infer"
+            ] == [str(sum(counts))]  # fmt: skip
+
+
+def test_binary_bodies_are_bounded(platform: PlatformProcess, tenant: tuple[str, str]) -> None:
+    """Sizes that do not add up to the body are refused, naming what is wrong."""
+    http = platform.api(tenant[1])
+    header = b'{"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", '
+    one = header + b'"parameters": {"binary_data_size": 6}}]}'
+    element = (2).to_bytes(4, "little") + b"hi"
+
+    def post(body: bytes, length: object) -> httpx.Response:
+        headers = {"Inference-Header-Content-Length": str(length)}
+        return http.post("/v2/models/clf/infer", content=body, headers=headers)
+
+    assert post(one + element, len(one)).status_code == 200
+    cases = [
+        (one + element + b"x", len(one), "1 bytes no input"),
+        (one + element[:-1], len(one), "runs past"),
+        (one + element, len(one) + 100, "the body holds"),
+        (one + element, "ten", "not an integer"),
+        (one + (9).to_bytes(4, "little") + b"hi", len(one), "runs past its binary data"),
+        (one + (1).to_bytes(4, "little") + b"\xff" + b"x", len(one), "not UTF-8"),
+    ]
+    for body, length, message in cases:
+        r = post(body, length)
+        assert r.status_code == 400 and message in r.json()["error"], (message, r.text)
+
+
 def test_oip_errors_take_the_protocol_shape(platform: PlatformProcess, tenant: tuple[str, str]):
     _, key = tenant
     http = platform.api(key)

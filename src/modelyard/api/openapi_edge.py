@@ -99,7 +99,7 @@ def install_openapi(app: FastAPI) -> None:
             BEARER, {"type": "http", "scheme": "bearer"}
         )
         for path, item in schema.get("paths", {}).items():
-            error = "OIPError" if path.startswith("/v2/") else "Error"
+            error = "OIPError" if path == "/v2" or path.startswith("/v2/") else "Error"
             content = {"application/json": {"schema": {"$ref": _REF.format(model=error)}}}
             for method, operation in item.items():
                 responses = operation.setdefault("responses", {})

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from modelyard import __version__
 from modelyard.api.deps import get_reader, get_services
 from modelyard.api.openapi_edge import BEARER_ONLY, json_body
 from modelyard.api.openapi_responses import (
@@ -24,6 +25,7 @@ from modelyard.core.identity import Principal
 from modelyard.core.routing import EndpointRoute
 from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.oip import InferRequest, protocol_shaped
+from modelyard.protocol.oip_binary import EXTENSIONS
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 from modelyard.protocol.responses_api import ResponsesRequest
 
@@ -83,6 +85,12 @@ async def embeddings(request: Request) -> Response:
 
 # Open Inference Protocol v2 (KServe, Triton, MLServer clients) for classifier and embedding
 # endpoints. Errors under /v2 take the protocol's {"error": "..."} shape.
+
+
+@router.get("/v2")
+async def oip_server_metadata() -> dict[str, Any]:
+    """The protocol's server metadata: name, version and the extensions it speaks."""
+    return {"name": "modelyard", "version": __version__, "extensions": EXTENSIONS}
 
 
 @router.get("/v2/health/live")

@@ -1,9 +1,11 @@
 """`modelyard models list|show|delete` (the registry; `models push` uploads, in `cli.py`),
+`modelyard models make-classifier` (a small classifier folder made from an embedding model),
 `modelyard devices` (the fleet) and `modelyard webhooks secret` — the admin tasks that are not a
 tenant, key, endpoint or batch."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -99,3 +101,41 @@ def webhooks_secret(
     with api_errors(), common.client() as c:
         secret = c.post("/v1/webhooks/secret/rotate") if rotate else c.get("/v1/webhooks/secret")
     details(secret, as_json)
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2)
+
+
+def make_classifier(
+    out: Annotated[Path, typer.Argument(help="The folder to write (push or deploy it after).")],
+    label: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A label and its description, NAME=WORDS (repeat it); default: positive and "
+            "negative sentiment."
+        ),
+    ] = None,
+    from_model: Annotated[
+        str, typer.Option("--from", help="The embedding model: a bundled name or a folder.")
+    ] = "all-minilm-l6-v2",
+) -> None:
+    """Make a small classifier from an embedding model, with no training: each text gets the
+    label whose description it is closest to (an ONNX classifier folder)."""
+    from modelyard.encoders.errors import EncoderError
+    from modelyard.encoders.zero_shot import DEFAULT_LABELS, make_classifier
+    from modelyard.engine.models.loader import ModelNotFoundError, resolve_model_path
+
+    labels = dict(DEFAULT_LABELS)
+    if label:
+        pairs = [item.partition("=") for item in label]
+        bad = [name for name, eq, words in pairs if not (name and eq and words.strip())]
+        if bad:
+            raise _fail(f"--label takes NAME=WORDS, got {bad[0]!r}")
+        labels = {name: words for name, _, words in pairs}
+    try:
+        folder = make_classifier(resolve_model_path(from_model), out, labels)
+    except (ModelNotFoundError, EncoderError) as exc:
+        raise _fail(str(exc)) from exc
+    typer.secho(f"wrote {folder} (labels: {', '.join(labels)})", fg=typer.colors.GREEN)

@@ -52,9 +52,34 @@ class InputTooManyChars(EncoderInputError):
         self.limit = limit
 
 
+_OWN_TOKENIZER = (
+    "token ids must come from this model's own tokenizer; send the text instead (LangChain's "
+    "OpenAIEmbeddings sends OpenAI's token ids unless check_embedding_ctx_length=False)"
+)
+
+
 class InvalidTokenId(EncoderInputError):
     def __init__(self, index: int, token: int, vocab_size: int) -> None:
-        super().__init__(index, f"holds token id {token}, outside the vocabulary [0, {vocab_size})")
+        super().__init__(
+            index,
+            f"holds token id {token}, outside the vocabulary [0, {vocab_size}): {_OWN_TOKENIZER}",
+        )
+        self.token = token
+        self.vocab_size = vocab_size
+
+
+class ForeignTokenId(InvalidTokenId):
+    """A token id that the model's tokenizer never gives for text: a special or reserved
+    (`[unused…]`) token. Seen in ids made by another tokenizer (OpenAI's small ids are common
+    words and punctuation, which BERT vocabularies hold as reserved tokens)."""
+
+    def __init__(self, index: int, token: int, piece: str, vocab_size: int) -> None:
+        EncoderInputError.__init__(
+            self,
+            index,
+            f"holds token id {token}, the model's reserved token {piece!r}, which its tokenizer "
+            f"never gives for text: {_OWN_TOKENIZER}",
+        )
         self.token = token
         self.vocab_size = vocab_size
 

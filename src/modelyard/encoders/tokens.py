@@ -4,11 +4,14 @@ Nothing is truncated: an input longer than the model's limit is an `InputTooLong
 index. Token-id inputs are the text's tokens without special tokens (as `tokenizer.encode(text,
 add_special_tokens=False)` gives them, and as OpenAI's token-id inputs carry none); the model's own
 special tokens ([CLS] … [SEP], <s> … </s>) are added around them, so they give the same vector as
-the text they came from.
+the text they came from. Ids no text gives (special and reserved tokens) are refused: they are the
+mark of ids made by another tokenizer (OpenAI's, sent by LangChain's `OpenAIEmbeddings`), whose
+vectors would be meaningless; ids that another tokenizer happens to share are not caught.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +19,20 @@ from typing import Any
 
 import numpy as np
 
-from modelyard.encoders.errors import InputTooLong, InputTooManyChars, InvalidTokenId
+from modelyard.encoders.errors import (
+    ForeignTokenId,
+    InputTooLong,
+    InputTooManyChars,
+    InvalidTokenId,
+)
 
 # Tokenizers without a real limit report a huge sentinel as their model_max_length.
 _NO_LIMIT = 10**6
 # Families whose position ids start after the padding id, so max_position_embeddings overstates.
 _OFFSET_POSITIONS = {"roberta", "xlm-roberta", "camembert", "longformer", "mpnet"}
 Inputs = Sequence[str | Sequence[int]]  # a batch may mix texts and token-id lists
+# Vocabulary entries held in reserve (BERT's [unused0]…, T5's <extra_id_0>…): no text gives them.
+_RESERVED = re.compile(r"\[unused\d+\]|<unused\d+>|<extra_id_\d+>")
 
 
 @dataclass
@@ -60,6 +70,18 @@ def max_chars_per_token(tokenizer: Any) -> int:
     return (longest + 1) * (4 if composes else 1)
 
 
+def reserved_ids(tokenizer: Any) -> dict[int, str]:
+    """Ids the tokenizer never gives for text (`encode(text, add_special_tokens=False)`): its
+    special tokens but the unknown one, and its reserved entries."""
+    vocab: dict[str, int] = tokenizer.get_vocab()
+    reserved = {i: t for t, i in vocab.items() if _RESERVED.fullmatch(t)}
+    unk = tokenizer.unk_token_id
+    for token, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=True):
+        if i != unk:
+            reserved[int(i)] = str(token)
+    return reserved
+
+
 def _special_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
     """The special tokens the tokenizer puts before and after a single text's tokens."""
     probe = "hello"
@@ -83,6 +105,7 @@ class InputTokenizer:
         self.vocab_size = len(self.tokenizer)
         self.prefix, self.suffix = _special_frame(self.tokenizer)
         self.chars_per_token = max_chars_per_token(self.tokenizer)
+        self.reserved = reserved_ids(self.tokenizer)
 
     @property
     def max_chars(self) -> int:
@@ -117,6 +140,8 @@ class InputTokenizer:
             for token in x:
                 if not 0 <= token < self.vocab_size:
                     raise InvalidTokenId(i, int(token), self.vocab_size)
+                if token in self.reserved:  # ids from some other tokenizer, most likely
+                    raise ForeignTokenId(i, int(token), self.reserved[token], self.vocab_size)
             out[i] = [*self.prefix, *(int(t) for t in x), *self.suffix]
         for i, ids in enumerate(out):
             if len(ids) > self.max_length:

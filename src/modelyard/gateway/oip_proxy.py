@@ -2,7 +2,9 @@
 a tenant's classifier and embedding endpoints, with the same keys, limits and routing as the
 OpenAI routes. An inference is admitted like `/v1/embeddings` (its texts' tokens reserved
 against TPM and the monthly quota) and settled through the one settlement with the token count
-the worker reports (`parameters.usage`). The worker's own model name is swapped for the public
+the worker reports (`parameters.usage`). A body in the binary tensor extension's form is read
+here (off the loop) and forwarded as plain JSON; outputs asked for as binary data are turned
+binary here from the worker's JSON answer. The worker's own model name is swapped for the public
 one in its answers.
 
 The model's name goes into the worker's URL quoted as one path segment: whatever an endpoint is
@@ -30,7 +32,17 @@ from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.reservation import reservation_bound
 from modelyard.gateway.upstream import Upstream
 from modelyard.protocol.embeddings import MAX_INPUTS
-from modelyard.protocol.oip import OIPError, infer_usage, parse_infer_request, read_texts
+from modelyard.protocol.oip import OIPError, infer_usage, read_texts
+from modelyard.protocol.oip_binary import (
+    HEADER,
+    binary_outputs,
+    decode_infer,
+    encode_answer,
+    json_request,
+)
+
+# Every output any hosted model has: `binary_data_output` covers those the answer holds.
+ALL_OUTPUTS = ("label", "score", "embedding")
 
 
 def oip_path(upstream: str, action: str) -> str:
@@ -71,16 +83,20 @@ class OipProxy:
             )
         raw = await request.body()
         try:  # parsed off the loop: the body may be megabytes of texts
-            texts = await asyncio.to_thread(_texts, raw)
+            read = await asyncio.to_thread(_read, raw, request.headers.get(HEADER))
         except OIPError as exc:  # the wire's parse failure (always a 400), answered at the edge
             raise Invalid(exc.message) from None
+        texts, forwarded, binary = read
         # The same reservation as /v1/embeddings for the same texts.
         reserved = reservation_bound("embeddings", {"input": texts}, 0)
         call = await self.admission.admit_reserved(principal, route, model, "oip.infer", reserved)
         try:
             headers = {"x-request-id": call.request_id, **call.decision.headers()}
-            status, content = await self.upstream.call_unary(call, raw, path)
+            status, content = await self.upstream.call_unary(call, forwarded or raw, path)
             content, body = await asyncio.to_thread(_rename, content, upstream, route.model_name)
+            if status == 200 and binary and isinstance(body, dict):
+                content, length = await asyncio.to_thread(encode_answer, body, binary)
+                headers[HEADER] = str(length)
             if status == 200:
                 take_usage(call, infer_usage(body))
                 await self.accounting.close(call, served=True)
@@ -89,11 +105,21 @@ class OipProxy:
         finally:
             # Gives back what is held unless metered above (a worker's error is not billed).
             await self.accounting.close(call, served=False)
-        return Response(content, status_code=status, media_type="application/json", headers=headers)
+        media = "application/octet-stream" if HEADER in headers else "application/json"
+        return Response(content, status_code=status, media_type=media, headers=headers)
 
 
-def _texts(raw: bytes) -> list[str]:
-    return read_texts(parse_infer_request(raw), MAX_INPUTS)
+def _read(raw: bytes, header_length: str | None) -> tuple[list[str], bytes | None, list[str]]:
+    """The request's texts; the plain JSON body to forward in its place (None: forward it as
+    it came); the outputs to answer as binary data."""
+    decoded = decode_infer(raw, header_length)
+    request = decoded.request
+    texts = read_texts(request, MAX_INPUTS)
+    names = [o.name for o in request.outputs or []] or list(ALL_OUTPUTS)
+    binary = binary_outputs(request, names)
+    if decoded.binary or binary:  # the worker is asked for JSON; the edge turns it binary
+        return texts, json_request(request), binary
+    return texts, None, []
 
 
 def _rename(content: bytes, upstream: str, public: str) -> tuple[bytes, Any]:

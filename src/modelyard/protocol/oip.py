@@ -1,8 +1,10 @@
-"""The Open Inference Protocol (KServe v2 / Triton / MLServer) at the HTTP edge, JSON only: the
-infer request schema, reading its text tensor, and the response and metadata bodies.
+"""The Open Inference Protocol (KServe v2 / Triton / MLServer) at the HTTP edge: the infer
+request schema, reading its text tensor, and the response and metadata bodies (the binary
+tensor extension is `modelyard.protocol.oip_binary`'s).
 
-Text goes in as one `BYTES` tensor of shape [N] or [N, 1]; its `data` may be nested as the
-shape says (KServe style) or flat with `shape` saying how to read it (Triton style). Output
+Text goes in as one `BYTES` tensor named `text`, of shape [N] or [N, 1] (any other input name is
+refused, naming it); its `data` may be nested as the shape says (KServe style) or flat with
+`shape` saying how to read it (Triton style). Output
 tensors are written flat, row-major: every v2 client reads that. Errors have the protocol's own
 shape, `{"error": "message"}`.
 """
@@ -35,6 +37,7 @@ Scores = list[tuple[str, float]]
 log = logging.getLogger(__name__)
 
 OIP_PREFIX = "/v2"
+INPUT = "text"  # the one input every hosted model takes
 
 
 class OIPError(Exception):
@@ -53,7 +56,7 @@ class InferTensor(BaseModel):
     name: str
     shape: list[int]
     datatype: str
-    data: Any
+    data: Any = None  # absent when the binary extension carries it
     parameters: dict[str, Any] | None = None
 
 
@@ -113,6 +116,11 @@ def _flatten(data: Any, shape: list[int], name: str) -> list[Any]:
 
 def read_texts(request: InferRequest, max_inputs: int) -> list[str]:
     """The texts of the request's single BYTES input tensor, shape [N] or [N, 1]."""
+    unknown = [t.name for t in request.inputs if t.name != INPUT]
+    if unknown:
+        raise OIPError(
+            400, f"unknown input {unknown[0]!r}; this model takes one input, {INPUT!r} (BYTES)"
+        )
     if len(request.inputs) != 1:
         raise OIPError(
             400, f"expected exactly one input tensor (BYTES texts), got {len(request.inputs)}"
@@ -213,7 +221,7 @@ def model_metadata(
     name: str, platform: str, classifier: bool, dimension: int | None
 ) -> dict[str, Any]:
     """Inputs and outputs as the infer route takes and gives them (-1: any size)."""
-    inputs = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    inputs = [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}]
     if classifier:
         outputs = [
             {"name": "label", "datatype": "BYTES", "shape": [-1]},

@@ -36,6 +36,7 @@ from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.errors import APIError, bad_request, install_error_handlers
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.oip import install_oip_error_handlers
+from modelyard.protocol.oip_binary import EXTENSIONS
 from modelyard.protocol.responses import json_response
 from modelyard.protocol.route_warmup import warm_routes
 from modelyard.worker.auth import configured_token, install_token_check
@@ -130,7 +131,9 @@ def create_encoder_app(
 
     @app.get("/v2")
     async def server_metadata() -> Response:
-        return json_response({"name": "modelyard", "version": __version__, "extensions": []})
+        return json_response(
+            {"name": "modelyard", "version": __version__, "extensions": EXTENSIONS}
+        )
 
     @app.get("/v2/health/live")
     async def live() -> Response:
@@ -157,7 +160,7 @@ def create_encoder_app(
     async def infer(name: str, request: Request, version: str | None = None) -> Response:
         spec = serving.oip_spec(name, version)
         async with serving.observed(spec.name, "infer"):
-            return json_response(await serving.infer(spec, request))
+            return await serving.infer(spec, request)
 
     @app.get("/health")
     async def health() -> Response:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from fastapi import Request
+from fastapi.responses import Response
 
 from modelyard.core.errors import model_not_found
 from modelyard.encoders.batcher import DynamicBatcher
@@ -44,11 +45,18 @@ from modelyard.protocol.oip import (
     embedding_outputs,
     infer_response,
     model_metadata,
-    parse_infer_request,
     read_texts,
     select_outputs,
     top_k,
 )
+from modelyard.protocol.oip_binary import (
+    HEADER,
+    answer_response,
+    binary_outputs,
+    decode_infer,
+    encode_answer,
+)
+from modelyard.protocol.responses import json_response
 
 _RETRY_AFTER_S = "1"
 T = TypeVar("T")
@@ -172,8 +180,11 @@ class EncoderServing:
                 dimension = embedding_dimension(spec.path)
         return model_metadata(spec.name, platform(spec.kind), spec.kind != "embedding", dimension)
 
-    async def infer(self, spec: ModelSpec, request: Request) -> dict[str, Any]:
-        body = parse_infer_request(await request.body())
+    async def infer(self, spec: ModelSpec, request: Request) -> Response:
+        """The answer, JSON or in the binary extension's form as the request asks."""
+        raw = await request.body()
+        # Parsed off the loop: the body may be megabytes of texts.
+        body = (await asyncio.to_thread(decode_infer, raw, request.headers.get(HEADER))).request
         texts = read_texts(body, MAX_INPUTS)
         classifier = spec.kind != "embedding"
         names = select_outputs(body, ["label", "score"] if classifier else ["embedding"])
@@ -192,7 +203,12 @@ class EncoderServing:
         else:
             outputs = embedding_outputs(np.stack([vector for vector, _ in results]))
         tokens = sum(n for _, n in results)
-        return infer_response(spec.name, body, outputs, names, tokens)
+        answer = infer_response(spec.name, body, outputs, names, tokens)
+        binary = binary_outputs(body, names)
+        if not binary:
+            return json_response(answer)
+        content, length = await asyncio.to_thread(encode_answer, answer, binary)
+        return answer_response(content, length, {})
 
     # ----- health ------------------------------------------------------------------------------
 
