@@ -126,7 +126,22 @@ async def list_models(
     principal: Principal = Depends(get_reader), services: Services = Depends(get_services)
 ) -> dict[str, Any]:
     routes = services.routing.visible(principal.tenant_id)
-    return {"object": "list", "data": [_model_object(r, services) for r in routes]}
+    data = [_model_object(r, services) for r in routes]
+    for name, serving in services.routing.adapter_index.names(principal.tenant_id):
+        data.append(_adapter_object(name, serving[0], principal.tenant_id))
+    return {"object": "list", "data": data}
+
+
+def _adapter_object(name: str, route: EndpointRoute, tenant_id: str) -> dict[str, Any]:
+    """The tenant's registry LoRA adapter, served on its base's endpoint (`parent`)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": tenant_id,
+        "endpoint_id": route.endpoint_id,
+        "parent": route.model_name,
+    }
 
 
 @router.get("/v1/models/{model}", response_model=None, responses=ok(ModelObject))
@@ -137,5 +152,8 @@ async def retrieve_model(
 ) -> dict[str, Any]:
     route = services.routing.resolve(principal.tenant_id, model)
     if route is None:
-        raise model_not_found(model)
+        adapter = services.routing.adapter_index.lookup(principal.tenant_id, model)
+        if adapter is None:
+            raise model_not_found(model)
+        return _adapter_object(model, adapter, principal.tenant_id)
     return _model_object(route, services)

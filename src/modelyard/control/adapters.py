@@ -1,13 +1,15 @@
 """Registry LoRA adapters on this node, for the endpoints that serve their base model.
 
 An LLM endpoint deployed from registry model X with LoRA slots (`max_loras`) serves every adapter
-of the same tenant pushed against X (`modelyard models push ADAPTER --name N --base X`). Its
-workers read them from one folder, `<node cache>/adapters/<endpoint id>/<name>`, each entry a
-link to the adapter version's verified node-cache copy (the engine's `lora_registry_dir`); the
-endpoint's route lists the names, so a request may name an adapter by its own registry name.
-The folder is brought up to date before each replica starts and whenever an adapter is pushed;
-the newest version of each adapter is the one served (a worker holding an older one in a slot
-keeps it until the slot is reused).
+pushed against X by X's owner and, when the endpoint is public, by any tenant
+(`control/adapter_bases.py` finds the base at push). Its workers read them from one folder,
+`<node cache>/adapters/<endpoint id>/<internal name>`, each entry a link to the adapter
+version's verified node-cache copy (the engine's `lora_registry_dir`), named
+`<tenant id>.<version id>` so that two tenants' adapters never collide; every version is there,
+so a request may pin one (`support-bot:1`). The endpoint's route maps each tenant's adapter
+names and versions to these names (`core/adapter_routes.py`); workers load an adapter into an
+LRU slot on its first request. The folder is brought up to date before each replica starts and
+whenever an adapter is pushed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from modelyard.control.model_kind import LLM
 from modelyard.control.node_cache import NodeCache
 from modelyard.control.registry import Registry
 from modelyard.control.state import EndpointState
+from modelyard.core.adapter_routes import AdapterMap, internal_name
 
 ENV = "MODELYARD_LORA_REGISTRY_DIR"
 
@@ -33,15 +36,20 @@ def adapter_folder(node_cache: NodeCache, endpoint_id: str) -> Path:
     return node_cache.root / "adapters" / endpoint_id
 
 
-def sync(registry: Registry, node_cache: NodeCache, state: EndpointState) -> frozenset[str]:
-    """Bring the endpoint's adapter folder up to date (blocking: it may copy blobs); the names
-    it now serves."""
+def sync(registry: Registry, node_cache: NodeCache, state: EndpointState) -> AdapterMap:
+    """Bring the endpoint's adapter folder up to date (blocking: it may copy blobs); the
+    adapters it now serves, by tenant and name."""
     assert state.row.version_id is not None
-    base = registry.by_id(state.row.version_id).model_name
-    adapters = registry.adapters_of(state.row.tenant_id, base)
+    base = registry.by_id(state.row.version_id)
+    model_id = registry.model_id_of(state.row.version_id)
+    row = state.row
+    versions = registry.adapters_for(model_id, base.model_name, row.tenant_id, row.public)
     folder = adapter_folder(node_cache, state.row.id)
     folder.mkdir(parents=True, exist_ok=True)
-    for name, version in adapters.items():
+    served: AdapterMap = {}
+    for tenant_id, version in versions:
+        name = internal_name(tenant_id, version.version_id)
+        served.setdefault((tenant_id, version.model_name), {})[version.version] = name
         target = str(node_cache.fetch(version).path)
         link = folder / name
         if link.is_symlink() and os.readlink(link) == target:
@@ -51,7 +59,8 @@ def sync(registry: Registry, node_cache: NodeCache, state: EndpointState) -> fro
             tmp.unlink()
         tmp.symlink_to(target, target_is_directory=True)
         os.replace(tmp, link)  # a worker reading it sees the old or the new one, never none
+    names = {n for versions_of in served.values() for n in versions_of.values()}
     for entry in folder.iterdir():
-        if entry.name not in adapters and entry.is_symlink():
+        if entry.name not in names and entry.is_symlink():
             entry.unlink()
-    return frozenset(adapters)
+    return served

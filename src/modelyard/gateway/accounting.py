@@ -299,6 +299,7 @@ class Accounting:
             status_code=call.status_code,
             status=call.status,
             batch=call.batch,
+            adapter=call.adapter.ref if call.adapter else None,
         )
         if call.batch:
             # The runner writes the item's row with its result; its quota reservation stays

@@ -58,6 +58,7 @@ class UsageEvent:
     status: str
     batch: bool = False
     created_at: datetime = field(default_factory=repo.now)
+    adapter: str | None = None  # the tenant's registry adapter, `name:version`
 
     @property
     def total_tokens(self) -> int:

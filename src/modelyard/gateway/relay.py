@@ -115,7 +115,10 @@ class Relay:
         body = orjson.loads(content)
         take_usage(call, body.get("usage") or {})
         await self.accounting.close(call, served=True)
-        if call.route.upstream_model:  # the client knows the model by its public name
+        if call.adapter is not None:  # the tenant knows its adapter by its registry name
+            body["model"] = call.adapter.ref
+            content = orjson.dumps(body)
+        elif call.route.upstream_model:  # the client knows the model by its public name
             body["model"] = call.route.model_name
             content = orjson.dumps(body)
         return Response(content, media_type="application/json", headers=headers)

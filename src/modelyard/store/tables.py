@@ -195,6 +195,9 @@ class UsageRecord(Base):
     status: Mapped[str] = mapped_column(String(40))  # ok | client_disconnected | error
     batch: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(index=True)
+    # The tenant's registry LoRA adapter it called, `name:version`, served by the base endpoint
+    # `endpoint_id` (whose model is `model`); NULL for the base model itself.
+    adapter: Mapped[str | None] = mapped_column(String(200))
 
 
 Index("ix_usage_tenant_time", UsageRecord.tenant_id, UsageRecord.created_at)
