@@ -41,7 +41,8 @@ def test_each_tenant_resolves_only_its_own_adapters() -> None:
     table.set_adapters(own, {("tn-a", "bot"): {1: a1}})
     assert table.adapter_index.lookup("tn-a", "bot") is public
     table.set_adapters(public, {})
-    assert table.adapter_index.lookup("tn-a", "bot") is None and not table.adapter_index.names("tn-b")
+    assert table.adapter_index.lookup("tn-a", "bot") is None
+    assert not table.adapter_index.names("tn-b")
 
 
 def test_an_adapters_requests_stay_on_one_replica_within_bounded_load() -> None:
