@@ -11,6 +11,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -195,7 +199,12 @@ def test_tenants_call_their_own_adapters_on_the_public_base(
         chat = alice.client.chat.completions.create(
             model="support-bot", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
         )
-        assert chat.choices[0].message.content is not None
+        assert chat.choices[0].message.content is not None and chat.model == "support-bot:2"
+        stream = alice.client.chat.completions.create(
+            model="support-bot", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            stream=True,
+        )  # fmt: skip
+        assert {chunk.model for chunk in stream} == {"support-bot:2"}
         answer = alice.client.responses.create(
             model="support-bot:1", input="Hi", max_output_tokens=2
         )
@@ -286,8 +295,32 @@ def test_twenty_adapters_cycle_through_four_slots_under_load(
     names = [f"bot-{i}" for i in range(len(folders["many"]))]
     for name, folder in zip(names, folders["many"], strict=True):
         assert push(erin.api, folder, name).status_code == 201
-    calls = [names[i % len(names)] for i in range(2 * len(names))]
+    calls = names[::2] + names[1::2]  # 8 at a time: more adapters in flight than slots
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda m: erin.complete(m, max_tokens=2), calls))
     assert [a.model for a in answers] == [f"{m}:1" for m in calls]
     assert all(a.usage.completion_tokens == 2 for a in answers)
+    # The listing (API and CLI): each adapter's base and state; at most the 4 slots' worth are
+    # loaded on the one replica (from its next health report), the rest cold.
+    deadline = time.monotonic() + 60
+    listed = adapter_list(platform, erin)
+    while not any(a["loaded_replicas"] for a in listed):
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.2)
+        listed = adapter_list(platform, erin)
+    assert sorted(a["name"] for a in listed) == sorted(names)
+    assert {a["base_model"] for a in listed} == {"smollm2"}
+    loaded = [a for a in listed if a["loaded_replicas"]]
+    assert 1 <= len(loaded) <= SLOTS and loaded[0]["state"] == "loaded on 1 of 1 replicas"
+    assert sum(a["state"] == "cold" for a in listed) == len(names) - len(loaded)
+    others = Tenant(platform, "frank").api.get("/v1/registry/adapters").json()["data"]
+    assert others == []  # erin's are hers only
+
+
+def adapter_list(platform: PlatformProcess, tenant: Tenant) -> list[dict[str, Any]]:
+    """`modelyard models adapters --json` with the tenant's key."""
+    env = {**os.environ, "MODELYARD_URL": platform.url, "MODELYARD_API_KEY": tenant.key}
+    cmd = [sys.executable, "-m", "modelyard.cli", "models", "adapters", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return list(json.loads(out.stdout))

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from modelyard.control.model_kind import LLM
 from modelyard.control.node_cache import NodeCache
 from modelyard.control.registry import Registry
 from modelyard.control.state import EndpointState
 from modelyard.core.adapter_routes import AdapterMap, internal_name
+from modelyard.core.routing import RoutingTable
 
 ENV = "MODELYARD_LORA_REGISTRY_DIR"
 
@@ -64,3 +67,29 @@ def sync(registry: Registry, node_cache: NodeCache, state: EndpointState) -> Ada
         if entry.name not in names and entry.is_symlink():
             entry.unlink()
     return served
+
+
+def listing(
+    routing: RoutingTable, endpoints: Mapping[str, EndpointState], tenant_id: str
+) -> list[dict[str, Any]]:
+    """The tenant's adapters: each one's base (the endpoint serving it), its versions, and on
+    how many of that endpoint's replicas one of its versions sits in a LoRA slot now (their
+    last health reports)."""
+    out = []
+    for name, routes in routing.adapter_index.names(tenant_id):
+        route = routing.adapter_index.lookup(tenant_id, name) or routes[0]
+        versions = route.adapters.get((tenant_id, name), {})
+        internal = set(versions.values())
+        state = endpoints.get(route.endpoint_id)
+        replicas = state.replicas if state is not None else []
+        loaded = sum(1 for r in replicas if internal & set((r.load or {}).get("lora_loaded") or ()))
+        out.append({
+            "object": "registry.adapter",
+            "name": name,
+            "base_model": route.model_name,
+            "endpoint_id": route.endpoint_id,
+            "versions": sorted(versions),
+            "loaded_replicas": loaded,
+            "state": f"loaded on {loaded} of {len(replicas)} replicas" if loaded else "cold",
+        })  # fmt: skip
+    return out

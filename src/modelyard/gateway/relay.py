@@ -214,6 +214,7 @@ class Relay:
         wants_usage: bool,
     ) -> AsyncIterator[bytes]:
         call.relaying = True
+        rename = _adapter_rename(call)
         buffer = b""
         complete = False
         delivered = False  # the client has read the final [DONE]
@@ -228,6 +229,8 @@ class Relay:
                         if final:
                             # Billed (journaled on disk) before the client sees the end.
                             await self.accounting.close(call, served=True)
+                        if rename is not None:  # the adapter's registry name, not its internal one
+                            event = event.replace(*rename)
                         yield event + EVENT_END
                         delivered = final
             complete = True
@@ -318,3 +321,12 @@ def _inspect(call: Call, event: bytes, wants_usage: bool) -> bool:
         # The usage-only chunk was asked for by the gateway, not necessarily the client.
         return bool(choices) or wants_usage
     return True
+
+
+def _adapter_rename(call: Call) -> tuple[bytes, bytes] | None:
+    """For a registry adapter's stream: its name on the replica, quoted as the events carry it,
+    and the `name:version` the tenant knows it by."""
+    if call.adapter is None:
+        return None
+    internal = f"{call.route.upstream_model or call.route.model_name}:{call.adapter.internal}"
+    return f'"{internal}"'.encode(), f'"{call.adapter.ref}"'.encode()
