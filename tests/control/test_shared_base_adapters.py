@@ -268,6 +268,11 @@ def test_tenants_call_their_own_adapters_on_the_public_base(
         g["model"] for g in alice.api.get("/v1/usage", params={"group_by": "model"}).json()["data"]
     }
     assert {"support-bot", "legal-bot", "smollm2"} <= groups
+    # A key's limits apply to an adapter as to any model.
+    limited = platform.openai(create_key(platform.api(), alice.id, rpm_limit=1)["key"])
+    limited.completions.create(model="legal-bot", prompt=PROMPT, max_tokens=1)
+    with pytest.raises(openai.RateLimitError):
+        limited.completions.create(model="legal-bot", prompt=PROMPT, max_tokens=1)
     bob_rows = wait_usage(bob.api, lambda rs: len(rs) >= 1)
     assert {r["adapter"] for r in bob_rows} <= {"support-bot:1", ""}
     assert all(r["tenant_id"] == bob.id for r in bob_rows)

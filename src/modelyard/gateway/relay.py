@@ -324,9 +324,9 @@ def _inspect(call: Call, event: bytes, wants_usage: bool) -> bool:
 
 
 def _adapter_rename(call: Call) -> tuple[bytes, bytes] | None:
-    """For a registry adapter's stream: its name on the replica, quoted as the events carry it,
-    and the `name:version` the tenant knows it by."""
+    """For a registry adapter's stream: the `model` field as the replica writes it (its served
+    model's name) and as the tenant knows it (`name:version`)."""
     if call.adapter is None:
         return None
-    internal = f"{call.route.upstream_model or call.route.model_name}:{call.adapter.internal}"
-    return f'"{internal}"'.encode(), f'"{call.adapter.ref}"'.encode()
+    served = call.route.upstream_model or call.route.model_name
+    return f'"model":"{served}"'.encode(), f'"model":"{call.adapter.ref}"'.encode()
