@@ -15,6 +15,7 @@ whenever an adapter is pushed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,9 @@ from modelyard.control.registry import Registry
 from modelyard.control.state import EndpointState
 from modelyard.core.adapter_routes import AdapterMap, internal_name
 from modelyard.core.routing import RoutingTable
+from modelyard.store.artifacts import ArtifactError
+
+log = logging.getLogger(__name__)
 
 ENV = "MODELYARD_LORA_REGISTRY_DIR"
 
@@ -52,8 +56,12 @@ def sync(registry: Registry, node_cache: NodeCache, state: EndpointState) -> Ada
     served: AdapterMap = {}
     for tenant_id, version in versions:
         name = internal_name(tenant_id, version.version_id)
+        try:
+            target = str(node_cache.fetch(version).path)
+        except (OSError, ArtifactError) as exc:  # one tenant's broken adapter stops no replica
+            log.warning("adapter %s left out of endpoint %s: %s", name, row.id, exc)
+            continue
         served.setdefault((tenant_id, version.model_name), {})[version.version] = name
-        target = str(node_cache.fetch(version).path)
         link = folder / name
         if link.is_symlink() and os.readlink(link) == target:
             continue
