@@ -51,6 +51,7 @@ _LONGEST_FILES = [
     "test_chaos.py",
     "test_platform_scaling.py",
     "test_platform_encoders.py",  # both store modes: about 5 min
+    "test_shared_base_adapters.py",  # both modes, bundled models: 14 min at load average 25
     "test_model_parity.py",
     "test_smollm2.py",
     "test_langchain_standard.py",  # a serve with the bundled models, LangChain's suites

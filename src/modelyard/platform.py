@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 # SmolLM2's model card samples at temperature 0.2, top_p 0.9; at the API's default temperature
 # of 1 the 135M model (here from a 4-bit GGUF) rambles in most answers.
 _BUNDLED_SAMPLING = {"smollm2": SamplingDefaults(temperature=0.2, top_p=0.9)}
+_SHARED_BASES = ("smollm2",)  # bundled LLMs: tenants' adapters are served on their replicas
 
 ADMIN_KEY_FILE = "admin_key"
 SYSTEM_TENANT = "system"
@@ -344,6 +345,10 @@ class Platform:
                 model_artifact=name,
                 public=True,
                 sampling_defaults=_BUNDLED_SAMPLING.get(name, SamplingDefaults()),
+                # The public LLM is a shared base: tenants' adapters load into its slots.
+                engine={"max_loras": self.settings.bundled_max_loras}
+                if name in _SHARED_BASES and self.settings.bundled_max_loras
+                else {},
             )
             result = await self.endpoints.deploy(admin, request)
             status = await self.endpoints.wait_ready(

@@ -134,6 +134,21 @@ class RegistryModelList(BaseModel):
     data: list[RegistryModel]
 
 
+class RegistryAdapter(BaseModel):
+    object: Literal["registry.adapter"]
+    name: str
+    base_model: str = Field(description="The model of the endpoint serving it.")
+    endpoint_id: str
+    versions: list[int]
+    loaded_replicas: int = Field(description="Replicas holding one of its versions in a slot.")
+    state: str = Field(description="`loaded on N of M replicas`, or `cold`.")
+
+
+class RegistryAdapterList(BaseModel):
+    object: Literal["list"]
+    data: list[RegistryAdapter]
+
+
 class RegistryModelDeleted(BaseModel):
     name: str
     deleted: bool
@@ -302,6 +317,7 @@ RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
     ("get", "/v1/usage"): UsageReport,
     ("get", "/v1/devices"): DeviceList,
     ("get", "/v1/registry/models"): RegistryModelList,
+    ("get", "/v1/registry/adapters"): RegistryAdapterList,
     ("get", "/v1/registry/models/{name}"): RegistryModel,
     ("delete", "/v1/registry/models/{name}"): RegistryModelDeleted,
     ("post", "/v1/registry/models/{name}/versions"): RegistryVersion,

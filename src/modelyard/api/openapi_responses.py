@@ -27,6 +27,9 @@ class ModelObject(BaseModel):
     sampling_defaults: dict[str, float] = Field(
         description="Filled into chat and completion requests that leave these fields out."
     )
+    parent: str | None = Field(
+        None, description="A registry LoRA adapter's base model (absent for a model itself)."
+    )
 
 
 class ModelList(BaseModel):

@@ -140,7 +140,27 @@ async def list_models(
 ) -> dict[str, Any]:
     routes = services.routing.visible(principal.tenant_id)
     allowed = [r for r in routes if principal.allows_model(r.model_name)]  # the key's, if any
-    return {"object": "list", "data": [_model_object(r, services) for r in allowed]}
+    data = [_model_object(r, services) for r in allowed]
+    for name, serving in services.routing.adapter_index.names(principal.tenant_id):
+        if principal.allows_model(name):
+            data.append(_adapter_object(name, serving[0], principal.tenant_id))
+    return {"object": "list", "data": data}
+
+
+def _adapter_object(name: str, route: EndpointRoute, tenant_id: str) -> dict[str, Any]:
+    """The tenant's registry LoRA adapter, served on its base's endpoint (`parent`): the base's
+    kind, capabilities and sampling defaults."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": tenant_id,
+        "endpoint_id": route.endpoint_id,
+        "parent": route.model_name,
+        "kind": route.model_kind,
+        "capabilities": dict(route.capabilities),
+        "sampling_defaults": dict(route.sampling_defaults),
+    }
 
 
 @router.get("/v1/models/{model}", response_model=None, responses=ok(ModelObject))
@@ -151,6 +171,10 @@ async def retrieve_model(
 ) -> dict[str, Any]:
     route = services.routing.resolve(principal.tenant_id, model)
     if route is None:
-        raise model_not_found(model)
+        adapter = services.routing.adapter_index.lookup(principal.tenant_id, model)
+        if adapter is None:
+            raise model_not_found(model)
+        principal.require_model(model)
+        return _adapter_object(model, adapter, principal.tenant_id)
     principal.require_model(route.model_name)
     return _model_object(route, services)

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from modelyard.api.deps import get_deployer, get_services, get_tenant_reader
 from modelyard.api.services import Services
+from modelyard.control import adapters
 from modelyard.control.registry import check_model_name
 from modelyard.core.identity import Principal
 from modelyard.protocol.errors import APIError
@@ -123,6 +124,15 @@ async def create_version(
         principal, "model_version.push", "model_version", str(view["id"]), None, view
     )
     return JSONResponse(view, status_code=201)
+
+
+@router.get("/v1/registry/adapters")
+async def list_registry_adapters(
+    principal: Principal = Depends(get_tenant_reader), services: Services = Depends(get_services)
+) -> dict[str, Any]:
+    """The tenant's LoRA adapters served on shared bases, with their state."""
+    data = adapters.listing(services.routing, services.endpoints.endpoints, principal.tenant_id)
+    return {"object": "list", "data": data}
 
 
 @router.get("/v1/registry/models")

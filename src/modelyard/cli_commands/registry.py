@@ -58,6 +58,25 @@ def models_list(as_json: JsonFlag = False) -> None:
     show(rows, VERSION_COLUMNS, "Registry", False)
 
 
+ADAPTER_COLUMNS = [
+    ("NAME", field("name")),
+    ("BASE", field("base_model")),
+    ("VERSIONS", lambda a: ", ".join(map(str, a.get("versions") or []))),
+    ("ENDPOINT", field("endpoint_id")),
+    ("STATE", field("state")),
+]
+
+
+def models_adapters(as_json: JsonFlag = False) -> None:
+    """This tenant's LoRA adapters served on shared bases: base, versions, loaded or cold."""
+    with api_errors(), common.client() as c:
+        rows = c.get("/v1/registry/adapters")["data"]
+    if as_json:
+        print_json(rows)
+        return
+    show(rows, ADAPTER_COLUMNS, "Adapters", False)
+
+
 def models_show(name: str, as_json: JsonFlag = False) -> None:
     """One model: its versions, their format and size."""
     with api_errors(), common.client() as c:

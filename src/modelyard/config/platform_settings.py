@@ -66,6 +66,13 @@ class PlatformSettings(SsoSettings):
         "each limit (docs/cluster.md); fail_closed answers 503 limits_unavailable.",
     )
     default_models: bool = Field(True, description="Register and deploy the bundled models.")
+    bundled_max_loras: int = Field(
+        8,
+        ge=0,
+        le=256,
+        description="LoRA slots (engine max_loras) of the bundled public LLM's replicas, so "
+        "tenants' adapters pushed against it are served on its replicas; 0: none.",
+    )
     max_body_bytes: int = Field(parse_size("8MiB"), description="Largest JSON request body.")
     max_artifact_bytes: int = Field(parse_size("64GiB"), description="Largest uploaded file.")
     gateway_connect_timeout_s: float = 2.0

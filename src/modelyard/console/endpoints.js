@@ -16,7 +16,16 @@ export function init() {
 }
 
 export async function show() {
-  await Promise.all([list(), registry()]);
+  await Promise.all([list(), registry(), adapters()]);
+}
+
+// The tenant's LoRA adapters served on shared bases: base, versions, loaded or cold.
+async function adapters() {
+  const res = await get("/v1/registry/adapters");
+  const rows = res.data.map((a) => [a.name, a.base_model, a.versions.join(", "), a.state]);
+  fill("adapters-list", table("Your adapters on shared bases",
+    ["adapter", "base", "versions", "state"], rows,
+    "No adapters: push one with `modelyard models push ./adapter --name NAME --base smollm2`."));
 }
 
 function replicaSummary(ep) {

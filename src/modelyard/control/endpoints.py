@@ -181,10 +181,11 @@ class EndpointManager:
         }
 
     async def adapters_changed(self, tenant_id: str) -> None:
-        """A LoRA adapter was pushed: the tenant's endpoints serving its base serve it now
-        (their adapter folders synced; `control/adapters.py`)."""
+        """A LoRA adapter was pushed: the endpoints serving its base (the tenant's own, and
+        public ones) serve it now (their adapter folders synced; `control/adapters.py`)."""
         for state in list(self.endpoints.values()):
-            if state.row.tenant_id == tenant_id and adapters.serves_adapters(state):
+            mine = state.row.tenant_id == tenant_id or state.row.public
+            if mine and adapters.serves_adapters(state):
                 names = await asyncio.to_thread(
                     adapters.sync, self.registry, self.replicas.node_cache, state
                 )

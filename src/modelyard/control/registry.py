@@ -4,7 +4,8 @@ A version is created from a manifest of files that are already in the artifact s
 one by one, each verified against its sha256), in one transaction: either the whole version
 exists or nothing does. Versions are referenced as `name` (newest) or `name:N`. A `lora` version
 is a PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`) recorded against a base
-model of the same tenant's registry; endpoints serving that base serve its adapters.
+model of the same tenant's registry or a public one (`adapter_bases.py`); endpoints serving that
+base serve its adapters (`adapters.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
+
+from modelyard.control.adapter_bases import check_against_base, find_base
 from modelyard.core.errors import Conflict, Invalid, NotFound
 from modelyard.core.model_files import ModelFacts, inspect_files
 from modelyard.store import repository as repo
@@ -143,10 +147,10 @@ class Registry:
         fmt = fmt or detect_format(list(manifest))
         if fmt not in FORMATS:
             raise Invalid(f"format must be one of {', '.join(FORMATS)}", param="format")
-        extra = self._check_base(tenant_id, model_name, fmt, manifest, base_model)
         # Every file anything parses later, checked with hard limits before the version exists
         # (callers run this in a thread); its size figure is recorded with it.
         facts = self._inspect(manifest)
+        extra = self._check_base(tenant_id, model_name, fmt, manifest, base_model)
         with self.db.session() as s:
             model = repo.get_model(s, tenant_id, model_name) or repo.create_model(
                 s, tenant_id, model_name
@@ -184,9 +188,10 @@ class Registry:
         fmt: str,
         manifest: dict[str, Any],
         base_model: str | None,
-    ) -> dict[str, str]:
-        """A `lora` version names its base (a model of this tenant's registry, not an adapter)
-        and holds the PEFT pair; nothing else names a base."""
+    ) -> dict[str, Any]:
+        """A `lora` version names its base (a model of this tenant's registry or a public one,
+        not an adapter: `control/adapter_bases.py`), holds the PEFT pair, and fits the base's
+        shapes; nothing else names a base."""
         if fmt != "lora":
             if base_model is not None:
                 raise Invalid("only a lora adapter names a base_model", param="base_model")
@@ -198,32 +203,43 @@ class Registry:
                 param="files",
                 code="invalid_manifest",
             )
-        if base_model is None:
-            raise Invalid(
-                "a lora adapter needs base_model (a registry model name)", param="base_model"
-            )
-        base = self.resolve(tenant_id, check_model_name(base_model), missing_ok=True)
-        if base is None or base.format == "lora" or base.model_name == model_name:
-            raise Invalid(
-                f"base_model {base_model!r} is not a model in this tenant's registry",
-                param="base_model",
-                code="model_not_found",
-            )
-        return {"base_model": base.model_name}
+        if base_model is not None:
+            check_model_name(base_model)
+        base, config = find_base(self.db, self.store, tenant_id, model_name, manifest, base_model)
+        rank = check_against_base(self.store, base, manifest, config)
+        return {"base_model": base.name, "base_model_id": base.model_id, "rank": rank}
 
-    def adapters_of(self, tenant_id: str, base_model: str) -> dict[str, ResolvedVersion]:
-        """The tenant's adapters pushed against `base_model`: name → newest version."""
-        out: dict[str, ResolvedVersion] = {}
+    def adapters_for(
+        self, base_model_id: str, base_name: str, owner_id: str, public: bool
+    ) -> list[tuple[str, ResolvedVersion]]:
+        """Every version of the adapters an endpoint of registry model `base_model_id` (owned
+        by `owner_id`) serves, with their tenants: the owner's, and (`public`) every tenant's;
+        adapters pushed before the base's id was recorded match the owner's by name."""
+        out: list[tuple[str, ResolvedVersion]] = []
         with self.db.session() as s:
-            for m in repo.list_models(s, tenant_id):
-                v = repo.get_version(s, m.id, None)
-                if (
-                    v is not None
-                    and v.format == "lora"
-                    and v.manifest.get("base_model") == base_model
+            rows = s.execute(
+                select(Model, ModelVersion)
+                .join(ModelVersion, ModelVersion.model_id == Model.id)
+                .where(ModelVersion.format == "lora")
+                .order_by(Model.created_at, ModelVersion.version)
+            ).all()
+            for m, v in rows:
+                if v.manifest.get("base_model_id") == base_model_id:
+                    if public or m.tenant_id == owner_id:
+                        out.append((m.tenant_id, _resolved(m.name, v)))
+                elif (
+                    "base_model_id" not in v.manifest
+                    and m.tenant_id == owner_id
+                    and v.manifest.get("base_model") == base_name
                 ):
-                    out[m.name] = _resolved(m.name, v)
+                    out.append((m.tenant_id, _resolved(m.name, v)))
         return out
+
+    def model_id_of(self, version_id: str) -> str:
+        with self.db.session() as s:
+            version = repo.version_by_id(s, version_id)
+            assert version is not None, version_id
+            return version.model_id
 
     def register_folder(self, tenant_id: str, model_name: str, source: Path) -> ResolvedVersion:
         """Copy a local folder (or single file) into the store and register it as a version,

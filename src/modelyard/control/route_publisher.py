@@ -54,6 +54,11 @@ def entry_of(state: EndpointState) -> dict[str, Any]:
         "unavailable": route.unavailable,
         "retry_after_s": route.retry_after_s,
         "status": str(state.status),
+        # Tenants' registry adapters it serves: [tenant, name, {version: internal name}].
+        "adapters": [
+            [tenant, name, {str(v): internal for v, internal in versions.items()}]
+            for (tenant, name), versions in sorted(route.adapters.items())
+        ],
         "replicas": [
             {
                 "id": r.replica_id,

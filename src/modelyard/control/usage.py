@@ -3,7 +3,11 @@ beside the stable one), priced per model, and CSV export.
 
 A row's cost is the one it was billed at (`cost_micro`: micro-dollars at the model's price when
 it ran, what budgets count); rows written before prices were kept are priced with the `prices`
-setting. `cost_micro_usd` sums exact integers; `cost_usd` is the same in dollars."""
+setting. `cost_micro_usd` sums exact integers; `cost_usd` is the same in dollars.
+
+A request to a tenant's registry LoRA adapter is its own model in the report (the adapter's
+name; its row names the base endpoint and model, and the adapter's `name:version`), priced as
+its base model."""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ GROUPS = ("model", "key", "team", "day", "version")
 CSV_COLUMNS = (
     "request_id", "created_at", "tenant_id", "key_id", "endpoint_id", "model", "version_id",
     "kind", "prompt_tokens", "completion_tokens", "cached_tokens", "latency_ms", "ttft_ms",
-    "status_code", "status", "batch", "cost_usd",
+    "status_code", "status", "batch", "cost_usd", "adapter",
 )  # fmt: skip
 
 
@@ -68,7 +72,7 @@ def cost_micro(row: UsageRecord, prices: dict[str, ModelPrice], batch_discount: 
 
 def _group_key(row: UsageRecord, group_by: str) -> str:
     if group_by == "model":
-        return row.model
+        return row.adapter.rpartition(":")[0] if row.adapter else row.model
     if group_by == "key":
         return row.key_id
     if group_by == "team":
@@ -126,7 +130,7 @@ def to_csv(
                 r.endpoint_id or "", r.model, r.version_id or "", r.kind, r.prompt_tokens,
                 r.completion_tokens, r.cached_tokens, round(r.latency_ms, 3),
                 "" if r.ttft_ms is None else round(r.ttft_ms, 3), r.status_code, r.status,
-                int(r.batch), round(cost(r, prices, batch_discount), 8),
+                int(r.batch), round(cost(r, prices, batch_discount), 8), r.adapter or "",
             ])
         )  # fmt: skip
     return out.getvalue()

@@ -105,6 +105,33 @@ def check_gguf(reader: Reader, size: int, path: str) -> None:
         raise ModelFileError(path, "a GGUF tensor's offset lies past the end of the file")
 
 
+_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+def gguf_ints(reader: Reader, path: str) -> dict[str, int]:
+    """The integer metadata of a GGUF file (`llama.embedding_length`, …), read within the same
+    limits as `check_gguf` (a file pushed already passed it)."""
+    s = _Stream(reader, path)
+    if s.take(4) != b"GGUF" or s.u32() not in (2, 3):
+        raise ModelFileError(path, "not a GGUF file of version 2 or 3")
+    s.u64()
+    kvs = s.u64()
+    if kvs > MAX_KV:
+        raise ModelFileError(path, f"{kvs} GGUF metadata keys (limit {MAX_KV})")
+    out: dict[str, int] = {}
+    for _ in range(kvs):
+        key = s.string(MAX_KEY, "key")
+        kind = s.u32()
+        if kind in _INTS:
+            fmt = _INTS[kind]
+            out[key.decode("utf-8", "replace")] = int(
+                struct.unpack(fmt, s.take(struct.calcsize(fmt)))[0]
+            )
+        else:
+            _skip_value(s, kind, key)
+    return out
+
+
 def _skip_value(s: _Stream, kind: int, key: bytes) -> None:
     name = key[:80].decode("utf-8", "replace")
     if kind in _FIXED:

@@ -20,6 +20,9 @@ replica that leaves or joins move), and the first in rank order whose requests i
 within `load_factor` x its fair share (the mean over the usable replicas, counting this request)
 takes it. A hot prefix therefore spills to its next replicas instead of overloading one; when
 none qualifies, the caller falls back to the least-loaded replica.
+
+A request for a tenant's registry LoRA adapter is keyed by the adapter instead
+(`adapter_hint`), so each adapter's requests stay on the few replicas that hold it loaded.
 """
 
 from __future__ import annotations
@@ -100,6 +103,13 @@ def prefix_hint(payload: dict[str, Any], chars: int, load_factor: float) -> Pref
     if rendered is None:
         return None
     key = hashlib.blake2b(rendered.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return PrefixHint(key, load_factor)
+
+
+def adapter_hint(name: str, load_factor: float) -> PrefixHint:
+    """A registry adapter's requests keyed by the adapter alone: they go to the replicas that
+    already hold it in a slot (rendezvous order, bounded load), spilling to the next ones."""
+    key = hashlib.blake2b(b"adapter\x1d" + name.encode(), digest_size=16).digest()
     return PrefixHint(key, load_factor)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from modelyard.core import prefix_affinity
+from modelyard.core.adapter_routes import AdapterIndex, AdapterMap, drop_from
 from modelyard.core.admission_queue import AdmissionQueue
 from modelyard.core.breaker import CircuitBreaker
 from modelyard.core.prefix_affinity import PrefixHint
@@ -116,8 +117,8 @@ class EndpointRoute:
     # when to retry. None while one serves, or while one is loading for a scale from zero.
     unavailable: str | None = None
     retry_after_s: int = 10
-    # Registry LoRA adapters its replicas serve, by their own names (control/adapters.py).
-    adapters: frozenset[str] = frozenset()
+    # Registry LoRA adapters its replicas serve, of every tenant (`core/adapter_routes.py`).
+    adapters: AdapterMap = field(default_factory=dict)
     model_kind: str | None = None  # core/model_kinds.py's ModelKind; None until provisioned
     capabilities: dict[str, Any] = field(default_factory=dict)  # what /v1/models shows
     queue: AdmissionQueue = field(default_factory=lambda: AdmissionQueue())
@@ -179,6 +180,7 @@ class RoutingTable:
         self._public: dict[str, list[EndpointRoute]] = {}  # model name -> public endpoints
         self._order: dict[str, int] = {}  # endpoint id -> when first published (table order)
         self._published = 0
+        self.adapter_index: AdapterIndex[EndpointRoute] = AdapterIndex()  # tenants' adapters
 
     # ----- written by the control plane ---------------------------------------------------------
 
@@ -189,6 +191,7 @@ class RoutingTable:
             self._published += 1
             self._order[route.endpoint_id] = self._published
         self._endpoints[route.endpoint_id] = route
+        self.adapter_index.add(route)
         self._own.setdefault((route.tenant_id, route.model_name), []).append(route)
         if route.public:
             self._public.setdefault(route.model_name, []).append(route)
@@ -207,8 +210,9 @@ class RoutingTable:
     def _unindex(self, route: EndpointRoute | None) -> None:
         if route is None:
             return
-        _drop(self._own, (route.tenant_id, route.model_name), route)
-        _drop(self._public, route.model_name, route)
+        drop_from(self._own, (route.tenant_id, route.model_name), route)
+        drop_from(self._public, route.model_name, route)
+        self.adapter_index.drop(route)
 
     def add_replica(self, route: EndpointRoute, replica: ReplicaRoute) -> None:
         """A started, healthy replica joins the endpoint's routing."""
@@ -278,10 +282,11 @@ class RoutingTable:
         route.weights = dict(weights)
         self._changed(route)
 
-    def set_adapters(self, route: EndpointRoute, names: frozenset[str]) -> None:
-        """The registry adapters the endpoint serves (requests may name them as the model)."""
-        if names != route.adapters:
-            route.adapters = names
+    def set_adapters(self, route: EndpointRoute, adapters: AdapterMap) -> None:
+        """The registry adapters the endpoint serves (their tenants may name them)."""
+        if self._endpoints.get(route.endpoint_id) is not route:
+            route.adapters = adapters
+        elif self.adapter_index.set(route, adapters):
             self.generation += 1
 
     def set_upstream_model(self, route: EndpointRoute, name: str | None) -> None:
@@ -387,13 +392,3 @@ class RoutingTable:
         """The gateway could not reach `replica`: no more requests until the control plane's
         next health check readmits it (the generation does not move: that is control's)."""
         replica.ready = False
-
-
-def _drop(index: dict[Any, list[EndpointRoute]], key: Any, route: EndpointRoute) -> None:
-    """Take `route` out of `index[key]`, and the key out when nothing is left under it."""
-    same = index.get(key)
-    if same is None:
-        return
-    same[:] = [r for r in same if r is not route]
-    if not same:
-        del index[key]

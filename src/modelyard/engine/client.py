@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from modelyard.config import EngineSettings
 from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
@@ -82,6 +82,7 @@ class EngineSnapshot:
     busy_seconds: float
     preemptions: int
     requests_finished: dict[str, int]  # by finish reason
+    lora_loaded: tuple[str, ...] = ()  # adapters in LoRA slots, least recently used first
 
 
 class EngineClient(Protocol):
@@ -163,6 +164,17 @@ class EngineClient(Protocol):
     # ----- its load ------------------------------------------------------------------------
 
     def snapshot(self) -> EngineSnapshot: ...
+
+
+def _lora_loaded(lora: Any) -> tuple[str, ...]:
+    """The adapters in slots, read from another thread than the engine's (a step that loads
+    one while this reads gives an empty answer this once)."""
+    if lora is None:
+        return ()
+    try:
+        return tuple(lora.loaded)
+    except RuntimeError:  # the slots changed during the read
+        return ()
 
 
 def served_settings(settings: EngineSettings) -> EngineSettings:
@@ -320,4 +332,5 @@ class LocalEngineClient:
             busy_seconds=s.busy_seconds,
             preemptions=e.scheduler.num_preemptions,
             requests_finished=dict(s.requests_finished),
+            lora_loaded=_lora_loaded(e.runner.lora),
         )

@@ -329,6 +329,7 @@ class Accounting:
             batch=call.batch,
             cost_micro=self._cost(call),
             team_id=p.team_id,
+            adapter=call.adapter.ref if call.adapter else None,
         )
         if call.batch:
             # The runner writes the item's row with its result; its quota reservation stays
@@ -382,8 +383,7 @@ class Accounting:
             await _tolerant(self.limiter.reconcile(s.key_id, s.limits, s.tokens_back, 0), "TPM")
         for month, tokens in s.quota_moves:
             await _tolerant(self.quota.add(s.tenant_id, month, tokens), "quota settlement")
-        if s.slot is not None:
-            # Unreleased in Redis, the slot expires with its lease.
+        if s.slot is not None:  # unreleased in Redis, the slot expires with its lease
             await _tolerant(self.slots.release(*s.slot), "slot release")
 
 

@@ -12,6 +12,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from modelyard.config import PlatformSettings, PrefixCacheScope
+from modelyard.core.adapter_routes import AdapterTarget, is_internal, target_for
 from modelyard.core.errors import DomainError, Invalid, model_not_found
 from modelyard.core.identity import Principal
 from modelyard.core.logs import current_request_id
@@ -72,22 +73,29 @@ def shape_for_worker(
     principal: Principal,
     cache_scope: PrefixCacheScope,
     priority: int,
-) -> None:
-    """What the worker receives, in place: its own model name, the endpoint's sampling
-    defaults for the fields left out (or sent as null), the priority, the cache scope."""
+) -> AdapterTarget | None:
+    """What the worker receives, in place: its own model name (with the adapter's internal
+    name: `core/adapter_routes.py`), the endpoint's sampling defaults for the fields left out
+    (or sent as null), the priority, the cache scope. Returns the tenant's registry adapter
+    the request names (None: the base model)."""
     model = str(payload.get("model", ""))
-    if model not in (route.model_name, route.endpoint_id):  # `<model>:<adapter>`: a LoRA adapter
-        payload["model"] = f"{route.upstream_model or route.model_name}:{model.rpartition(':')[2]}"
+    upstream = route.upstream_model or route.model_name
+    adapter = target_for(route, principal.tenant_id, model)
+    if adapter is not None:
+        payload["model"] = f"{upstream}:{adapter.internal}"
+    elif model not in (route.model_name, route.endpoint_id):  # `<model>:<adapter>`: `lora_dir`
+        payload["model"] = f"{upstream}:{model.rpartition(':')[2]}"
     elif route.upstream_model:
         payload["model"] = route.upstream_model
     if kind == "embeddings":
-        return
+        return adapter
     for key, value in route.sampling_defaults.items():
         if payload.get(key) is None:
             payload[key] = value
     payload["priority"] = priority
     # Last, so no default and no client value outlives it.
     scope_prefix_cache(payload, cache_scope, principal.tenant_id)
+    return adapter
 
 
 class Admission:
@@ -173,16 +181,19 @@ class Admission:
         allowed models (by the name sent, or by the model's name when sent its endpoint id),
         404 when the tenant cannot see it; with the request's `kind`, refused with
         `wrong_model_kind` when that endpoint's model does not answer that route."""
-        route = self.routing.resolve(principal.tenant_id, model)
+        tenant_id = principal.tenant_id
+        route = self.routing.resolve(tenant_id, model)
         if not principal.allows_model(model):
             if route is None or model != route.endpoint_id:
                 raise model_not_allowed(model)
             principal.require_model(route.model_name)
+        if route is None:  # the tenant's registry adapter (`name`, `name:N`): its base's endpoint
+            route = self.routing.adapter_index.lookup(tenant_id, model)
         if route is None and ":" in model:  # `<model>:<adapter>`: its base endpoint serves it
-            route = self.routing.resolve(principal.tenant_id, model.rpartition(":")[0])
-        if route is None:  # a registry adapter by its own name: an endpoint of its base
-            visible = self.routing.visible(principal.tenant_id)
-            route = next((r for r in visible if model in r.adapters), None)
+            base, _, adapter = model.rpartition(":")
+            route = self.routing.resolve(tenant_id, base)
+            if route is not None and is_internal(adapter):  # never another tenant's by its name
+                route = None
         if route is None:
             raise model_not_found(model)
         if kind is not None:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from modelyard.core.adapter_routes import AdapterTarget
 from modelyard.core.identity import Principal
 from modelyard.core.prefix_affinity import PrefixHint
 from modelyard.core.routing import EndpointRoute
@@ -64,6 +65,7 @@ class Call:
     affinity: str | None = None
     prefix: PrefixHint | None = None  # where its prompt prefix is likely cached (several replicas)
     budget: BudgetHold | None = None  # spend held on its budgets since admission
+    adapter: AdapterTarget | None = None  # the tenant's registry LoRA adapter it names
     local: int = 0  # admitted on this gateway's shares while Redis was away: their generation
 
 

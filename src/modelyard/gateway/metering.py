@@ -60,6 +60,7 @@ class UsageEvent:
     created_at: datetime = field(default_factory=repo.now)
     cost_micro: int | None = None  # micro-dollars at the model's price (`core/pricing.py`)
     team_id: str | None = None
+    adapter: str | None = None  # the tenant's registry adapter, `name:version`
 
     @property
     def total_tokens(self) -> int:

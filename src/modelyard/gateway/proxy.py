@@ -18,8 +18,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from modelyard.config import PlatformSettings
+from modelyard.core.adapter_routes import AdapterTarget
 from modelyard.core.identity import Principal
-from modelyard.core.prefix_affinity import PrefixHint, prefix_hint
+from modelyard.core.prefix_affinity import PrefixHint, adapter_hint, prefix_hint
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import Accounting
 from modelyard.gateway.admission import (
@@ -105,10 +106,17 @@ class Gateway:
         if self.accounting.outage is not None:
             await self.accounting.outage.stop()
 
-    def _prefix(self, payload: dict[str, Any], route: EndpointRoute) -> PrefixHint | None:
-        """The request's prefix key, when there is a choice of replica to make with it."""
+    def _prefix(
+        self, payload: dict[str, Any], route: EndpointRoute, adapter: AdapterTarget | None
+    ) -> PrefixHint | None:
+        """The request's prefix key, when there is a choice of replica to make with it; for a
+        registry adapter, its name: its requests go where it is loaded (bounded load)."""
         s = self.settings
-        if not s.prefix_aware_routing or len(route.replicas) < 2:
+        if len(route.replicas) < 2:
+            return None
+        if adapter is not None:
+            return adapter_hint(adapter.internal, s.prefix_routing_load_factor)
+        if not s.prefix_aware_routing:
             return None
         return prefix_hint(payload, s.prefix_routing_chars, s.prefix_routing_load_factor)
 
@@ -126,11 +134,11 @@ class Gateway:
         route = call.route
         try:
             headers = {"x-request-id": call.request_id, **call.decision.headers()}
-            shape_for_worker(
+            call.adapter = shape_for_worker(
                 payload, route, kind, principal, self.settings.prefix_cache_scope,
                 principal.tier.rank,
             )  # fmt: skip
-            call.prefix = self._prefix(payload, route)
+            call.prefix = self._prefix(payload, route, call.adapter)
             route.arrive()
             cold = not route.ready_replicas and self.upstream.activate is not None
             if getattr(req, "stream", False):
@@ -169,11 +177,12 @@ class Gateway:
         route = self.admission.resolve(principal, req.model, kind)
         # Embeddings have no stream field (and refuse unknown ones); the rest must not stream.
         body = dict(payload) if kind == "embeddings" else {**payload, "stream": False}
-        shape_for_worker(
+        adapter = shape_for_worker(
             body, route, kind, principal, self.settings.prefix_cache_scope,
             BATCH_PRIORITY_BASE + principal.tier.rank,
         )  # fmt: skip
-        call = Call(principal, route, kind, request_id, 0, NO_LIMITS, batch=True)
+        call = Call(principal, route, kind, request_id, 0, NO_LIMITS, batch=True, adapter=adapter)
+        call.prefix = self._prefix(body, route, adapter)
         if principal.monthly_token_quota is not None:
             # Held while the item runs, so that concurrent items see each other's share, and
             # settled to the real use once the runner has committed the item's result.
@@ -187,6 +196,8 @@ class Gateway:
             result = orjson.loads(content)
             if route.upstream_model and isinstance(result, dict) and "model" in result:
                 result["model"] = route.model_name
+            if adapter is not None and isinstance(result, dict) and "model" in result:
+                result["model"] = adapter.ref
             if status != 200 and not call.prompt_tokens:
                 await self.accounting.close(call, served=False)
                 return status, result, None

@@ -115,7 +115,10 @@ class Relay:
         body = orjson.loads(content)
         take_usage(call, body.get("usage") or {})
         await self.accounting.close(call, served=True)
-        if call.route.upstream_model:  # the client knows the model by its public name
+        if call.adapter is not None:  # the tenant knows its adapter by its registry name
+            body["model"] = call.adapter.ref
+            content = orjson.dumps(body)
+        elif call.route.upstream_model:  # the client knows the model by its public name
             body["model"] = call.route.model_name
             content = orjson.dumps(body)
         return Response(content, media_type="application/json", headers=headers)
@@ -211,6 +214,7 @@ class Relay:
         wants_usage: bool,
     ) -> AsyncIterator[bytes]:
         call.relaying = True
+        rename = _adapter_rename(call)
         buffer = b""
         complete = False
         delivered = False  # the client has read the final [DONE]
@@ -225,6 +229,8 @@ class Relay:
                         if final:
                             # Billed (journaled on disk) before the client sees the end.
                             await self.accounting.close(call, served=True)
+                        if rename is not None:  # the adapter's registry name, not its internal one
+                            event = event.replace(*rename)
                         yield event + EVENT_END
                         delivered = final
             complete = True
@@ -315,3 +321,12 @@ def _inspect(call: Call, event: bytes, wants_usage: bool) -> bool:
         # The usage-only chunk was asked for by the gateway, not necessarily the client.
         return bool(choices) or wants_usage
     return True
+
+
+def _adapter_rename(call: Call) -> tuple[bytes, bytes] | None:
+    """For a registry adapter's stream: the `model` field as the replica writes it (its served
+    model's name) and as the tenant knows it (`name:version`)."""
+    if call.adapter is None:
+        return None
+    served = call.route.upstream_model or call.route.model_name
+    return f'"model":"{served}"'.encode(), f'"model":"{call.adapter.ref}"'.encode()

@@ -152,6 +152,11 @@ class RouteMirror:
         if route.weights != entry.get("weights", {}):
             self.routing.set_weights(route, entry.get("weights", {}))
         self.routing.set_unavailable(route, entry.get("unavailable"), entry["retry_after_s"])
+        adapters = {
+            (tenant, name): {int(v): internal for v, internal in versions.items()}
+            for tenant, name, versions in entry.get("adapters", ())
+        }
+        self.routing.set_adapters(route, adapters)
         held = {r.replica_id: r for r in route.replicas}
         replicas: list[ReplicaRoute] = []
         for item in entry["replicas"]:

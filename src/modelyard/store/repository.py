@@ -312,6 +312,7 @@ def insert_usage(s: Session, rows: list[dict[str, Any]]) -> int:
         .on_conflict_do_nothing(index_elements=["request_id"])
         .returning(UsageRecord.__table__.c.request_id)
     )
+    rows = [{"adapter": None, **r} for r in rows]  # a row journaled before the column
     return len(s.connection().execute(stmt, rows).all())
 
 

@@ -210,6 +210,9 @@ class UsageRecord(Base):
     # Micro-dollars at the price when it ran (`core/pricing.py`); NULL for rows before prices.
     cost_micro: Mapped[int | None] = mapped_column(BigInteger)
     team_id: Mapped[str | None] = mapped_column(String(40))  # the key's team, if any
+    # The tenant's registry LoRA adapter it called, `name:version`, served by the base endpoint
+    # `endpoint_id` (whose model is `model`); NULL for the base model itself.
+    adapter: Mapped[str | None] = mapped_column(String(200))
 
 
 Index("ix_usage_tenant_time", UsageRecord.tenant_id, UsageRecord.created_at)

@@ -93,7 +93,7 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         s = engine.snapshot()
-        body = {
+        body: dict[str, Any] = {
             "status": "ok" if engine.healthy else "error",
             "model": serving.model_name,
             "running": s.running,
@@ -104,6 +104,8 @@ def create_app(
             "busy_seconds": round(s.busy_seconds, 3),
             "failed_steps": s.failed_steps,
         }
+        if s.lora_loaded:  # the platform's adapter listing counts the replicas holding each
+            body["lora_loaded"] = list(s.lora_loaded)
         if engine.error is not None:
             body["error"] = engine.error
         return JSONResponse(body, status_code=200 if engine.healthy else 503)
