@@ -26,6 +26,7 @@ PLATFORM = "platform"  # the platform admin only: every tenant role is refused
 # The least role each route needs (docs/security.md, "Roles"). Keyed by the schema's operations.
 MATRIX: dict[tuple[str, str], str] = {
     ("get", "/health"): PUBLIC,
+    ("get", "/v2"): PUBLIC,
     ("get", "/v2/health/live"): PUBLIC,
     ("get", "/v2/health/ready"): PUBLIC,
     ("get", "/metrics"): VIEWER,
@@ -41,6 +42,7 @@ MATRIX: dict[tuple[str, str], str] = {
     ("get", "/v1/endpoints/{endpoint_id}"): VIEWER,
     ("get", "/v1/async/{request_id}"): VIEWER,
     ("get", "/v1/registry/models"): VIEWER,
+    ("get", "/v1/registry/adapters"): VIEWER,
     ("get", "/v1/registry/models/{name}"): VIEWER,
     ("get", "/v1/usage"): VIEWER,
     ("get", "/v1/usage/export"): VIEWER,
@@ -88,6 +90,15 @@ MATRIX: dict[tuple[str, str], str] = {
     ("get", "/v1/keys/{key_id}"): DEVELOPER,
     ("patch", "/v1/keys/{key_id}"): DEVELOPER,
     ("delete", "/v1/keys/{key_id}"): DEVELOPER,
+    ("post", "/v1/keys/{key_id}/rotate"): DEVELOPER,
+    # Prices and budgets in dollars: prices are read like models, set and budgets by admins.
+    ("get", "/v1/prices/{endpoint}"): VIEWER,
+    ("put", "/v1/prices/{endpoint}"): ADMIN,
+    ("post", "/v1/budgets"): ADMIN,
+    ("get", "/v1/budgets"): ADMIN,
+    ("get", "/v1/budgets/{budget_id}"): ADMIN,
+    ("patch", "/v1/budgets/{budget_id}"): ADMIN,
+    ("delete", "/v1/budgets/{budget_id}"): ADMIN,
     # Administering the tenant.
     ("post", "/v1/users"): ADMIN,
     ("patch", "/v1/users/{user_id}"): ADMIN,

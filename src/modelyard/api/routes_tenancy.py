@@ -116,7 +116,7 @@ async def update_key(
 async def rotate_key(
     key_id: str,
     body: KeyRotate | None = None,
-    principal: Principal = Depends(get_admin),
+    principal: Principal = Depends(get_key_owner),
     services: Services = Depends(get_services),
 ) -> dict[str, Any]:
     """A new secret (shown in this answer only); the old one works for the grace period."""

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from modelyard.config.access_settings import AccessSettings
 from modelyard.config.sources import parse_size
-from modelyard.config.sso_settings import SsoSettings
 
 
 class ModelPrice(BaseModel):
@@ -37,7 +37,7 @@ class RedisOutage(enum.StrEnum):
     FAIL_CLOSED = "fail_closed"  # every request whose limits live in Redis gets a 503
 
 
-class PlatformSettings(SsoSettings):
+class PlatformSettings(AccessSettings):
     """Knobs of `modelyard serve`: the gateway, the control plane and their state (single
     sign-on's: `sso_settings.py`)."""
 
@@ -134,30 +134,6 @@ class PlatformSettings(SsoSettings):
         ge=1,
         description="Failed health probes in a row after which a replica is killed and replaced "
         "(one failed probe already takes it out of routing).",
-    )
-    auth_cache_ttl_s: float = Field(
-        5.0,
-        description="How long a key lookup is cached: a key revoked, rotated past its grace, "
-        "re-scoped or given an earlier expiry in another gateway takes effect here within it.",
-    )
-    key_last_used_interval_s: float = Field(
-        60.0,
-        gt=0,
-        le=3600,
-        description="How often a gateway writes its keys' last use (one UPDATE per key used "
-        "meanwhile, off the request path).",
-    )
-    budget_refresh_s: float = Field(
-        5.0,
-        gt=0,
-        description="How often a gateway rereads prices and budgets (a change made through "
-        "the same process applies at once).",
-    )
-    auth_stale_ttl_s: float = Field(
-        300.0,
-        ge=0,
-        description="With the database unreachable, how long a key's last good lookup is still "
-        "served (a key revoked meanwhile by another gateway is honoured only when it is back).",
     )
     usage_journal_fsync: bool = Field(
         False,

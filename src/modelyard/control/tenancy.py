@@ -332,7 +332,7 @@ class Tenancy:
 
         def rotate() -> dict[str, Any]:
             with self.db.session() as s:
-                k = repo.get_key(s, principal.tenant_filter(), key_id)
+                k = _visible(principal, repo.get_key(s, principal.tenant_filter(), key_id))
                 if k is None:
                     raise _not_found("key", key_id)
                 if k.revoked_at is not None:
