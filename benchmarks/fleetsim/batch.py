@@ -20,7 +20,8 @@ the real-time fleet (own devices, packed 8 to a node). Without backfill they sta
 job is pending (as many as finish the pending work in `ASAP_S`, the platform's batch scaling its
 endpoint up today); with backfill only when the deadline needs them: when the rate that finishes
 every pending job `DEADLINE_MARGIN_S` before its deadline exceeds what backfill has recently
-delivered. Each start pays the model's cold start (node cache) before it serves.
+delivered by a whole replica's rate (a replica is started at the latest moment it must run
+without a break). Each start pays the model's cold start (node cache) before it serves.
 """
 
 from __future__ import annotations
@@ -151,8 +152,10 @@ class BatchReplicas:
                 self.ready[u] += 1
         pending = demand.pending
         if self.deadline:
+            # Latest start: a replica starts once one running from now to the deadline (less
+            # the margin) is needed in full; the margin covers the rest and its cold start.
             short = np.maximum(0.0, demand.required_rate(now) - self.backfill_rate)
-            want = np.ceil(short / self.rate - 1e-9)
+            want = np.floor(short / self.rate)
         else:
             want = np.ceil(pending / (self.rate * ASAP_S) - 1e-9)
         want = np.where(pending > 0, np.minimum(want, MAX_BATCH_REPLICAS), 0).astype(np.int64)

@@ -10,6 +10,7 @@ pool pays for its peak nodes all along; elastic nodes only while they hold a dev
 
 from __future__ import annotations
 
+from math import nan
 from typing import Any
 
 from fleetsim.report import _cell, aggregate
@@ -69,9 +70,10 @@ def _combo(v: dict[str, Any], scen: str | None, elastic: bool, spot: bool) -> di
         "node_hours": rt + batch,
         "cost": rt + price * batch,
         "ttft_warm_p99_s": v["ttft_warm_p99_s"],
-        "batch_windows_met_pct": s["batch_windows_met_pct"],
         "batch_share_of_tokens_pct": s["batch_share_of_tokens_pct"],
         "backfilled_pct": 100 * s["batch_tokens_backfilled"] / max(s["batch_tokens_served"], 1e-9),
+        "batch_done_pct": 100 * s["batch_tokens_served"] / max(s["batch_tokens_submitted"], 1e-9),
+        "batch_windows_met_pct": s["batch_windows_met_pct"] if s["batch_jobs_judged"] else nan,
     }
 
 
@@ -94,7 +96,7 @@ def combos(batch_shares: list[float], names: set[str]) -> list[Row]:
             asap, bf = f"asap {b:g}", f"backfill {b:g}"
             fill = f"backfill {pct}"
             cand = [
-                (f"{pct}: none (batch replicas at once, static pool)", "autoscaled", asap, 0, 0),
+                (f"{pct}: none (batch replicas at once, static)", "autoscaled", asap, False, False),
                 (f"{pct}: backfill", fill, bf, False, False),
                 (f"{pct}: elastic nodes", "autoscaled", asap, True, False),
                 (f"{pct}: spot batch replicas", "autoscaled", asap, False, True),
@@ -114,32 +116,36 @@ BATCH_COLS = (
     ("warm TTFT p99 s", "ttft_warm_p99_s", 2),
     ("vs autoscaled", "ttft_ratio", 2),
     ("batch windows met %", "batch_windows_met_pct", 1),
+    ("batch served in the run %", "batch_done_pct", 1),
     ("batch backfilled %", "backfilled_pct", 0),
     ("batch % of tokens", "batch_share_of_tokens_pct", 1),
 )
 
 
 def batch_table(runs: list[dict[str, Any]], batch_shares: list[float]) -> str:
-    names = set(runs[0]["variants"])
+    names = {n for r in runs for n in r["variants"]}
     rows = combos(batch_shares, names)
-    head = "| batch share: levers | " + " | ".join(c[0] for c in BATCH_COLS) + " |"
-    lines = [head, "|---|" + "---:|" * len(BATCH_COLS)]
+    head = "| batch share: levers | seeds | " + " | ".join(c[0] for c in BATCH_COLS) + " |"
+    lines = [head, "|---|---:|" + "---:|" * len(BATCH_COLS)]
     for label, fleet, scen, elastic, spot in rows:
         per_seed = []
-        for run in runs:
+        for run in [r for r in runs if fleet in r["variants"]]:
             fig = _combo(run["variants"][fleet], scen, elastic, spot)
             base = run["variants"].get("autoscaled", {}).get("ttft_warm_p99_s", float("nan"))
             fig["ttft_ratio"] = fig["ttft_warm_p99_s"] / base
             per_seed.append({"variants": {"x": fig}})
         agg = aggregate(per_seed)["x"]
         cells = [_cell(agg.get(key), digits) for _, key, digits in BATCH_COLS]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | {len(per_seed)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def text(runs: list[dict[str, Any]], meta: dict[str, Any], attribution: str) -> str:
-    agg = aggregate(runs)
-    names = list(runs[0]["variants"])
+    names = list(dict.fromkeys(n for r in runs for n in r["variants"]))
+    agg = {  # each fleet over the seeds that ran it
+        n: aggregate([{"variants": {n: r["variants"][n]}} for r in runs if n in r["variants"]])[n]
+        for n in names
+    }
     adapters = [n for n in names if n == "autoscaled" or n.startswith("adapters")]
     shares = sorted({0.0, *meta.get("batch_shares", [])})
     parts = [
