@@ -16,6 +16,8 @@ device- and node-seconds of provisioned devices, cold requests and sessions, and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from fleetsim.fleet import Fleet
@@ -25,6 +27,35 @@ from fleetsim.workload import TICK_S, Workload
 
 WARM_SAMPLES = 32  # warm requests whose TTFT is computed per tick (weighted)
 ADMISSION_QUEUE = 256.0  # the platform's default admission_queue_size, per endpoint
+
+
+@dataclass
+class TickState:
+    """What the tick computed per unit, for the levers that act after it (`levers`)."""
+
+    u: np.ndarray  # device share each replica's real-time work asks for
+    mu: np.ndarray  # requests/s the ready replicas serve
+    backlog: np.ndarray  # queued at the start of the tick
+    slow: np.ndarray
+    step: np.ndarray  # decode step, s
+    b: np.ndarray  # real-time sequences decoding per replica
+
+
+@dataclass
+class Extra:
+    """Optional inputs of the levers; all None/empty leaves the tick exactly as without them.
+
+    `warm_exclude`: per unit, requests to count as cold rather than warm (adapter loads);
+    `pair_load`: per ready (replica, device) pair slot, the device share batch backfill used
+    last tick (slows the other engines on that device); `batch_seqs`: per unit, batch
+    sequences decoding per replica beside real-time ones (longer steps); `preempt_s`: per unit,
+    the time to swap a batch sequence out when a real-time request needs its slot."""
+
+    warm_exclude: np.ndarray | None = None
+    pair_load: np.ndarray | None = None
+    batch_seqs: np.ndarray | None = None
+    preempt_s: np.ndarray | None = None
+    admission: np.ndarray | None = None  # per unit, instead of ADMISSION_QUEUE
 
 
 def _decode(s, lam, S, pf):
@@ -46,8 +77,11 @@ def serve(
     prompt: np.ndarray,
     generated: np.ndarray,
     rng: np.random.Generator,
-) -> None:
+    extra: Extra | None = None,
+) -> TickState:
     S, c = f.s, f.counters
+    x = extra or Extra()
+    limit = ADMISSION_QUEUE if x.admission is None else x.admission
     now = tick * TICK_S
     a = arrivals.astype(float)
     ready = f.ready.astype(float)
@@ -67,7 +101,12 @@ def serve(
     on = f.pair_on
     pe, pd = f.pair_ep[on], f.pair_dev[on]
     load = np.bincount(pd, weights=u[pe], minlength=len(f.dev_n))
-    s_pair = 1.0 / (1.0 - np.minimum(0.9, load[pd] - u[pe]))
+    if x.pair_load is not None:  # batch backfill: other engines' batch work shares the device
+        own = x.pair_load[on]
+        load += np.bincount(pd, weights=own, minlength=len(f.dev_n))
+        s_pair = 1.0 / (1.0 - np.minimum(0.9, load[pd] - u[pe] - own))
+    else:
+        s_pair = 1.0 / (1.0 - np.minimum(0.9, load[pd] - u[pe]))
     cnt = np.bincount(pe, minlength=len(a))
     slow = np.bincount(pe, weights=s_pair, minlength=len(a)) / np.maximum(cnt, 1)
     slow = np.where(cnt > 0, slow, 1.0)
@@ -80,11 +119,11 @@ def serve(
     tokens = frac * tokens_all
     queue = want - served
     # The gateway's admission queue is bounded (`admission_queue_size`): the rest get 429.
-    over = np.maximum(0.0, queue - ADMISSION_QUEUE)
+    over = np.maximum(0.0, queue - limit)
     if over.any():
         c.rejected_requests += float(over.sum())
-        keep = np.divide(ADMISSION_QUEUE, queue, out=np.ones_like(queue), where=over > 0)
-        queue = np.minimum(queue, ADMISSION_QUEUE)
+        keep = np.divide(limit, queue, out=np.ones_like(queue), where=over > 0)
+        queue = np.minimum(queue, limit)
         f.queue_tokens = (tokens_all - tokens) * keep
     else:
         f.queue_tokens = tokens_all - tokens
@@ -93,6 +132,9 @@ def serve(
     b = _decode(slow, lam, S, pf)
     f.inflight = ready * (b + lam * slow * pf)
     step = slow * (S.c0 + S.c1 * np.maximum(b, 1.0))
+    if x.batch_seqs is not None:  # batch sequences decode in the same steps
+        step = slow * (S.c0 + S.c1 * np.minimum(np.maximum(b + x.batch_seqs, 1.0), S.slots))
+    state = TickState(u, mu, backlog, slow, step, b)
 
     # Accounting: provisioned devices and nodes and their token capacity, for each release
     # delay (a device stays provisioned that long after its last replica left), and the old
@@ -132,6 +174,8 @@ def serve(
 
     # TTFT of warm requests: a weighted sample; arrivals spread evenly over the tick, FIFO.
     warm = np.where(have, a, 0.0)
+    if x.warm_exclude is not None:
+        warm = np.maximum(0.0, warm - x.warm_exclude)
     total = warm.sum()
     if total > 0:
         e = np.searchsorted(np.cumsum(warm), rng.random(WARM_SAMPLES) * total, side="right")
@@ -141,7 +185,11 @@ def serve(
         wait = ahead / mu[e]
         p = w.draw_prompts(e, rng)
         ttft = wait + slow[e] * (S.pf0[e] + S.pf1[e] * p) + step[e] / 2
-        kept = ahead <= ADMISSION_QUEUE  # the others were refused (429), no first token
+        if x.preempt_s is not None:  # slots full of batch: one is swapped out first
+            full = b[e] + x.batch_seqs[e] >= S.slots[e] - 1 if x.batch_seqs is not None else 0
+            ttft = ttft + np.where(full, x.preempt_s[e], 0.0)
+        # The others were refused (429): no first token.
+        kept = ahead <= (limit if x.admission is None else limit[e])
         weight = np.full(WARM_SAMPLES, total / WARM_SAMPLES)
         c.sample(ttft[kept], wait[kept], weight[kept], cold=False)
 
@@ -159,5 +207,6 @@ def serve(
         wait = np.maximum(0.0, ready_at - at) + ahead
         p = w.draw_prompts(np.full(k, e), rng)
         ttft = wait + S.pf0[e] + S.pf1[e] * p + S.c0[e] / 2
-        kept = queued < ADMISSION_QUEUE
+        kept = queued < (limit if x.admission is None else limit[e])
         c.sample(ttft[kept], wait[kept], np.ones(int(kept.sum())), cold=True)
+    return state
