@@ -17,12 +17,14 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from modelyard.api.openapi_management import LINKS
-from modelyard.api.openapi_management import RESPONSES as MANAGEMENT_RESPONSES
+from modelyard.api.openapi_management import LINKS, RESPONSES
+from modelyard.api.openapi_people import PEOPLE_RESPONSES
 from modelyard.protocol.embeddings import EmbeddingRequest
 from modelyard.protocol.oip import InferRequest
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 from modelyard.protocol.responses_api import ResponsesRequest
+
+MANAGEMENT_RESPONSES = {**RESPONSES, **PEOPLE_RESPONSES}
 
 BEARER = "HTTPBearer"  # FastAPI names the scheme after the HTTPBearer class
 _REF = "#/components/schemas/{model}"
