@@ -48,6 +48,8 @@ Attention = HEADER.struct("my_attention")
 RopeKV = HEADER.struct("my_rope_kv")
 Linear = HEADER.struct("my_linear")
 LoRA = HEADER.struct("my_lora")
+# the weights' dtypes `lora_add` reads: `my_lora.w_dtype`
+LORA_WEIGHTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 Step = HEADER.struct("my_step")
 
 
@@ -208,9 +210,8 @@ class CpuKernels:
         lora_a: torch.Tensor,  # [slots, parts * rank, in], contiguous
         lora_b: ctypes.Array[ctypes.c_void_p],  # each part's B [slots, rank, out_p], contiguous
         part_sizes: torch.Tensor,  # [parts] int64
-        part_used: torch.Tensor,  # [slots, parts] uint8: the slot's adapter targets the part
-        rank: int,
-        bf16: bool,  # the weights' dtype (else float32)
+        part_rank: torch.Tensor,  # [slots, parts] int32: the slot's rank on the part, 0: none
+        rank: int,  # the largest: A's and B's stride in rows
     ) -> None:
         """Each adapter row's `y[row] += x[row] @ A[slot] @ B[slot]` (see `csrc/lora.c`)."""
         args = LoRA(
@@ -227,11 +228,11 @@ class CpuKernels:
             a=lora_a.data_ptr(),
             b=ctypes.addressof(lora_b),
             part_sizes=part_sizes.data_ptr(),
-            part_used=part_used.data_ptr(),
+            part_rank=part_rank.data_ptr(),
             parts=part_sizes.shape[0],
             in_features=x.shape[1],
             rank=rank,
-            w_bf16=int(bf16),
+            w_dtype=LORA_WEIGHTS[lora_a.dtype],
             n_threads=self.matmul_threads,
         )
         failed = self._lora_add(ctypes.byref(args))
