@@ -207,8 +207,9 @@ class CpuKernels:
         x: torch.Tensor,  # [T, in] float32 or bfloat16, columns contiguous
         y: torch.Tensor,  # [T, sum(part_sizes)] float32 or bfloat16, contiguous: updated
         groups: LoRAGroups,
-        lora_a: torch.Tensor,  # [slots, parts * rank, in], contiguous
-        lora_b: ctypes.Array[ctypes.c_void_p],  # each part's B [slots, rank, out_p], contiguous
+        lora_a: torch.Tensor,  # [slots, parts * rank, in], each slot's contiguous
+        lora_b: ctypes.Array[ctypes.c_void_p],  # each part's B [slots, rank, out_p], likewise
+        slot_stride: int,  # elements from one slot's A (and B) to the next slot's
         part_sizes: torch.Tensor,  # [parts] int64
         part_rank: torch.Tensor,  # [slots, parts] int32: the slot's rank on the part, 0: none
         rank: int,  # the largest: A's and B's stride in rows
@@ -226,6 +227,7 @@ class CpuKernels:
             slots=groups.slots.data_ptr(),
             n_groups=groups.slots.shape[0],
             a=lora_a.data_ptr(),
+            slot_stride=slot_stride,
             b=ctypes.addressof(lora_b),
             part_sizes=part_sizes.data_ptr(),
             part_rank=part_rank.data_ptr(),

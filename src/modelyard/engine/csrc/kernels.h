@@ -91,8 +91,9 @@ typedef struct {
     const int64_t *groups; /* [n_groups + 1]: group g is rows[groups[g]..groups[g + 1]) */
     const int64_t *slots;  /* [n_groups]: each group's slot */
     int64_t n_groups;
-    const void *a;             /* [slots, parts * rank, in_features] */
-    const void *const *b;      /* [parts]: each part's B [slots, rank, part_size] */
+    const void *a;             /* [slots, parts * rank, in_features], slots slot_stride apart */
+    const void *const *b;      /* [parts]: each part's B [slots, rank, part_size], likewise */
+    int64_t slot_stride;       /* elements */
     const int64_t *part_sizes; /* [parts] */
     const int32_t *part_rank;  /* [slots, parts]: the slot's rank on the part, 0: untouched */
     int64_t parts, in_features, rank; /* rank: the largest, A's and B's stride in rows */

@@ -13,10 +13,12 @@
  * reads half). AVX-512 (with BF16 dot products for the shrink where the CPU has them), AVX2
  * with F16C, or plain C.
  *
- * Layout (layers.LoRALinear): A [slots, parts * rank, in] (as nn.Linear keeps its weight: the
- * shrink is `rank` dot products along `in`), part p's rows p*rank..; B_p [slots, rank, out_p];
- * part p's output columns follow part p-1's in y; `rank` the largest, a slot's own rank on a
- * part its first rows. Weights float32, bfloat16 or float16; x and y float32 or bfloat16 each;
+ * Layout (layers.LoRALinear): per slot one block, `slot_stride` elements apart: A [parts * rank,
+ * in] (as nn.Linear keeps its weight: the shrink is `rank` dot products along `in`), part p's
+ * rows p*rank.., then B_p [rank, out_p] for each part; `rank` the largest, a slot's own rank on
+ * a part its first rows. A group reads its slot's block front to back (every shrink, then every
+ * expand) and a thread claims runs of neighbouring groups: one sequential stream. Part p's
+ * output columns follow part p-1's in y. Weights float32, bfloat16 or float16; x and y float32 or bfloat16 each;
  * rows have contiguous columns, `*_stride` apart.
  */
 #include <stdatomic.h>
@@ -42,6 +44,7 @@ typedef struct {
     const int64_t *slots;  /* [n_groups]: each group's slot */
     const void *a;
     const void *const *b;
+    int64_t slot_stride;
     const int64_t *part_sizes;
     const int32_t *part_rank; /* [slots, parts]: the slot's rank on the part (0: untouched) */
     int64_t in, in_padded, parts, rank;
@@ -412,14 +415,16 @@ static inline __attribute__((always_inline)) void shrink_rows(const Args *a, con
 #endif
 
 /* One group: its rows' x as floats (zero rows pad a group to the unrolled count, zero columns
- * each row to `in_padded`), then per part its shrink and expand over the slot's own rank,
- * skipped where the slot's adapter does not target the part. */
+ * each row to `in_padded`), then every part's shrink, then every part's expand (the order the
+ * slot's block holds A and the Bs), over the slot's own rank, skipping parts the slot's adapter
+ * does not target. h: [GROUP, parts * rank]. */
 static inline __attribute__((always_inline)) void run_group(const Args *a, int64_t group,
                                                             float *xs, float *h, int g_count) {
     const int64_t first = a->groups[group], count = a->groups[group + 1] - first;
     const int64_t *rows = a->rows + first, slot = a->slots[group];
     const int64_t in = a->in, xp = a->in_padded, width = a->parts * a->rank;
     const int64_t wb = w_bytes(a->w_dtype);
+    const int32_t *ranks = a->part_rank + slot * a->parts;
 #ifdef BF16_DOT
     const int bf16_dot = a->x_bf16 && a->w_dtype == W_BF16;
     const uint16_t *xr[GROUP]; /* x rows in place; padding repeats the last */
@@ -442,20 +447,23 @@ static inline __attribute__((always_inline)) void run_group(const Args *a, int64
         }
         memset(xg + in, 0, sizeof(float) * (size_t)(xp - in));
     }
+    for (int64_t p = 0; p < a->parts; p++) {
+        if (ranks[p] == 0) continue;
+        const void *A = (const char *)a->a + (slot * a->slot_stride + p * a->rank * in) * wb;
+        float *hp = h + p * a->rank;
+#ifdef BF16_DOT
+        if (bf16_dot)
+            shrink_bf16(a, (const uint16_t *)A, ranks[p], xr, hp, width, g_count);
+        else
+#endif
+            shrink_rows(a, A, ranks[p], xs, hp, width, g_count);
+    }
     int64_t col = 0;
     for (int64_t p = 0; p < a->parts; p++) {
-        const int64_t out = a->part_sizes[p], rank = a->part_rank[slot * a->parts + p];
-        if (rank > 0) {
-            const int64_t a_at = (slot * width + p * a->rank) * in, b_at = slot * a->rank * out;
-            const void *A = (const char *)a->a + a_at * wb;
-            const void *B = (const char *)a->b[p] + b_at * wb;
-#ifdef BF16_DOT
-            if (bf16_dot)
-                shrink_bf16(a, (const uint16_t *)A, rank, xr, h, a->rank, g_count);
-            else
-#endif
-                shrink_rows(a, A, rank, xs, h, a->rank, g_count);
-            expand(a, B, rank, h, a->rank, rows, col, out, g_count, count);
+        const int64_t out = a->part_sizes[p];
+        if (ranks[p] > 0) {
+            const void *B = (const char *)a->b[p] + slot * a->slot_stride * wb;
+            expand(a, B, ranks[p], h + p * a->rank, width, rows, col, out, g_count, count);
         }
         col += out;
     }
@@ -463,12 +471,12 @@ static inline __attribute__((always_inline)) void run_group(const Args *a, int64
 
 static void run_groups(const void *context, int64_t first, int64_t last) {
     Args *a = (Args *)context;
-    float *scratch = thread_scratch(GROUP * (a->in_padded + a->rank));
+    float *scratch = thread_scratch(GROUP * (a->in_padded + a->parts * a->rank));
     if (scratch == NULL) {
         atomic_store(&a->failed, 1);
         return;
     }
-    float *xs = scratch, *h = scratch + GROUP * a->in_padded; /* h: [GROUP, rank] */
+    float *xs = scratch, *h = scratch + GROUP * a->in_padded;
     for (int64_t g = first; g < last; g++) {
         if (a->groups[g + 1] - a->groups[g] == 1)
             run_group(a, g, xs, h, 1);
@@ -480,11 +488,16 @@ static void run_groups(const void *context, int64_t first, int64_t last) {
 /* Returns 0, or -1 when a thread found no memory for its scratch (then some rows may lack
  * their update). A group holds at most GROUP rows, all of one slot. */
 int my_lora_add(const my_lora *l) {
-    Args args = {l->x,           l->y,           l->x_stride, l->y_stride,
-                 l->rows,        l->groups,      l->slots,    l->a,
-                 l->b,           l->part_sizes,  l->part_rank, l->in_features,
-                 (l->in_features + 7) / 8 * 8,   l->parts,    l->rank,
-                 l->x_bf16,      l->y_bf16,      l->w_dtype,  0};
-    pool_run(run_groups, &args, l->n_groups, 1, l->n_threads);
+    Args args = {l->x,           l->y,           l->x_stride,    l->y_stride,
+                 l->rows,        l->groups,      l->slots,       l->a,
+                 l->b,           l->slot_stride, l->part_sizes,  l->part_rank,
+                 l->in_features, (l->in_features + 7) / 8 * 8,   l->parts,
+                 l->rank,        l->x_bf16,      l->y_bf16,      l->w_dtype,
+                 0};
+    /* Runs of neighbouring groups per claim: with every slot in use, a thread streams a run
+     * of neighbouring slots' blocks, one long read the hardware prefetchers follow. */
+    const int64_t n_threads = l->n_threads > 0 ? l->n_threads : 1;
+    int64_t run = l->n_groups / (4 * n_threads);
+    pool_run(run_groups, &args, l->n_groups, run > 0 ? run : 1, l->n_threads);
     return atomic_load(&args.failed) ? -1 : 0;
 }

@@ -9,7 +9,8 @@ every wrapped projection adds `x[rows] @ A[slot] @ B[slot]` for its adapter rows
 
 - with modelyard's C kernels (CPU, float32/bfloat16): one `lora_add` call (`csrc/lora.c`) for
   every row and part, streaming each adapter's A and B once per group of up to 4 of its rows,
-  only the adapter's own rank of them;
+  only the adapter's own rank of them (a slot's A and Bs lie in one block, `slot_weights`, read
+  front to back);
 - otherwise PyTorch: one gathered `bmm` (many adapters, one row each: decoding) or one matmul
   pair per adapter (segmented: long prefill chunks of few adapters).
 
@@ -102,10 +103,17 @@ class LoRALinear(nn.Module):
         width = len(parts) * max_rank
         self.dtype = dtype  # the update's arithmetic (PyTorch's forms)
         stored = stored or weight_dtype(dtype, device)
-        self.lora_a = torch.zeros(slots + 1, width, in_features, dtype=stored, device=device)
-        self.lora_b = [
-            torch.zeros(slots + 1, max_rank, size, dtype=stored, device=device) for size in parts
-        ]
+        # One block per slot, A then each part's B, so that a slot's weights are one stream.
+        block = width * in_features + max_rank * sum(parts)
+        self.slot_weights = torch.zeros(slots + 1, block, dtype=stored, device=device)
+        self.lora_a = self.slot_weights[:, : width * in_features].unflatten(1, (width, in_features))
+        self.lora_b: list[torch.Tensor] = []
+        at = width * in_features
+        for size in parts:
+            self.lora_b.append(
+                self.slot_weights[:, at : at + max_rank * size].unflatten(1, (max_rank, size))
+            )
+            at += max_rank * size
         self.used_slots: set[int] = set()  # slots whose adapter targets this projection
         self.kernels: CpuKernels | None = None  # the model's `use_kernels`
         self._part_sizes = torch.tensor(parts, dtype=torch.long)
@@ -117,9 +125,7 @@ class LoRALinear(nn.Module):
 
     def load_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter's (A [r, in], scaled B [out, r]) per part; None = part untouched."""
-        self.lora_a[slot].zero_()
-        for b in self.lora_b:
-            b[slot].zero_()
+        self.slot_weights[slot].zero_()
         self.used_slots.discard(slot)
         if any(w is not None for w in weights):
             self.used_slots.add(slot)
@@ -144,6 +150,7 @@ class LoRALinear(nn.Module):
                 batch.groups,
                 self.lora_a,
                 self._b_pointers,
+                self.slot_weights.stride(0),
                 self._part_sizes,
                 self._part_rank,
                 self.max_rank,
