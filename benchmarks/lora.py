@@ -10,10 +10,11 @@ loads of `--requests` requests, each decoding exactly `--max-tokens` tokens (EOS
   every step has its own adapter), adapters already in their slots (a warm-up round loads them).
 
 Rounds alternate (base, mixed, base, mixed, ...) in one process; the table gives output tokens/s
-per round and the median ratio mixed / base. `--kernels c,pytorch` runs the mixed load once
-per form of the LoRA update in each round (c: modelyard's C kernel, `csrc/lora.c`, the CPU
-default where it builds; pytorch: per-row gathered bmm / per-adapter matmul pairs, the path
-without a compiler and on other devices).
+per round and the median ratio mixed / base, and the same ratio by the process's CPU seconds
+(on a machine shared with other jobs, wall time also counts the waits for a core).
+`--kernels c,pytorch` runs the mixed load once per form of the LoRA update in each round (c:
+modelyard's C kernel, `csrc/lora.c`, the CPU default where it builds; pytorch: per-row gathered
+bmm / per-adapter matmul pairs, the path without a compiler and on other devices).
 
     python benchmarks/lora.py                        # SmolLM2, 50 adapters, 50 requests
     python benchmarks/lora.py --adapters 8 --requests 32 --rounds 2
@@ -78,16 +79,18 @@ def write_adapter(
 
 def run_load(
     engine: LLMEngine, prompts: list[list[int]], loras: list[str | None], max_tokens: int
-) -> tuple[int, float]:
+) -> tuple[int, float, float]:
+    """Tokens, wall seconds and this process's CPU seconds (on a shared machine the CPU time
+    shows what the wall time hides: time the process waited for a core)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
         engine.add_request(f"r{time.monotonic_ns()}-{i}", prompt, params, lora=lora)
     tokens = 0
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         for out in engine.step():
             tokens += sum(len(d.token_ids) for d in out.deltas)
-    return tokens, time.perf_counter() - started
+    return tokens, time.perf_counter() - started, time.process_time() - cpu
 
 
 def main() -> None:
@@ -149,8 +152,8 @@ def main() -> None:
             for label, loras, kernel in loads:
                 for lin in projections:
                     lin.kernels = c_kernels if kernel == "c" else None
-                tokens, seconds = run_load(engine, prompts, loras, args.max_tokens)
-                rows.append((r, label, tokens, seconds, tokens / seconds))
+                tokens, seconds, cpu = run_load(engine, prompts, loras, args.max_tokens)
+                rows.append((r, label, tokens, seconds, tokens / seconds, cpu))
                 print(f"round {r} {label}: {tokens} tokens in {seconds:.2f} s", flush=True)
     print(
         f"model {args.model} ({engine.runner.dtype}), {args.requests} requests x {args.max_tokens} "
@@ -159,15 +162,20 @@ def main() -> None:
         f"{len(set(mixed))} distinct in the mixed load; machine: {platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    print(f"{'round':>5} {'load':>15} {'tokens':>7} {'seconds':>8} {'tok/s':>8}")
-    for r, label, tokens, seconds, rate in rows:
-        print(f"{r:>5} {label:>15} {tokens:>7} {seconds:>8.2f} {rate:>8.1f}")
+    print(f"{'round':>5} {'load':>15} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'CPU s':>8}")
+    for r, label, tokens, seconds, rate, cpu in rows:
+        print(f"{r:>5} {label:>15} {tokens:>7} {seconds:>8.2f} {rate:>8.1f} {cpu:>8.2f}")
     width = len(loads)
     for k, kernel in enumerate(kernels, start=1):
         ratios = [rows[i + k][4] / rows[i][4] for i in range(0, len(rows), width)]
         per_round = ", ".join(f"{x:.3f}" for x in ratios)
         median = statistics.median(ratios)
         print(f"mixed ({kernel}) / base per round: {per_round}; median {median:.3f}")
+        by_cpu = [rows[i][5] / rows[i + k][5] for i in range(0, len(rows), width)]
+        print(
+            f"  the same by CPU seconds (base CPU s / mixed CPU s): "
+            f"{', '.join(f'{x:.3f}' for x in by_cpu)}; median {statistics.median(by_cpu):.3f}"
+        )
     print(f"adapter loads {lora.loads}, evictions {lora.evictions}")
 
 

@@ -7,6 +7,8 @@ engine steps with batched per-row LoRA.
 
 from __future__ import annotations
 
+import functools
+import platform
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from modelyard.config import EngineSettings
+from modelyard.engine.cpu_kernels import CpuKernels, build_kernels
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.lora.layers import LoRABatch, LoRALinear
 from modelyard.engine.lora.manager import LoRASlotsBusy
@@ -129,17 +134,30 @@ def test_mixed_batch_equals_peft_merged(tiny: tuple[Path, dict[str, Path]], kern
     assert len({tuple(got[n]) for n in ("base", "a1", "a2", "a3")}) == 4  # adapters matter
 
 
+@functools.cache
+def lora_kernel_builds() -> dict[str, CpuKernels]:
+    """`kernel_builds`, and (x86) the portable C form, built without AVX2, FMA and F16C too."""
+    builds = dict(kernel_builds())
+    if builds and platform.machine() in ("x86_64", "AMD64"):
+        flags = ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")
+        portable = build_kernels(EngineSettings().cache_dir, flags)
+        assert portable is not None, "the kernels build natively but not in portable C"
+        builds["portable-c"] = portable
+    return builds
+
+
 @pytest.mark.skipif(not kernel_builds(), reason="no C compiler here")
-@settings(max_examples=80, deadline=None, derandomize=True)
+@settings(max_examples=120, deadline=None, derandomize=True)
 @given(
     token_slots=st.lists(st.integers(0, 3), min_size=1, max_size=14),
-    parts=st.sampled_from([[24], [16, 8, 8], [40, 40]]),
-    in_features=st.sampled_from([8, 20, 64]),
-    rank=st.sampled_from([1, 4, 8]),
-    weights=st.sampled_from([torch.float32, torch.bfloat16]),
+    parts=st.sampled_from([[24], [16, 8, 8], [40, 40], [5, 11, 3], [33]]),
+    in_features=st.sampled_from([3, 8, 20, 37, 64]),
+    rank=st.sampled_from([1, 4, 5, 8]),
+    slot_ranks=st.lists(st.integers(1, 8), min_size=3, max_size=3),
+    weights=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     activations=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 999),
-    build=st.sampled_from(sorted(kernel_builds())),
+    build=st.sampled_from(["native", "plain-c", "portable-c"]),
 )
 def test_c_kernel_adds_each_rows_own_update(
     build: str,
@@ -147,31 +165,39 @@ def test_c_kernel_adds_each_rows_own_update(
     parts: list[int],
     in_features: int,
     rank: int,
+    slot_ranks: list[int],
     weights: torch.dtype,
     activations: torch.dtype,
     seed: int,
 ) -> None:
     """`y[row] += x[row] @ A[slot] @ B[slot]` for every row whatever its slot (0: base, none),
-    however many rows share one (groups of 4 share a weight read), with parts an adapter does
-    not target (zeros, skipped), output widths not a multiple of 16, in float32 and bfloat16;
-    against the same arithmetic in float64; the AVX-512 and the plain-C build."""
+    however many rows share one (groups of 4 share a weight read), each slot at its own rank up
+    to the largest, with parts an adapter does not target (zeros, skipped), odd input and output
+    widths, weights in float32, bfloat16 and float16, activations in float32 and bfloat16;
+    against the same arithmetic in float64; the native build, the one without AVX-512 (AVX2
+    where the CPU has it) and portable C."""
+    kernels = lora_kernel_builds().get(build)
+    if kernels is None:
+        return  # not x86: only the native build
     gen = torch.Generator().manual_seed(seed)
     batch = LoRABatch()
     base = torch.nn.Linear(in_features, sum(parts), bias=False, dtype=activations)
-    lin = LoRALinear(base, in_features, parts, 3, rank, batch, weights, torch.device("cpu"))
-    lin.kernels = kernel_builds()[build]
-    for slot in (1, 2, 3):
+    cpu = torch.device("cpu")
+    lin = LoRALinear(base, in_features, parts, 3, rank, batch, activations, cpu, weights)
+    lin.kernels = kernels
+    for slot, r in zip((1, 2, 3), slot_ranks, strict=True):
+        r = min(r, rank)
         lin.load_slot(
             slot,
             [
                 None if (slot + p) % 3 == 0 else
-                (torch.randn(rank, in_features, generator=gen),
-                 torch.randn(size, rank, generator=gen))
+                (torch.randn(r, in_features, generator=gen),
+                 torch.randn(size, r, generator=gen))
                 for p, size in enumerate(parts)
             ],
         )  # fmt: skip
     x = torch.randn(len(token_slots), in_features, generator=gen).to(activations)
-    batch.set(token_slots, torch.device("cpu"))
+    batch.set(token_slots, cpu)
     got = lin(x).double()
     want = base(x).double()
     a, bs = lin.lora_a.double(), [b.double() for b in lin.lora_b]
@@ -182,6 +208,27 @@ def test_c_kernel_adds_each_rows_own_update(
             want[row] += torch.cat([hp @ b[slot] for hp, b in zip(parts_h, bs, strict=True)])
     tolerance = 1e-4 if activations == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_float32_models_keep_adapters_in_float16(
+    tiny: tuple[Path, dict[str, Path]], tmp_path: Path
+) -> None:
+    """Half the bytes a decode step reads; an adapter float16 cannot hold is refused when read
+    (naming `model`), never written into a slot as infinities."""
+    base, adapters = tiny
+    engine = lora_engine(base, adapters, max_loras=2)
+    assert engine.runner.lora is not None
+    assert engine.runner.lora.weight_dtype == torch.float16
+    huge = make_adapter(base, tmp_path / "huge", 7, r=2, lora_alpha=4, target_modules=["o_proj"])
+    tensors = load_file(str(huge / "adapter_model.safetensors"))
+    first = next(k for k in tensors if "lora_B" in k)
+    tensors[first] = tensors[first] * 1e6
+    save_file(tensors, str(huge / "adapter_model.safetensors"))
+    engine.runner.lora.register("huge", huge)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    with pytest.raises(RequestRejected, match="float16") as caught:
+        engine.add_request("h", PROMPT, params, lora="huge")
+    assert caught.value.param == "model"
 
 
 def test_lru_eviction_and_held_adapters(tiny: tuple[Path, dict[str, Path]]) -> None:

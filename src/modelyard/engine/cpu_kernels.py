@@ -48,6 +48,8 @@ Attention = HEADER.struct("my_attention")
 RopeKV = HEADER.struct("my_rope_kv")
 Linear = HEADER.struct("my_linear")
 LoRA = HEADER.struct("my_lora")
+# the weights' dtypes `lora_add` reads: `my_lora.w_dtype`
+LORA_WEIGHTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 Step = HEADER.struct("my_step")
 
 
@@ -205,12 +207,12 @@ class CpuKernels:
         x: torch.Tensor,  # [T, in] float32 or bfloat16, columns contiguous
         y: torch.Tensor,  # [T, sum(part_sizes)] float32 or bfloat16, contiguous: updated
         groups: LoRAGroups,
-        lora_a: torch.Tensor,  # [slots, parts * rank, in], contiguous
-        lora_b: ctypes.Array[ctypes.c_void_p],  # each part's B [slots, rank, out_p], contiguous
+        lora_a: torch.Tensor,  # [slots, parts * rank, in], each slot's contiguous
+        lora_b: ctypes.Array[ctypes.c_void_p],  # each part's B [slots, rank, out_p], likewise
+        slot_stride: int,  # elements from one slot's A (and B) to the next slot's
         part_sizes: torch.Tensor,  # [parts] int64
-        part_used: torch.Tensor,  # [slots, parts] uint8: the slot's adapter targets the part
-        rank: int,
-        bf16: bool,  # the weights' dtype (else float32)
+        part_rank: torch.Tensor,  # [slots, parts] int32: the slot's rank on the part, 0: none
+        rank: int,  # the largest: A's and B's stride in rows
     ) -> None:
         """Each adapter row's `y[row] += x[row] @ A[slot] @ B[slot]` (see `csrc/lora.c`)."""
         args = LoRA(
@@ -225,13 +227,14 @@ class CpuKernels:
             slots=groups.slots.data_ptr(),
             n_groups=groups.slots.shape[0],
             a=lora_a.data_ptr(),
+            slot_stride=slot_stride,
             b=ctypes.addressof(lora_b),
             part_sizes=part_sizes.data_ptr(),
-            part_used=part_used.data_ptr(),
+            part_rank=part_rank.data_ptr(),
             parts=part_sizes.shape[0],
             in_features=x.shape[1],
             rank=rank,
-            w_bf16=int(bf16),
+            w_dtype=LORA_WEIGHTS[lora_a.dtype],
             n_threads=self.matmul_threads,
         )
         failed = self._lora_add(ctypes.byref(args))

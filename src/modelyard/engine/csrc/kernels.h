@@ -91,12 +91,14 @@ typedef struct {
     const int64_t *groups; /* [n_groups + 1]: group g is rows[groups[g]..groups[g + 1]) */
     const int64_t *slots;  /* [n_groups]: each group's slot */
     int64_t n_groups;
-    const void *a;             /* [slots, parts * rank, in_features] */
-    const void *const *b;      /* [parts]: each part's B [slots, rank, part_size] */
+    const void *a;             /* [slots, parts * rank, in_features], slots slot_stride apart */
+    const void *const *b;      /* [parts]: each part's B [slots, rank, part_size], likewise */
+    int64_t slot_stride;       /* elements */
     const int64_t *part_sizes; /* [parts] */
-    const uint8_t *part_used;  /* [slots, parts]: the slot's adapter targets the part */
-    int64_t parts, in_features, rank;
-    int w_bf16, n_threads;
+    const int32_t *part_rank;  /* [slots, parts]: the slot's rank on the part, 0: untouched */
+    int64_t parts, in_features, rank; /* rank: the largest, A's and B's stride in rows */
+    int w_dtype;                      /* the weights: 0 float32, 1 bfloat16, 2 float16 */
+    int n_threads;
 } my_lora;
 
 /* Returns 0, or -1 when a thread found no memory for its scratch (then some rows may lack

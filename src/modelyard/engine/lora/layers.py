@@ -8,13 +8,19 @@ is never computed. A step sets `LoRABatch` once: which flat-batch rows use which
 every wrapped projection adds `x[rows] @ A[slot] @ B[slot]` for its adapter rows:
 
 - with modelyard's C kernels (CPU, float32/bfloat16): one `lora_add` call (`csrc/lora.c`) for
-  every row and part, streaming each adapter's A and B once per group of up to 4 of its rows;
+  every row and part, streaming each adapter's A and B once per group of up to 4 of its rows,
+  only the adapter's own rank of them (a slot's A and Bs lie in one block, `slot_weights`, read
+  front to back);
 - otherwise PyTorch: one gathered `bmm` (many adapters, one row each: decoding) or one matmul
   pair per adapter (segmented: long prefill chunks of few adapters).
 
 With 50 adapters on every projection of SmolLM2 in one batch, PyTorch's forms (gathered, or
 `torch._grouped_mm` over rows sorted by slot, which this module used to take on CPUs) cost 2 to
 4 times the base model's own step; the C kernel, about a third of it (BENCHMARKS.md).
+
+A decode step with many adapters is bound by reading their weights, so on CPUs a float32
+model keeps them in float16 (`weight_dtype`: half the bytes; products and sums stay float32, and
+an adapter beyond float16's range is refused when read); a bfloat16 model keeps bfloat16.
 
 A step without adapter rows costs one attribute check per projection.
 """
@@ -67,6 +73,12 @@ class LoRABatch:
         self.set([], torch.device("cpu"))
 
 
+def weight_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """How the slots keep adapter weights for a model of `dtype`: float16 for a float32 model
+    on a CPU (the C kernel widens it as it reads), else the model's own."""
+    return torch.float16 if dtype == torch.float32 and device.type == "cpu" else dtype
+
+
 class LoRALinear(nn.Module):
     """`base(x)` plus each adapter row's low-rank update; `parts` = output sizes of the
     projections fused into `base` (q, k, v or gate, up), in order."""
@@ -81,6 +93,7 @@ class LoRALinear(nn.Module):
         batch: LoRABatch,
         dtype: torch.dtype,
         device: torch.device,
+        stored: torch.dtype | None = None,  # the weights' dtype: `weight_dtype` unless given
     ) -> None:
         super().__init__()
         self.base = base
@@ -88,27 +101,36 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.batch = batch
         width = len(parts) * max_rank
-        self.lora_a = torch.zeros(slots + 1, width, in_features, dtype=dtype, device=device)
-        self.lora_b = [
-            torch.zeros(slots + 1, max_rank, size, dtype=dtype, device=device) for size in parts
-        ]
+        self.dtype = dtype  # the update's arithmetic (PyTorch's forms)
+        stored = stored or weight_dtype(dtype, device)
+        # One block per slot, A then each part's B, so that a slot's weights are one stream.
+        block = width * in_features + max_rank * sum(parts)
+        self.slot_weights = torch.zeros(slots + 1, block, dtype=stored, device=device)
+        self.lora_a = self.slot_weights[:, : width * in_features].unflatten(1, (width, in_features))
+        self.lora_b: list[torch.Tensor] = []
+        at = width * in_features
+        for size in parts:
+            self.lora_b.append(
+                self.slot_weights[:, at : at + max_rank * size].unflatten(1, (max_rank, size))
+            )
+            at += max_rank * size
         self.used_slots: set[int] = set()  # slots whose adapter targets this projection
         self.kernels: CpuKernels | None = None  # the model's `use_kernels`
         self._part_sizes = torch.tensor(parts, dtype=torch.long)
-        self._part_used = torch.zeros(slots + 1, len(parts), dtype=torch.uint8)
+        self._part_rank = torch.zeros(slots + 1, len(parts), dtype=torch.int32)  # 0: none
         self._b_pointers = (ctypes.c_void_p * len(parts))(*(b.data_ptr() for b in self.lora_b))
-        self._kernel_dtypes = dtype in (torch.float32, torch.bfloat16) and device.type == "cpu"
+        self._kernel_dtypes = stored in (torch.float32, torch.bfloat16, torch.float16) and (
+            device.type == "cpu"
+        )
 
     def load_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter's (A [r, in], scaled B [out, r]) per part; None = part untouched."""
-        self.lora_a[slot].zero_()
-        for b in self.lora_b:
-            b[slot].zero_()
+        self.slot_weights[slot].zero_()
         self.used_slots.discard(slot)
         if any(w is not None for w in weights):
             self.used_slots.add(slot)
         for p, w in enumerate(weights):
-            self._part_used[slot, p] = w is not None
+            self._part_rank[slot, p] = 0 if w is None else w[0].shape[0]
             if w is not None:
                 a, b = w
                 r = a.shape[0]
@@ -128,24 +150,26 @@ class LoRALinear(nn.Module):
                 batch.groups,
                 self.lora_a,
                 self._b_pointers,
+                self.slot_weights.stride(0),
                 self._part_sizes,
-                self._part_used,
+                self._part_rank,
                 self.max_rank,
-                self.lora_a.dtype == torch.bfloat16,
             )
             return y
         assert batch.rows is not None and batch.row_slots is not None
         if batch.gathered:
             xs = (x if batch.all_rows else x[batch.rows]).unsqueeze(1)  # [n, 1, in]
-            h = torch.bmm(xs.to(self.lora_a.dtype), self.lora_a[batch.row_slots].transpose(1, 2))
+            a = self.lora_a[batch.row_slots].to(self.dtype)
+            h = torch.bmm(xs.to(self.dtype), a.transpose(1, 2))
             deltas = [
-                torch.bmm(self._part(h, p), b[batch.row_slots]).squeeze(1)
+                torch.bmm(self._part(h, p), b[batch.row_slots].to(self.dtype)).squeeze(1)
                 for p, b in enumerate(self.lora_b)
             ]
             return self._add(y, batch.rows, deltas, batch.all_rows)
         for slot, rows in batch.segments:
-            h = x[rows].to(self.lora_a.dtype) @ self.lora_a[slot].T
-            self._add(y, rows, [self._part(h, p) @ b[slot] for p, b in enumerate(self.lora_b)])
+            h = x[rows].to(self.dtype) @ self.lora_a[slot].to(self.dtype).T
+            deltas = [self._part(h, p) @ b[slot].to(self.dtype) for p, b in enumerate(self.lora_b)]
+            self._add(y, rows, deltas)
         return y
 
     def _kernel_fits(self, x: torch.Tensor, y: torch.Tensor) -> bool:

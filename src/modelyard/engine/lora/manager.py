@@ -25,7 +25,7 @@ from modelyard.engine.lora.adapter import (
     load_adapter,
     projection_shapes,
 )
-from modelyard.engine.lora.layers import LoRABatch, LoRALinear
+from modelyard.engine.lora.layers import LoRABatch, LoRALinear, weight_dtype
 from modelyard.engine.models.config import ModelConfig
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -66,6 +66,7 @@ class LoRAManager:
         self._staged: dict[str, LoRAAdapter] = {}  # read from disk, waiting for a slot
         self.loads = 0
         self.evictions = 0
+        self.weight_dtype = torch.float32  # how the slots keep weights (set by `_wrap`)
         self._layers = self._wrap(model)
 
     def _wrap(self, model: nn.Module) -> list[dict[str, LoRALinear]]:
@@ -73,6 +74,7 @@ class LoRAManager:
         dtype, device = param.dtype, param.device
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             dtype = torch.float32
+        self.weight_dtype = weight_dtype(dtype, device)
         shapes = {
             "qkv_proj": self.cfg.hidden_size,
             "o_proj": self.cfg.num_attention_heads * self.cfg.head_dim,
@@ -140,8 +142,21 @@ class LoRAManager:
         adapter = self._staged.get(name)
         if adapter is None:
             adapter = load_adapter(name, self.resolve(name), self.cfg, self.max_rank)
+            self._check_range(adapter)
             self._staged[name] = adapter
         return f"{name}@{adapter.fingerprint}"
+
+    def _check_range(self, adapter: LoRAAdapter) -> None:
+        """`AdapterError` if the slots' dtype cannot hold the adapter's (scaled) weights."""
+        if self.weight_dtype != torch.float16:
+            return
+        limit = torch.finfo(torch.float16).max
+        for (layer, proj), pair in adapter.weights.items():
+            if any(not bool((w.abs() <= limit).all()) for w in pair):
+                raise AdapterError(
+                    f"{adapter.name}: layer {layer} {proj} has weights beyond float16's range "
+                    "(this engine keeps the adapters of a float32 model in float16)"
+                )
 
     def try_acquire(self, request_id: str, name: str, live: Collection[str]) -> bool:
         """Hold `name`'s slot for `request_id`, loading it into a free slot or the least recently
