@@ -57,7 +57,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Strict typing of the packages [tool.mypy] in pyproject.toml lists (make test runs it too).
+# Strict typing of all of src/modelyard ([tool.mypy] in pyproject.toml; make test runs it too).
 typecheck: $(STAMP)
 	$(BIN)/python -m mypy
 

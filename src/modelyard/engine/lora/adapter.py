@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ class LoRAAdapter:
     fingerprint: str  # of the weights file: a reloaded adapter never reuses stale cache blocks
 
 
-def _read_config(folder: Path) -> dict:
+def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / "adapter_config.json"
     if not path.is_file():
         raise AdapterError(f"{folder.name}: no adapter_config.json")
@@ -63,6 +64,8 @@ def _read_config(folder: Path) -> dict:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise AdapterError(f"{folder.name}: adapter_config.json is not JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{folder.name}: adapter_config.json is not a JSON object")
     if str(raw.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterError(f"{folder.name}: peft_type {raw.get('peft_type')!r} is not LORA")
     return raw

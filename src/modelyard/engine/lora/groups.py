@@ -30,6 +30,6 @@ class LoRAGroups:
                 rows.extend(slot_rows[i : i + cls.GROUP_ROWS])
                 starts.append(len(rows))
                 slots.append(slot)
-        as_long = {"dtype": torch.long}
-        return cls(torch.tensor(rows, **as_long), torch.tensor(starts, **as_long),
-                   torch.tensor(slots, **as_long))  # fmt: skip
+        long = torch.long
+        return cls(torch.tensor(rows, dtype=long), torch.tensor(starts, dtype=long),
+                   torch.tensor(slots, dtype=long))  # fmt: skip

@@ -59,15 +59,18 @@ class LoRABatch:
         by_slot: dict[int, list[int]] = {}
         for i in rows:
             by_slot.setdefault(token_slots[i], []).append(i)
-        as_long = {"dtype": torch.long, "device": device}
         self.groups = LoRAGroups.of(by_slot) if device.type == "cpu" else None
         self.all_rows = len(rows) == len(token_slots)
         # Few adapters with many rows each: a matmul pair per adapter beats gathering A and B
         # per row; one row each (decode with many adapters): one bmm over gathered weights.
         self.gathered = len(rows) < 4 * len(by_slot)
-        self.rows = torch.tensor(rows, **as_long)
-        self.row_slots = torch.tensor([token_slots[i] for i in rows], **as_long)
-        self.segments = [(s, torch.tensor(r, **as_long)) for s, r in by_slot.items()]
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
+        self.row_slots = torch.tensor(
+            [token_slots[i] for i in rows], dtype=torch.long, device=device
+        )
+        self.segments = [
+            (s, torch.tensor(r, dtype=torch.long, device=device)) for s, r in by_slot.items()
+        ]
 
     def clear(self) -> None:
         self.set([], torch.device("cpu"))
@@ -106,12 +109,16 @@ class LoRALinear(nn.Module):
         # One block per slot, A then each part's B, so that a slot's weights are one stream.
         block = width * in_features + max_rank * sum(parts)
         self.slot_weights = torch.zeros(slots + 1, block, dtype=stored, device=device)
-        self.lora_a = self.slot_weights[:, : width * in_features].unflatten(1, (width, in_features))
+        self.lora_a = torch.unflatten(
+            self.slot_weights[:, : width * in_features], 1, (width, in_features)
+        )
         self.lora_b: list[torch.Tensor] = []
         at = width * in_features
         for size in parts:
             self.lora_b.append(
-                self.slot_weights[:, at : at + max_rank * size].unflatten(1, (max_rank, size))
+                torch.unflatten(
+                    self.slot_weights[:, at : at + max_rank * size], 1, (max_rank, size)
+                )
             )
             at += max_rank * size
         self.used_slots: set[int] = set()  # slots whose adapter targets this projection
@@ -139,7 +146,7 @@ class LoRALinear(nn.Module):
                 self.lora_b[p][slot, :r] = b.T.to(self.lora_a.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y: torch.Tensor = self.base(x)
         batch = self.batch
         if not batch.active or not self.used_slots:  # no loaded adapter targets this one
             return y

@@ -16,7 +16,6 @@ from collections.abc import Collection
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from modelyard.engine.faults import RequestFailed
 from modelyard.engine.lora.adapter import (
@@ -27,6 +26,7 @@ from modelyard.engine.lora.adapter import (
 )
 from modelyard.engine.lora.layers import LoRABatch, LoRALinear, weight_dtype
 from modelyard.engine.models.config import ModelConfig
+from modelyard.engine.models.llama import LlamaForCausalLM
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -47,7 +47,7 @@ class LoRASlotsBusy(RequestFailed):
 class LoRAManager:
     def __init__(
         self,
-        model: nn.Module,
+        model: LlamaForCausalLM,
         cfg: ModelConfig,
         max_loras: int,
         max_rank: int,
@@ -69,7 +69,7 @@ class LoRAManager:
         self.weight_dtype = torch.float32  # how the slots keep weights (set by `_wrap`)
         self._layers = self._wrap(model)
 
-    def _wrap(self, model: nn.Module) -> list[dict[str, LoRALinear]]:
+    def _wrap(self, model: LlamaForCausalLM) -> list[dict[str, LoRALinear]]:
         param = next(model.parameters())
         dtype, device = param.dtype, param.device
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -83,7 +83,7 @@ class LoRAManager:
         }
         outs = projection_shapes(self.cfg)
         layers: list[dict[str, LoRALinear]] = []
-        for layer in model.model.layers:  # type: ignore[attr-defined]
+        for layer in model.model.decoder_layers():
             wrapped: dict[str, LoRALinear] = {}
             for attr, (owner_name, projs) in _WRAPPED.items():
                 owner = getattr(layer, owner_name)
