@@ -300,6 +300,8 @@ def test_streamed_chat_keys_batch_and_usage(
     bar.wait_for()
     assert float(bar.get_attribute("data-value") or 0) > 0
     assert page.locator('#usage-model svg rect.bar[data-label="tiny"]').count() == 1
+    assert page.locator("#usage-key svg rect.bar").count() >= 1  # spend per key (budgets)
+    assert page.locator('#usage-team svg rect.bar[data-label="(no team)"]').count() == 1
     shots.take(page, "console-usage-1280")
     page.set_viewport_size(PHONE)
     shots.take(page, "console-usage-375")

@@ -1,5 +1,5 @@
-// Usage this month: tokens, requests and cost per day and per model (GET /v1/usage?group_by=),
-// drawn as SVG bar charts.
+// Usage this month: tokens, requests and cost (spend) per day, model, API key and team
+// (GET /v1/usage?group_by=), drawn as SVG bar charts.
 import { get } from "./api.js";
 import { $, el, fill, guard } from "./ui.js";
 import { barChart } from "./chart.js";
@@ -13,9 +13,11 @@ export function init() {
 
 export async function show() {
   const metric = $("usage-metric").value;
-  const [byDay, byModel] = await Promise.all([
+  const [byDay, byModel, byKey, byTeam] = await Promise.all([
     get("/v1/usage?group_by=day"),
     get("/v1/usage?group_by=model"),
+    get("/v1/usage?group_by=key"),
+    get("/v1/usage?group_by=team"),
   ]);
   const t = byDay.totals;
   fill("usage-totals",
@@ -27,4 +29,8 @@ export async function show() {
     byDay.data.map((g) => ({ label: g.day, value: g[metric] })), unit));
   fill("usage-model", barChart(`${unit} per model`,
     byModel.data.map((g) => ({ label: g.model, value: g[metric] })), unit));
+  fill("usage-key", barChart(`${unit} per API key`,
+    byKey.data.map((g) => ({ label: g.key, value: g[metric] })), unit));
+  fill("usage-team", barChart(`${unit} per team`,
+    byTeam.data.map((g) => ({ label: g.team || "(no team)", value: g[metric] })), unit));
 }
