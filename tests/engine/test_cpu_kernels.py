@@ -97,10 +97,16 @@ Records = list[tuple[list[int], torch.Tensor]]
 
 
 def same_with_and_without_kernels(
-    folder: Path, prompts: list[list[int]], max_tokens: int, **settings: Any
+    folder: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    atol_of_max: float | None = None,
+    **settings: Any,
 ) -> Records:
     """Run the prompts staggered in an engine with the C kernels (on by default) and in one
-    without; check both give the same tokens and logits (to 1e-4); return the first's logits."""
+    without; check both give the same tokens and logits (to 1e-4, or to `atol_of_max` times a
+    row's largest logit); return the first's logits."""
     runs = []
     for use_kernels in (True, False):
         engine = make_engine(folder, **settings)
@@ -115,7 +121,11 @@ def same_with_and_without_kernels(
     assert len(logits_on) == len(logits_off) >= len(prompts) * max_tokens
     for (ids_on, row_on), (ids_off, row_off) in zip(logits_on, logits_off, strict=True):
         assert ids_on == ids_off
-        torch.testing.assert_close(row_on, row_off, atol=1e-4, rtol=1e-4)
+        if atol_of_max is None:
+            torch.testing.assert_close(row_on, row_off, atol=1e-4, rtol=1e-4)
+        else:
+            atol = atol_of_max * row_off.abs().max().item()
+            torch.testing.assert_close(row_on, row_off, atol=atol, rtol=0)
     return logits_on
 
 
@@ -393,8 +403,12 @@ def test_bfloat16_kv_cache_under_a_float32_model(tiny_llama: Path) -> None:
     assert engine.runner.model.model.norm.weight.dtype == torch.float32
     # Same memory budget, half the bytes per token: twice the blocks.
     assert engine.kv.num_blocks >= 2 * full.kv.num_blocks - 1
+    # Kernels and PyTorch compute K and V in a different order (FMA contraction differs with
+    # the CPU's vector width): a last-bit difference before the rounding to bfloat16 can land
+    # on the other side of a rounding boundary, a change of 2^-8 in that element. So the two
+    # paths agree to a bfloat16 rounding step, not to float32's.
     logits_on = same_with_and_without_kernels(
-        tiny_llama, prompts, max_tokens=12, kv_cache_dtype="bfloat16"
+        tiny_llama, prompts, max_tokens=12, kv_cache_dtype="bfloat16", atol_of_max=0.01
     )
     by_context = {tuple(t): row for t, row in reference}
     pairs = [(row, by_context[tuple(t)]) for t, row in logits_on if tuple(t) in by_context]

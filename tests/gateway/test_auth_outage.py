@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -20,18 +18,8 @@ from modelyard.core.errors import DomainError
 from modelyard.gateway.auth import Authenticator, generate_key
 from modelyard.protocol.errors import APIError
 from modelyard.store import repository as repo
-from modelyard.store.db import Database, sqlite_url
+from modelyard.store.db import Database
 from tests.conftest import free_port
-
-
-@pytest.fixture()
-def database(tmp_path: Path) -> Iterator[Database]:
-    db = Database(sqlite_url(tmp_path / "auth.db"))
-    db.migrate()
-    try:
-        yield db
-    finally:
-        db.dispose()
 
 
 def add_key(db: Database) -> tuple[str, str]:

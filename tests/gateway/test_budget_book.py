@@ -6,8 +6,6 @@ binds only its team's keys, and a restarted gateway starts from the spend its ro
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +17,7 @@ from modelyard.gateway.budgets import BudgetBook
 from modelyard.gateway.spend import MemorySpend
 from modelyard.store import repository as repo
 from modelyard.store.budget_tables import BudgetRow, ModelPriceRow
-from modelyard.store.db import Database, sqlite_url
+from modelyard.store.db import Database
 from modelyard.store.tables import UsageRecord
 
 
@@ -38,16 +36,6 @@ def test_costs_are_exact_and_reservations_bound_them() -> None:
         with pytest.raises(ValueError):
             parse_usd(bad, "x", 10**9)
     assert (usd(1_500_000), usd(150_000), usd(0)) == ("1.5", "0.15", "0")
-
-
-@pytest.fixture()
-def database(tmp_path: Path) -> Iterator[Database]:
-    db = Database(sqlite_url(tmp_path / "budgets.db"))
-    db.migrate()
-    try:
-        yield db
-    finally:
-        db.dispose()
 
 
 def principal(key_id: str, team_id: str | None) -> Principal:

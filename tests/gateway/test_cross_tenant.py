@@ -124,6 +124,17 @@ class Victim:
         assert r.status_code == 200, r.text
         create_key(self.api, name=f"vuser-key-{ns}", owner_user_id=self.user["id"])
 
+        # A price on its endpoint, and budgets on the tenant and on its team.
+        r = self.api.put(f"/v1/prices/{self.endpoint}", json={"input_usd_per_million": "1.5"})
+        assert r.status_code == 200, r.text
+        r = admin.post("/v1/budgets", json={"scope": "tenant", "limit_usd": "1000",
+                                            "tenant_id": self.id})  # fmt: skip
+        assert r.status_code == 201, r.text
+        self.budget = r.json()["id"]
+        r = self.api.post("/v1/budgets", json={"scope": "team", "subject_id": self.team["id"],
+                                               "limit_usd": "1000"})  # fmt: skip
+        assert r.status_code == 201, r.text
+
         self.client.chat.completions.create(model=self.model_name, messages=MESSAGES, max_tokens=2)
         self.usage = wait_usage(self.api, lambda rows: len(rows) >= 2)
 
@@ -224,6 +235,22 @@ def test_another_tenant_can_reach_nothing_by_id(
     probe("GET", "/v1/users", params={"tenant_id": v.id})
     assert [u["id"] for u in probe("GET", "/v1/users", {200}).json()["data"]] == [b_user]
     assert [t["id"] for t in probe("GET", "/v1/teams", {200}).json()["data"]] == [b_team]
+    # Prices and budgets.
+    for model in (v.endpoint, v.model_name):
+        probe("GET", "/v1/prices/{endpoint}", endpoint=model)
+        probe("PUT", "/v1/prices/{endpoint}", endpoint=model,
+              json_body={"input_usd_per_million": "0"})  # fmt: skip
+    probe("GET", "/v1/budgets/{budget_id}", budget_id=v.budget)
+    probe("PATCH", "/v1/budgets/{budget_id}", budget_id=v.budget, json_body={"limit_usd": "0"})
+    probe("DELETE", "/v1/budgets/{budget_id}", budget_id=v.budget)
+    probe("GET", "/v1/budgets", params={"tenant_id": v.id})
+    probe("POST", "/v1/budgets", json_body={"scope": "tenant", "limit_usd": "0",
+                                            "tenant_id": v.id})  # fmt: skip
+    probe("POST", "/v1/budgets", json_body={"scope": "team", "subject_id": v.team["id"],
+                                            "limit_usd": "0"})  # fmt: skip
+    probe("POST", "/v1/budgets", json_body={"scope": "key", "subject_id": v.key["id"],
+                                            "limit_usd": "0"})  # fmt: skip
+    assert probe("GET", "/v1/budgets", {200}).json()["data"] == []
     # Usage.
     probe("GET", "/v1/usage", params={"tenant_id": v.id})
     probe("GET", "/v1/usage/export", params={"tenant_id": v.id})

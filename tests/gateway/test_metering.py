@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,16 +27,6 @@ from modelyard.gateway.usage_journal import UsageJournal
 from modelyard.store import repository as repo
 from modelyard.store.db import Database, sqlite_url
 from modelyard.store.tables import UsageRecord
-
-
-@pytest.fixture()
-def database(tmp_path: Path) -> Iterator[Database]:
-    db = Database(sqlite_url(tmp_path / "usage.db"))
-    db.migrate()
-    try:
-        yield db
-    finally:
-        db.dispose()
 
 
 def event(request_id: str) -> UsageEvent:
@@ -218,7 +208,7 @@ async def test_a_flush_waits_for_the_batch_another_flush_is_writing(
     journal = UsageJournal(tmp_path / "j")
     recorder = UsageRecorder(database, journal=journal)
     await report(recorder, event("in-flight"))
-    blocker = sqlite3.connect(tmp_path / "usage.db", isolation_level=None)
+    blocker = sqlite3.connect(str(database.engine.url.database), isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")  # the writer's insert waits for this lock
     try:
         writing = asyncio.create_task(recorder.flush())

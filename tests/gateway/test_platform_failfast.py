@@ -30,12 +30,15 @@ from modelyard.config import PlatformSettings
 from modelyard.core.errors import DomainError
 from modelyard.core.identity import Limits, Principal, Tier
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.gateway.auth import Authenticator
 from modelyard.gateway.call import NO_LIMITS, Call
+from modelyard.gateway.metering import UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.proxy import Gateway
 from modelyard.gateway.quota import MemoryQuotaCounter
 from modelyard.gateway.ratelimit import MemoryRateLimiter
 from modelyard.protocol.errors import STATUS_BY_KIND
+from modelyard.store.db import Database
 from tests.platform_harness import PlatformProcess, create_key, deploy, wait_status
 from tests.tiny_models import build_model
 from tests.waiting import async_wait_until
@@ -47,17 +50,20 @@ ENGINE = json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"})
 
 
 def _gateway(
-    routing: RoutingTable, queue_size: int = 8, activate: Activate | None = None
+    database: Database,
+    routing: RoutingTable,
+    queue_size: int = 8,
+    activate: Activate | None = None,
 ) -> Gateway:
     settings = PlatformSettings(admission_queue_size=queue_size, admission_timeout_s=10.0)
-    # Authentication and metering are not on this path: admission only picks a replica.
+    # Authentication and metering are real but not on this path: admission only picks a replica.
     return Gateway(
         settings,
-        None,  # type: ignore[arg-type]
+        Authenticator(database),
         MemoryRateLimiter(),
         MemoryQuotaCounter(),
         routing,
-        None,  # type: ignore[arg-type]
+        UsageRecorder(database),
         GatewayMetrics(),
         activate=activate,
     )
@@ -117,10 +123,12 @@ async def _admit_all(
     return admitted, refused
 
 
-async def test_waiters_are_admitted_best_tier_first_then_in_arrival_order() -> None:
+async def test_waiters_are_admitted_best_tier_first_then_in_arrival_order(
+    database: Database,
+) -> None:
     routing = RoutingTable()
     route, replica = _route(routing)
-    gateway = _gateway(routing)
+    gateway = _gateway(database, routing)
     names = ["free", "standard", "priority", "free", "standard", "priority"]
     arrivals = [_call(route, t) for t in names]
     for i, call in enumerate(arrivals):
@@ -132,19 +140,19 @@ async def test_waiters_are_admitted_best_tier_first_then_in_arrival_order() -> N
     ]  # fmt: skip
 
 
-async def test_batch_items_wait_behind_every_tier() -> None:
+async def test_batch_items_wait_behind_every_tier(database: Database) -> None:
     routing = RoutingTable()
     route, replica = _route(routing)
-    gateway = _gateway(routing)
+    gateway = _gateway(database, routing)
     arrivals = [_call(route, None, batch=True), _call(route, "free")]
     admitted, _ = await _admit_all(gateway, route, replica, arrivals)
     assert admitted == ["free", "batch"]
 
 
-async def test_a_new_request_does_not_overtake_a_waiter_of_its_tier() -> None:
+async def test_a_new_request_does_not_overtake_a_waiter_of_its_tier(database: Database) -> None:
     routing = RoutingTable()
     route, replica = _route(routing)
-    gateway = _gateway(routing)
+    gateway = _gateway(database, routing)
 
     async def take(tier: str) -> ReplicaRoute | None:
         """A request that takes its replica's slot the moment it has one (as the relay does,
@@ -177,12 +185,12 @@ async def test_a_new_request_does_not_overtake_a_waiter_of_its_tier() -> None:
     assert route.waiting == 0
 
 
-async def test_under_overload_the_lower_tier_is_refused_first() -> None:
+async def test_under_overload_the_lower_tier_is_refused_first(database: Database) -> None:
     """Queue of 4: free may fill half of it, standard 80 % (3), priority all of it; past its
     share a request takes the place of the newest waiter of a worse tier."""
     routing = RoutingTable()
     route, _ = _route(routing)
-    gateway = _gateway(routing, queue_size=4)
+    gateway = _gateway(database, routing, queue_size=4)
 
     asked: list[asyncio.Task[ReplicaRoute | None]] = []
 
@@ -231,12 +239,14 @@ async def test_under_overload_the_lower_tier_is_refused_first() -> None:
     assert route.waiting == 0
 
 
-async def test_an_unavailable_endpoint_fails_at_once_and_wakes_its_waiters() -> None:
+async def test_an_unavailable_endpoint_fails_at_once_and_wakes_its_waiters(
+    database: Database,
+) -> None:
     routing = RoutingTable()
     route, replica = _route(routing)
     # The control plane has a replica starting.
     activated: list[str] = []
-    gateway = _gateway(routing, activate=activated.append)
+    gateway = _gateway(database, routing, activate=activated.append)
     routing.mark_unready(replica, route)
     # No replica serves, and nothing said waiting is pointless: a request waits (loading)...
     waiting = asyncio.create_task(gateway._replica(_call(route, "standard"), set()))

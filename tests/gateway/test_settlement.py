@@ -162,9 +162,11 @@ def test_a_name_reaches_no_other_route_than_its_own(platform: PlatformProcess) -
     sneak = {"model": HOSTILE, "prompt": "hi", "max_tokens": 8}
     r = t.http.post(f"/v2/models/{legacy}/infer", json=sneak)
     assert r.status_code == 400 and "choices" not in r.text, r.text
-    # A valid OIP body goes to /v2/models/<the name, one segment>/infer: an LLM has none.
+    # A valid OIP body never reaches the worker: the gateway knows a chat model serves no
+    # /v2/models/<name>/infer and says which routes it does serve.
     r = t.http.post(f"/v2/models/{legacy}/infer", json=oip_body("hi"))
-    assert r.status_code == 404 and "choices" not in r.text, r.text
+    assert r.status_code == 400 and "choices" not in r.text, r.text
+    assert "is a chat model" in r.text and "/v1/chat/completions" in r.text, r.text
     assert not [row for row in usage_rows(t.api) if row["endpoint_id"] == legacy]
 
 

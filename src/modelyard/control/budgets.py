@@ -34,6 +34,7 @@ from modelyard.store import budgets as rows
 from modelyard.store import repository as repo
 from modelyard.store.budget_tables import BudgetRow, ModelPriceRow
 from modelyard.store.db import Database
+from modelyard.store.people_tables import Team
 from modelyard.store.tables import ApiKey, Endpoint
 
 # Every gateway holds every budget in memory: a tenant's are bounded.
@@ -172,10 +173,13 @@ class Budgets:
             return tenant_id
         if body.subject_id is None:
             raise Invalid(f"a {body.scope} budget needs subject_id", param="subject_id")
-        if scope is BudgetScope.KEY:
-            key = s.get(ApiKey, body.subject_id)
-            if key is None or key.tenant_id != tenant_id:
-                raise NotFound(f"No key {body.subject_id!r}.", param="subject_id")
+        owner: ApiKey | Team | None = (
+            s.get(ApiKey, body.subject_id)
+            if scope is BudgetScope.KEY
+            else s.get(Team, body.subject_id)
+        )
+        if owner is None or owner.tenant_id != tenant_id:  # a team of another tenant too
+            raise NotFound(f"No {body.scope} {body.subject_id!r}.", param="subject_id")
         return body.subject_id
 
     def _amounts(self, limit: object, soft: object) -> tuple[int, int | None]:
