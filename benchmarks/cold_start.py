@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from modelyard.engine.models.loader import resolve_model_path
+from modelyard.engine.models.bundled import resolve_model_path
 from modelyard.registry_client import RegistryClient
 from tests.platform_harness import PlatformProcess, deploy, wait_status
 

@@ -460,7 +460,7 @@ def print_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def _bundled_gguf() -> Path:
-    from modelyard.engine.models.loader import resolve_model_path
+    from modelyard.engine.models.bundled import resolve_model_path
 
     return resolve_model_path("smollm2")
 

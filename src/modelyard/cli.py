@@ -247,8 +247,8 @@ def worker(
 ) -> None:
     """Serve one model over the OpenAI API (chat, completions, models, health, metrics)."""
     from modelyard.config import EngineSettings
+    from modelyard.engine.models.bundled import ModelNotFoundError
     from modelyard.engine.models.config import UnsupportedModelError
-    from modelyard.engine.models.loader import ModelNotFoundError
     from modelyard.worker.server import serve_worker
 
     log_level = _setup_logging(log_level, "-worker", replica=True).log_level

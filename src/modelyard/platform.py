@@ -41,7 +41,7 @@ from modelyard.control.tenancy import Tenancy
 from modelyard.core.cluster_auth import ensure_replica_secret
 from modelyard.core.identity import Principal
 from modelyard.core.routing import RoutingTable
-from modelyard.engine.models.loader import BUNDLED_MODELS, ModelNotFoundError, resolve_model_path
+from modelyard.engine.models.bundled import BUNDLED_MODELS, ModelNotFoundError, resolve_model_path
 from modelyard.gateway.auth import Authenticator, generate_key
 from modelyard.gateway.metering import UsageRecorder
 from modelyard.gateway.metrics import GatewayMetrics

@@ -36,7 +36,7 @@ def _llama_server() -> tuple[str | None, str]:
 
 def _smollm2_gguf() -> Path | None:
     try:
-        from modelyard.engine.models.loader import resolve_model_path
+        from modelyard.engine.models.bundled import resolve_model_path
 
         path = resolve_model_path("smollm2")
     except Exception:

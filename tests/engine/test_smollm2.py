@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from modelyard.engine.models.loader import resolve_model_path
+from modelyard.engine.models.bundled import resolve_model_path
 from tests.parity import hf_greedy, hf_logits, make_engine, record_logits, run_staggered
 
 QUESTIONS = [

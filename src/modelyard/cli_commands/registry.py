@@ -144,7 +144,7 @@ def make_classifier(
     label whose description it is closest to (an ONNX classifier folder)."""
     from modelyard.encoders.errors import EncoderError
     from modelyard.encoders.zero_shot import DEFAULT_LABELS, make_classifier
-    from modelyard.engine.models.loader import ModelNotFoundError, resolve_model_path
+    from modelyard.engine.models.bundled import ModelNotFoundError, resolve_model_path
 
     labels = dict(DEFAULT_LABELS)
     if label:

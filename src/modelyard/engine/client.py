@@ -34,7 +34,7 @@ from modelyard.engine.faults import RequestFailed, RequestInvalid
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.loading import resolve_device
 from modelyard.engine.lora.engine_hooks import check_adapter
-from modelyard.engine.models.loader import resolve_model_path
+from modelyard.engine.models.bundled import resolve_model_path
 from modelyard.engine.request_checks import RequestRejected
 from modelyard.engine.requests import RequestOutput, SequenceDelta
 from modelyard.engine.sampling_params import MAX_N, SamplingParams
