@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from modelyard.encoders.zero_shot import export_classifier_onnx
 
 LABELS = ("negative", "neutral", "positive")
 
@@ -177,22 +178,5 @@ def export_onnx(classifier: Path, folder: Path) -> Path:
         shutil.copy(classifier / name, folder / name)
     for extra in classifier.glob("special_tokens_map.json"):
         shutil.copy(extra, folder / extra.name)
-    ids = torch.ones(2, 8, dtype=torch.long)
-    names = ["input_ids", "attention_mask", "token_type_ids"]
-    axes = {n: {0: "batch", 1: "sequence"} for n in names}
-    axes["logits"] = {0: "batch"}
-    # The TorchScript exporter: offline and quick, and it needs no onnxscript; its tracer and
-    # deprecation warnings are expected.
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model,
-            (ids, torch.ones_like(ids), torch.zeros_like(ids)),
-            str(folder / "model.onnx"),
-            input_names=names,
-            output_names=["logits"],
-            dynamic_axes=axes,
-            opset_version=17,
-            dynamo=False,
-        )
+    export_classifier_onnx(model, folder / "model.onnx")
     return folder

@@ -91,21 +91,27 @@ def make_classifier(
         ),
     )
     (out / "config.json").write_text(json.dumps(model_config, indent=2))
+    export_classifier_onnx(head, out / "model.onnx")
+    return out
+
+
+def export_classifier_onnx(model: torch.nn.Module, path: Path) -> None:
+    """A sequence classifier as ONNX: (input_ids, attention_mask, token_type_ids) -> logits,
+    batch and sequence dynamic. The TorchScript exporter: offline, and needs no onnxscript; its
+    tracer warnings are expected."""
     ids = torch.ones(2, 8, dtype=torch.long)
     inputs = ["input_ids", "attention_mask", "token_type_ids"]
     axes = {n: {0: "batch", 1: "sequence"} for n in inputs}
     axes["logits"] = {0: "batch"}
-    # The TorchScript exporter: offline, and its tracer warnings are expected.
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            head,
+            model,
             (ids, torch.ones_like(ids), torch.zeros_like(ids)),
-            str(out / "model.onnx"),
+            str(path),
             input_names=inputs,
             output_names=["logits"],
             dynamic_axes=axes,
             opset_version=17,
             dynamo=False,
         )
-    return out
