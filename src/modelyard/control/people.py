@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from modelyard.control.audit import AuditAction, AuditLog, AuditTarget
 from modelyard.core.errors import Conflict, Forbidden, NotFound
@@ -150,20 +151,36 @@ class People:
         return result
 
     async def delete_user(self, principal: Principal, user_id: str) -> dict[str, Any]:
-        def delete() -> dict[str, Any]:
-            with self.db.session() as s:
-                u = repo.get_user(s, principal.tenant_filter(), user_id)
-                if u is None:
-                    raise _not_found("user", user_id)
-                view = user_view(u, repo.user_teams(s, u.id))
-                repo.delete_user(s, u)
-                return view
+        def delete(s: Session) -> dict[str, Any]:
+            u = repo.get_user(s, principal.tenant_filter(), user_id)
+            if u is None:
+                raise _not_found("user", user_id)
+            view = user_view(u, repo.user_teams(s, u.id))
+            repo.delete_user(s, u)
+            return view
 
-        before: dict[str, Any] = await self._run(delete)
+        return await self._delete(principal, AuditTarget.USER, user_id, delete)
+
+    async def _delete(
+        self,
+        principal: Principal,
+        target: AuditTarget,
+        object_id: str,
+        delete: Callable[[Session], dict[str, Any]],
+    ) -> dict[str, Any]:
+        """Run `delete` (which answers the deleted object's view) in one transaction, drop the
+        authenticator's cache (the object's keys are revoked) and audit it."""
+
+        def run() -> dict[str, Any]:
+            with self.db.session() as s:
+                return delete(s)
+
+        before = await self._run(run)
         self.keys_changed()
-        await self.audit.record(principal, AuditAction.USER_DELETE, AuditTarget.USER, user_id,
-                                before, None, before["tenant_id"])  # fmt: skip
-        return {"id": user_id, "object": "user", "deleted": True}
+        action = AuditAction.USER_DELETE if target is AuditTarget.USER else AuditAction.TEAM_DELETE
+        await self.audit.record(principal, action, target, object_id, before, None,
+                                before["tenant_id"])  # fmt: skip
+        return {"id": object_id, "object": target.value, "deleted": True}
 
     # ----- teams ------------------------------------------------------------------------------
 
@@ -210,20 +227,15 @@ class People:
         return result
 
     async def delete_team(self, principal: Principal, team_id: str) -> dict[str, Any]:
-        def delete() -> dict[str, Any]:
-            with self.db.session() as s:
-                t = repo.get_team(s, principal.tenant_filter(), team_id)
-                if t is None:
-                    raise _not_found("team", team_id)
-                view = team_view(t, repo.team_members(s, t.id))
-                repo.delete_team(s, t)
-                return view
+        def delete(s: Session) -> dict[str, Any]:
+            t = repo.get_team(s, principal.tenant_filter(), team_id)
+            if t is None:
+                raise _not_found("team", team_id)
+            view = team_view(t, repo.team_members(s, t.id))
+            repo.delete_team(s, t)
+            return view
 
-        before: dict[str, Any] = await self._run(delete)
-        self.keys_changed()
-        await self.audit.record(principal, AuditAction.TEAM_DELETE, AuditTarget.TEAM, team_id,
-                                before, None, before["tenant_id"])  # fmt: skip
-        return {"id": team_id, "object": "team", "deleted": True}
+        return await self._delete(principal, AuditTarget.TEAM, team_id, delete)
 
     async def set_member(
         self, principal: Principal, team_id: str, user_id: str, member: bool
