@@ -192,9 +192,15 @@ def test_binary_bodies_are_bounded(platform: PlatformProcess, tenant: tuple[str,
         (one + (9).to_bytes(4, "little") + b"hi", len(one), "runs past its binary data"),
         (one + (1).to_bytes(4, "little") + b"\xff" + b"x", len(one), "not UTF-8"),
     ]
+    # 20,000 dimensions of 2**62: their product (one C call holding the GIL) froze the gateway.
+    dims = b",".join([b"4611686018427387904"] * 20_000)
+    huge = b'{"inputs": [{"name": "text", "shape": [' + dims + b'], "datatype": "BYTES", '
+    huge += b'"parameters": {"binary_data_size": 6}}]}'
+    cases.append((huge + element, len(huge), "at most 16 items"))
     for body, length, message in cases:
         r = post(body, length)
         assert r.status_code == 400 and message in r.json()["error"], (message, r.text)
+    platform.assert_no_loop_stalls()
 
 
 def test_oip_errors_take_the_protocol_shape(platform: PlatformProcess, tenant: tuple[str, str]):

@@ -274,6 +274,7 @@ def test_the_management_api_bounds_and_audits(
          "soft_limit_usd"),
         ({"scope": "key", "subject_id": key_id, "limit_usd": 1, "period": "week"}, "period"),
         ({"scope": "key", "limit_usd": 1}, "subject_id"),
+        ({"scope": "key", "subject_id": key_id, "limit_usd": True}, "limit_usd"),  # not $1
     ]  # fmt: skip
     for body, param in bad:
         r = t.api.post("/v1/budgets", json=body)
@@ -281,7 +282,17 @@ def test_the_management_api_bounds_and_audits(
         assert param in r.text, (body, r.text)
     r = t.api.put(f"/v1/prices/{tiny}", json={"input_usd_per_million": 1})
     assert r.status_code == 404, r.text  # another tenant's endpoint: not the tenant's to price
-    made = t.budget(scope="team", subject_id="team-a", period="day", limit_usd=2)
+    team = t.api.post("/v1/teams", json={"name": "team-a"})
+    assert team.status_code == 201, team.text  # a team budget names a team of its tenant
+    made = t.budget(scope="team", subject_id=team.json()["id"], period="day", limit_usd=2)
+    # Another tenant's admin finds it as it finds an id nobody has: the same 404.
+    other = Tenant(platform, admin)
+    for budget_id in (made["id"], "bdg-0000000000000000"):
+        for method in ("GET", "PATCH", "DELETE"):
+            body = {"limit_usd": 100} if method == "PATCH" else None
+            r = other.api.request(method, f"/v1/budgets/{budget_id}", json=body)
+            assert r.status_code == 404, r.text
+            assert r.json()["error"]["message"] == f"No budget {budget_id!r}.", r.text
     r = t.api.patch(f"/v1/budgets/{made['id']}", json={"limit_usd": "3.5"})
     assert r.status_code == 200 and r.json()["limit_usd"] == "3.5", r.text
     assert t.api.delete(f"/v1/budgets/{made['id']}").status_code == 200

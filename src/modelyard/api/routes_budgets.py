@@ -113,7 +113,7 @@ async def get_budget(
     found = await _budgets(services).list_budgets(principal, None)
     match = [b for b in found if b.id == budget_id]
     if not match:
-        raise NotFound(f"No budget {budget_id!r}.", code="not_found")
+        raise NotFound(f"No budget {budget_id[:100]!r}.", code="not_found")
     return (await _with_spend(services, match))[0]
 
 

@@ -234,8 +234,10 @@ class Budgets:
 
     def _own(self, s: Session, principal: Principal, budget_id: str) -> BudgetRow:
         row = s.get(BudgetRow, budget_id, with_for_update=True)
-        if row is None or principal.tenant_filter(row.tenant_id) != row.tenant_id:
-            raise NotFound(f"No budget {budget_id!r}.", code="not_found")
+        # Another tenant's budget answers as an unknown id does (not "No such tenant."): its
+        # id says nothing to whoever guessed it.
+        if row is None or not (principal.platform_admin or row.tenant_id == principal.tenant_id):
+            raise NotFound(f"No budget {budget_id[:100]!r}.", code="not_found")
         if row.scope == BudgetScope.TENANT and not principal.platform_admin:
             raise Forbidden("Only the platform administrator changes a tenant's own budget.",
                             code="insufficient_scope")  # fmt: skip

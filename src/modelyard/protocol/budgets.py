@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StringConstraints
 
-# A dollar amount as sent: a JSON number, or a decimal string ("0.15").
-Dollars = Annotated[str, StringConstraints(max_length=32)] | int | float
+# A dollar amount as sent: a JSON number, or a decimal string ("0.15"); never a boolean (strict
+# numbers: `true` is not read as $1).
+Dollars = Annotated[str, StringConstraints(max_length=32)] | StrictInt | StrictFloat
 
 ID_MAX = 64
 

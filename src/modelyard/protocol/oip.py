@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import orjson
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 OIP_PREFIX = "/v2"
 INPUT = "text"  # the one input every hosted model takes
+# A tensor's dimensions: a shape of thousands of them made its element count (their product,
+# one C call holding the GIL) a bignum multiplication of seconds to minutes.
+MAX_DIMS = 16
 
 
 class OIPError(Exception):
@@ -54,7 +57,7 @@ class OIPError(Exception):
 class InferTensor(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
-    shape: list[int]
+    shape: list[int] = Field(max_length=MAX_DIMS)
     datatype: str
     data: Any = None  # absent when the binary extension carries it
     parameters: dict[str, Any] | None = None
