@@ -73,6 +73,10 @@ def test_discovered_inventory_cuda_then_ram(
         get_device_properties=lambda i: types.SimpleNamespace(total_memory=(80 + i) * GiB),
     )
     monkeypatch.setitem(sys.modules, "torch", fake)
+    # No GPU driver on the node: torch is not asked (its import costs serve seconds).
+    monkeypatch.setattr(devices_module, "_GPU_DRIVER_PATHS", (tmp_path / "no-nvidiactl",))
+    assert [d.kind for d in inventory(None, node="gpu-1")] == ["cpu"]
+    monkeypatch.setattr(devices_module, "_GPU_DRIVER_PATHS", (tmp_path,))
     found = inventory(None, node="gpu-1")
     assert [(d.qualified_name, d.memory_bytes // GiB) for d in found] == [
         ("gpu-1/cuda:0", 80),

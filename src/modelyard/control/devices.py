@@ -21,6 +21,9 @@ KINDS: tuple[DeviceKind, ...] = ("cuda", "cpu")
 _SPEC_FORM = "KIND:COUNTxSIZE[,KIND:COUNTxSIZE...], e.g. cpu:4x6GiB or cuda:2x80GiB"
 _GROUP = re.compile(r"\s*(?P<kind>[a-z]+)\s*:\s*(?:(?P<count>\d+)\s*[xX]\s*)?(?P<size>\S+?)\s*")
 _MEMINFO = Path("/proc/meminfo")
+# Present when a GPU driver is loaded (NVIDIA's control device and proc folder, ROCm's kfd):
+# without one, no device count is asked of torch, whose import costs the control plane seconds.
+_GPU_DRIVER_PATHS = (Path("/dev/nvidiactl"), Path("/proc/driver/nvidia"), Path("/dev/kfd"))
 _CPU_SHARE_OF_RAM = 0.8  # leave the rest to the OS, the control plane and the page cache
 _FALLBACK_RAM = 8 * 2**30
 
@@ -90,6 +93,8 @@ def inventory(spec: str | None, node: str = "local") -> list[Device]:
     """The node's devices: declared by `spec`, else the CUDA devices, else one CPU budget."""
     if spec is not None:
         return parse_devices(spec, node)
+    if not any(path.exists() for path in _GPU_DRIVER_PATHS):
+        return [_cpu_budget(node)]
     try:
         import torch  # lazily: the control plane must not pay torch's import for a declared fleet
     except ImportError:
@@ -101,7 +106,11 @@ def inventory(spec: str | None, node: str = "local") -> list[Device]:
                 Device(node, i, "cuda", int(torch.cuda.get_device_properties(i).total_memory))
                 for i in range(count)
             ]
-    return [Device(node, 0, "cpu", int(_ram_bytes() * _CPU_SHARE_OF_RAM))]
+    return [_cpu_budget(node)]
+
+
+def _cpu_budget(node: str) -> Device:
+    return Device(node, 0, "cpu", int(_ram_bytes() * _CPU_SHARE_OF_RAM))
 
 
 def pinning_env(devices: list[Device]) -> dict[str, str]:
