@@ -294,8 +294,10 @@ def test_an_adapter_that_does_not_fit_the_base_is_refused_at_push(
 
 
 def test_twenty_adapters_cycle_through_four_slots_under_load(
-    platform: PlatformProcess, folders: dict[str, Any]
+    platform: PlatformProcess, folders: dict[str, Any], platform_mode: str
 ) -> None:
+    if platform_mode != "sqlite-memory":
+        pytest.skip("slots cycle in the replica, whatever the store: one mode is enough")
     erin = Tenant(platform, "erin")
     names = [f"bot-{i}" for i in range(len(folders["many"]))]
     for name, folder in zip(names, folders["many"], strict=True):
