@@ -18,6 +18,7 @@ import httpx
 import redis
 
 from modelyard.core.cluster_auth import verified_leader_url
+from tests import process_logs
 from tests.conftest import free_port
 from tests.loop_stalls import stall_log_env
 from tests.platform_harness import tiny_models_env
@@ -37,6 +38,10 @@ class RoleProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the process
         self.proc: subprocess.Popen[bytes] | None = None
+        process_logs.register(self)  # a failing test's report shows this log
+
+    def label(self) -> str:
+        return f"modelyard {self.role} on port {self.port}"
 
     def start(self, timeout: float = 120.0) -> RoleProcess:
         return self.launch().wait_up(timeout)
@@ -64,8 +69,7 @@ class RoleProcess:
         raise TimeoutError(f"{self.role} did not come up:\n{self.output()}")
 
     def output(self) -> str:
-        fd = self.log.fileno()
-        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+        return process_logs.read_log(self.log)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:

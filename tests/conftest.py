@@ -10,12 +10,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests import process_logs
 from tests.databases import (
     PLATFORM_MODES,
     platform_mode_env,
@@ -65,6 +66,19 @@ _LONGEST_FILES = [  # seconds under coverage, AMD EPYC 2 vCPU (AVX2), 2026-12-05
     "test_cluster_owner.py",  # 85
     "test_console.py",  # 81
 ]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failing test's report carries the logs of the processes the tests started and still
+    hold (`serve`, workers, cluster roles): `tests/process_logs.py`."""
+    report = yield
+    if report.failed:
+        for title, text in process_logs.sections():
+            report.sections.append((title, text))
+    return report
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -134,13 +148,17 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             cmd, env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT
         )
+        process_logs.register(self)  # a failing test's report shows this log
+
+    def label(self) -> str:
+        return f"modelyard worker on port {self.port}"
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log.read()}")
+                log = process_logs.read_log(self.log)
+                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{log}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import openai
 
+from tests import process_logs
 from tests.conftest import free_port
 from tests.loop_stalls import assert_no_loop_stalls, stall_log_env
 
@@ -37,6 +38,10 @@ class PlatformProcess:
         self.default_models = default_models
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the process
         self.proc: subprocess.Popen[bytes] | None = None
+        process_logs.register(self)  # a failing test's report shows this log
+
+    def label(self) -> str:
+        return f"modelyard serve on port {self.port} (with its replicas)"
 
     def start(self, timeout: float = 180.0, models_loaded: bool = True) -> PlatformProcess:
         """Run serve; return once it answers and (`models_loaded`) its default models loaded."""
@@ -72,8 +77,7 @@ class PlatformProcess:
         return b"modelyard is serving on" in os.pread(fd, os.fstat(fd).st_size, 0)
 
     def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
+        return process_logs.read_log(self.log)
 
     @property
     def admin_key(self) -> str:
