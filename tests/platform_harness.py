@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,18 @@ class PlatformProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def platform_running(
+    data_dir: Path, env: dict[str, str], default_models: bool = False, timeout: float = 180.0
+) -> Iterator[PlatformProcess]:
+    """A started `serve`, stopped however the block ends (a start that timed out included)."""
+    p = PlatformProcess(data_dir, env, default_models)
+    try:
+        yield p.start(timeout)
+    finally:
+        p.stop()
 
 
 # ----- helpers the tests share -----------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.platform_harness import PlatformProcess, deploy, wait_status
+from tests.platform_harness import PlatformProcess, deploy, platform_running, wait_status
 from tests.tiny_models import build_model
 
 
@@ -29,11 +29,8 @@ def platform(
         "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
         "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 def devices_of(platform: PlatformProcess, endpoint: str) -> list[str]:

@@ -25,6 +25,7 @@ from tests.platform_harness import (
     create_tenant,
     deploy,
     jsonl,
+    platform_running,
     read_jsonl,
     tiny_models_env,
     usage_rows,
@@ -50,11 +51,8 @@ def platform(
         **tiny_models_env(models_dir),
         "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 class Victim:

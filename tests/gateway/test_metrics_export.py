@@ -48,6 +48,7 @@ from tests.platform_harness import (
     create_key,
     create_tenant,
     deploy,
+    platform_running,
     tiny_models_env,
     wait_status,
 )
@@ -76,11 +77,8 @@ def platform(
         "MODELYARD_METRICS_TOKEN": METRICS_TOKEN,
         "MODELYARD_CLUSTER_SECRET": CLUSTER_SECRET,
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 @pytest.fixture(scope="module")

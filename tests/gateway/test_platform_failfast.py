@@ -39,7 +39,13 @@ from modelyard.gateway.quota import MemoryQuotaCounter
 from modelyard.gateway.ratelimit import MemoryRateLimiter
 from modelyard.protocol.errors import STATUS_BY_KIND
 from modelyard.store.db import Database
-from tests.platform_harness import PlatformProcess, create_key, deploy, wait_status
+from tests.platform_harness import (
+    PlatformProcess,
+    create_key,
+    deploy,
+    platform_running,
+    wait_status,
+)
 from tests.tiny_models import build_model
 from tests.waiting import async_wait_until
 
@@ -300,11 +306,8 @@ def platform(
         "MODELYARD_HEALTH_PROBE_TIMEOUT_S": "1.0",
         "MODELYARD_REPLICA_HEALTH_FAILURES": "2",
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 def _chat(platform: PlatformProcess, model: str, stream: bool = False) -> httpx.Response:
@@ -426,11 +429,8 @@ def one_slot_platform(
         "MODELYARD_ADMISSION_TOKENS_PER_REQUEST": "1000000000",  # one request per replica
         "MODELYARD_ADMISSION_QUEUE_SIZE": "4",
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 def _gauge(text: str, name: str, endpoint: str) -> float:

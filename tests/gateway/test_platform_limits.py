@@ -37,6 +37,7 @@ from tests.platform_harness import (
     PlatformProcess,
     create_key,
     deploy,
+    platform_running,
     tiny_models_env,
     wait_request_ids,
     wait_usage,
@@ -56,11 +57,8 @@ def platform(
         **platform_env,
         **tiny_models_env(models_dir),
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,13 @@ import pytest
 from modelyard.batch.validation import validate_file
 from modelyard.registry_client import RegistryClient
 from tests.control.test_versions import Load, wait_canary
-from tests.platform_harness import PlatformProcess, create_key, deploy, tiny_models_env
+from tests.platform_harness import (
+    PlatformProcess,
+    create_key,
+    deploy,
+    platform_running,
+    tiny_models_env,
+)
 from tests.tiny_models import build_model
 
 # A hostile input must not hold any process's event loop (tests/loop_stalls.py).
@@ -41,11 +47,8 @@ def platform(
         **tiny_models_env(models_dir),
         "MODELYARD_BLOB_RECLAIM_GRACE_S": "0",  # freed bytes go at once (a test observes it)
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 @pytest.fixture(scope="module")

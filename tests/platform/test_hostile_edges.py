@@ -30,6 +30,7 @@ from tests.platform_harness import (
     create_tenant,
     deploy,
     jsonl,
+    platform_running,
     read_jsonl,
     tiny_models_env,
     usage_rows,
@@ -61,11 +62,8 @@ def platform(
         # A replica whose breaker is open shows as a prompt 429 instead of a long wait.
         "MODELYARD_ADMISSION_TIMEOUT_S": "3",
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 @pytest.fixture(scope="module")

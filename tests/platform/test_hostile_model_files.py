@@ -32,6 +32,7 @@ from tests.platform_harness import (
     create_key,
     create_tenant,
     deploy,
+    platform_running,
     tiny_models_env,
     wait_status,
 )
@@ -66,11 +67,8 @@ def platform(
 ) -> Iterator[PlatformProcess]:
     models = tmp_path_factory.mktemp("models")
     env = {**platform_env, **tiny_models_env(models)}
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 @pytest.fixture(scope="module")

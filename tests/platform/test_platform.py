@@ -24,6 +24,7 @@ from tests.platform_harness import (
     create_tenant,
     deploy,
     jsonl,
+    platform_running,
     read_jsonl,
     tiny_models_env,
     usage_rows,
@@ -49,11 +50,8 @@ def platform(
         "MODELYARD_BATCH_POLL_INTERVAL_S": "0.2",
         "MODELYARD_PRICES": json.dumps({"tiny": {"input": 1.0, "output": 2.0}}),
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from tests.platform_harness import (
     create_key,
     create_tenant,
     deploy,
+    platform_running,
     tiny_models_env,
 )
 
@@ -184,11 +185,8 @@ def platform(
         # a few seconds fails 3 in a row and is killed.
         "MODELYARD_HEALTH_PROBE_TIMEOUT_S": "0.5",
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), env).start()
-    try:
+    with platform_running(tmp_path_factory.mktemp("data"), env) as p:
         yield p
-    finally:
-        p.stop()
 
 
 def test_one_tenants_huge_prompts_leave_the_shared_replica_serving_another(
