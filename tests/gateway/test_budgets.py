@@ -359,5 +359,10 @@ def test_an_adapter_costs_its_own_price_else_its_base_endpoints(
     assert budget["spent_micro_usd"] == spent, (budget, spent)
     last = _cost(rows[answered[-1]], AD_IN, AD_OUT)
     assert 50_000 <= spent < 50_000 + last, (spent, last)
-    # Its price removed: the base endpoint's applies again.
-    assert t.api.delete("/v1/prices/adapters/bot").json()["priced"] is False
+    # Its price shown and removed from the CLI: the base endpoint's applies again.
+    env = {"MODELYARD_URL": platform.url, "MODELYARD_API_KEY": t.admin_key}
+    for command, priced in (("show", True), ("clear", False)):
+        result = CliRunner().invoke(app, ["prices", "adapter", command, "bot", "--json"], env=env)
+        assert result.exit_code == 0, (result.output, result.exception)
+        assert json.loads(result.stdout)["priced"] is priced, result.stdout
+    assert t.api.get("/v1/prices/adapters/bot").json()["priced"] is False
