@@ -94,6 +94,9 @@ MATRIX: dict[tuple[str, str], str] = {
     # Prices and budgets in dollars: prices are read like models, set and budgets by admins.
     ("get", "/v1/prices/{endpoint}"): VIEWER,
     ("put", "/v1/prices/{endpoint}"): ADMIN,
+    ("get", "/v1/prices/adapters/{name}"): VIEWER,
+    ("put", "/v1/prices/adapters/{name}"): ADMIN,
+    ("delete", "/v1/prices/adapters/{name}"): ADMIN,
     ("post", "/v1/budgets"): ADMIN,
     ("get", "/v1/budgets"): ADMIN,
     ("get", "/v1/budgets/{budget_id}"): ADMIN,

@@ -3,15 +3,15 @@ spend counters in memory; PostgreSQL with them in Redis): streams in flight when
 is crossed and the requests after them stop at the limit within one request's cost; a batch's
 items stop with `budget_exceeded` once its key's budget is spent (at the batch discount); a
 soft limit alerts once (webhook and audit event); spend is readable per key and model, exactly;
-the management API refuses what is out of bounds and audits what it changes."""
+the management API refuses what is out of bounds and audits what it changes; a registry LoRA
+adapter with prices of its own costs them (its tenant's only), else its base endpoint's."""
 
 from __future__ import annotations
 
-import http.server
 import io
 import json
 import threading
-import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +21,10 @@ import pytest
 from typer.testing import CliRunner
 
 from modelyard.cli import app
+from modelyard.registry_client import RegistryClient
+from tests.gateway.budget_fixtures import MESSAGES, Hook, Tenant
 from tests.platform_harness import (
     PlatformProcess,
-    create_key,
     deploy,
     jsonl,
     tiny_models_env,
@@ -34,33 +35,6 @@ from tests.waiting import wait_until
 
 # Micro-dollars per token: $100 and $200 per 1M tokens, so a row's cost is exact to check.
 IN_MICRO, OUT_MICRO = 100, 200
-MESSAGES = [{"role": "user", "content": "Hello there, how are you?"}]
-
-
-class Hook(http.server.ThreadingHTTPServer):
-    """A webhook receiver on 127.0.0.1 recording what it gets."""
-
-    def __init__(self) -> None:
-        self.received: list[tuple[dict[str, str], dict[str, Any]]] = []
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                headers = {k.lower(): v for k, v in self.headers.items()}
-                outer.received.append((headers, json.loads(body)))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/hook"
 
 
 @pytest.fixture(scope="module")
@@ -112,41 +86,6 @@ def tiny(platform: PlatformProcess, admin: httpx.Client, models_dir: Path) -> st
     assert r.status_code == 200, r.text
     assert r.json()["output_usd_per_million"] == "200"
     return endpoint_id
-
-
-class Tenant:
-    def __init__(self, platform: PlatformProcess, admin: httpx.Client, **settings: Any) -> None:
-        r = admin.post("/v1/tenants", json={"name": f"t-{time.time_ns()}", **settings})
-        assert r.status_code == 201, r.text
-        self.id = str(r.json()["id"])
-        self.platform = platform
-        self.admin_key = create_key(admin, self.id, scopes=["admin", "inference"])["key"]
-        self.api = platform.api(self.admin_key)
-        self.key = create_key(admin, self.id, scopes=["inference"])
-
-    def budget(self, **body: Any) -> dict[str, Any]:
-        r = self.api.post("/v1/budgets", json=body)
-        assert r.status_code == 201, r.text
-        return dict(r.json())
-
-    def chat(self, max_tokens: int, **extra: Any) -> httpx.Response:
-        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": max_tokens,
-                "ignore_eos": True, **extra}  # fmt: skip
-        with self.platform.api(self.key["key"]) as http:
-            return http.post("/v1/chat/completions", json=body)
-
-    def stream(self, max_tokens: int) -> tuple[int, str]:
-        """A whole stream: its status and the error code or request id."""
-        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": True}  # fmt: skip
-        with httpx.stream("POST", f"{self.platform.url}/v1/chat/completions", json=body,
-                          headers={"authorization": f"Bearer {self.key['key']}"},
-                          timeout=60) as r:  # fmt: skip
-            if r.status_code != 200:
-                return r.status_code, json.loads(r.read())["error"]["code"]
-            for _ in r.iter_lines():
-                pass
-            return 200, r.headers["x-request-id"]
 
 
 def row_cost(row: dict[str, str], batch: bool = False) -> int:
@@ -314,3 +253,116 @@ def test_the_management_api_bounds_and_audits(
     assert listed["id"] == made["id"] and listed["spent_micro_usd"] > 0, listed
     usage = cli("usage", "--group-by", "key")
     assert [g["cost_micro_usd"] for g in usage["data"]] == [listed["spent_micro_usd"]], usage
+
+
+# An adapter's own prices: $300 and $700 per 1M tokens, 10 % off batch items.
+AD_IN, AD_OUT = 300, 700
+
+
+def _cost(row: dict[str, str], inp: int, out: int) -> int:
+    return int(row["prompt_tokens"]) * inp + int(row["completion_tokens"]) * out
+
+
+def test_an_adapter_costs_its_own_price_else_its_base_endpoints(
+    platform: PlatformProcess, admin: httpx.Client, models_dir: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("peft")
+    from tests.engine.test_lora import make_adapter
+
+    t, other = Tenant(platform, admin), Tenant(platform, admin)
+    ns = uuid.uuid4().hex[:8]
+    base, served = f"abase-{ns}", f"aserve-{ns}"
+    adapter = make_adapter(models_dir / "tiny", tmp_path / "bot", 1, r=4, lora_alpha=8,
+                           target_modules=["q_proj", "v_proj"])  # fmt: skip
+    slots = {"max_loras": 1, "max_lora_rank": 8}
+    base_price = {"input_usd_per_million": 100, "output_usd_per_million": "200"}
+    RegistryClient(platform.url, t.admin_key).push(models_dir / "tiny", base)
+    RegistryClient(platform.url, t.admin_key).push(adapter, "bot", base=base)
+    endpoint = deploy(t.api, served, base, engine=slots)  # the tenant's own base
+    assert t.api.put(f"/v1/prices/{endpoint}", json=base_price).status_code == 200
+    # The other tenant's adapter of the same name, on a public base at the same price.
+    RegistryClient(platform.url, platform.admin_key).push(models_dir / "tiny", f"p{base}")
+    public = deploy(admin, f"p{served}", f"p{base}", public=True, engine=slots)
+    assert admin.put(f"/v1/prices/{public}", json=base_price).status_code == 200
+    RegistryClient(platform.url, other.admin_key).push(adapter, "bot", base=f"p{served}")
+    assert t.api.get("/v1/prices/adapters/bot").json()["priced"] is False
+    price = {"input_usd_per_million": "300", "output_usd_per_million": 700,
+             "batch_discount_percent": "10"}  # fmt: skip
+    r = other.api.put("/v1/prices/adapters/bot", params={"tenant_id": t.id}, json=price)
+    assert r.status_code == 404, r.text  # not the other tenant's to price
+    for bad in ({**price, "input_usd_per_million": "1000.000001"},
+                {**price, "batch_discount_percent": "10.001"}, {**price, "colour": 1}):  # fmt: skip
+        assert t.api.put("/v1/prices/adapters/bot", json=bad).status_code == 400, bad
+    assert t.api.put(f"/v1/prices/adapters/{base}", json=price).status_code == 404  # no adapter
+    r = t.api.put("/v1/prices/adapters/bot", json=price)
+    assert r.status_code == 200, r.text
+    mine = r.json()
+    assert (mine["priced"], mine["output_usd_per_million"], mine["tenant_id"]) == (
+        True,
+        "700",
+        t.id,
+    )
+    assert admin.get("/v1/prices/adapters/bot", params={"tenant_id": t.id}).json() == mine
+    theirs = other.api.get("/v1/prices/adapters/bot").json()  # its own adapter: unpriced
+    assert theirs["priced"] is False and theirs["model_id"] != mine["model_id"], theirs
+    assert other.api.get("/v1/prices/adapters/bot", params={"tenant_id": t.id}).status_code == 404
+    (audit,) = t.api.get("/v1/audit", params={"action": "adapter_price.set"}).json()["data"]
+    assert (
+        audit["target_id"] == mine["model_id"] and audit["after"]["input_usd_per_million"] == "300"
+    )
+
+    ids = {m: t.chat(4, model=m) for m in ("bot", "bot:1", served)}
+    theirs_id = other.chat(4, model="bot")
+    assert theirs_id.status_code == 200 and all(x.status_code == 200 for x in ids.values()), ids
+    sent = [x.headers["x-request-id"] for x in ids.values()]
+    rows = {x["request_id"]: x for x in wait_request_ids(t.api, sent)}
+    for model, answer in ids.items():
+        row = rows[answer.headers["x-request-id"]]
+        want = _cost(row, IN_MICRO, OUT_MICRO) if model == served else _cost(row, AD_IN, AD_OUT)
+        assert row["adapter"] == ("" if model == served else "bot:1"), row
+        assert round(float(row["cost_usd"]) * 1e6) == want, (model, row)
+    # The other tenant's `bot` costs the base endpoint's price: never the first tenant's.
+    (row,) = [x for x in wait_request_ids(other.api, [theirs_id.headers["x-request-id"]])]
+    assert row["adapter"] == "bot:1" and round(float(row["cost_usd"]) * 1e6) == _cost(
+        row, IN_MICRO, OUT_MICRO
+    ), row
+
+    # A batch item naming the adapter: its price, 10 % off.
+    client = platform.openai(t.key["key"])
+    body = {"model": "bot", "messages": MESSAGES, "max_tokens": 4, "ignore_eos": True}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    upload = client.files.create(file=("a.jsonl", io.BytesIO(jsonl([line]))), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert wait_batch(client, batch.id, {"completed", "failed"}).status == "completed"
+    (item,) = wait_until(lambda: [x for x in _rows(t) if x["batch"] == "1"], "the item's row")
+    full = _cost(item, AD_IN, AD_OUT)
+    assert item["adapter"] == "bot:1" and round(float(item["cost_usd"]) * 1e6) == -(
+        -full * 9 // 10
+    ), item
+
+    # A budget spent through the adapter: refused at its limit, its spend what the rows cost.
+    t.budget(scope="key", subject_id=t.key["id"], period="day", limit_usd="0.05")
+    answered = list(sent)
+    for _ in range(30):
+        r = t.chat(8, model="bot")
+        if r.status_code != 200:
+            break
+        answered.append(r.headers["x-request-id"])
+    assert r.status_code == 429 and r.json()["error"]["code"] == "budget_exceeded", r.text
+    rows = {x["request_id"]: x for x in wait_request_ids(t.api, answered)}
+    spent = sum(
+        round(float(x["cost_usd"]) * 1e6) for x in rows.values() if x["key_id"] == t.key["id"]
+    )
+    (budget,) = t.api.get("/v1/budgets").json()["data"]
+    assert budget["spent_micro_usd"] == spent, (budget, spent)
+    last = _cost(rows[answered[-1]], AD_IN, AD_OUT)
+    assert 50_000 <= spent < 50_000 + last, (spent, last)
+    # Its price shown and removed from the CLI: the base endpoint's applies again.
+    env = {"MODELYARD_URL": platform.url, "MODELYARD_API_KEY": t.admin_key}
+    for command, priced in (("show", True), ("clear", False)):
+        result = CliRunner().invoke(app, ["prices", "adapter", command, "bot", "--json"], env=env)
+        assert result.exit_code == 0, (result.output, result.exception)
+        assert json.loads(result.stdout)["priced"] is priced, result.stdout
+    assert t.api.get("/v1/prices/adapters/bot").json()["priced"] is False

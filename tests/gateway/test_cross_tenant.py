@@ -238,6 +238,12 @@ def test_another_tenant_can_reach_nothing_by_id(
         probe("GET", "/v1/prices/{endpoint}", endpoint=model)
         probe("PUT", "/v1/prices/{endpoint}", endpoint=model,
               json_body={"input_usd_per_million": "0"})  # fmt: skip
+    # An adapter's price: by the victim's registry name, for its tenant or the caller's own.
+    for params in ({"tenant_id": v.id}, None):
+        probe("GET", "/v1/prices/adapters/{name}", name=v.reg_name, params=params)
+        probe("PUT", "/v1/prices/adapters/{name}", name=v.reg_name, params=params,
+              json_body={"input_usd_per_million": "0"})  # fmt: skip
+        probe("DELETE", "/v1/prices/adapters/{name}", name=v.reg_name, params=params)
     probe("GET", "/v1/budgets/{budget_id}", budget_id=v.budget)
     probe("PATCH", "/v1/budgets/{budget_id}", budget_id=v.budget, json_body={"limit_usd": "0"})
     probe("DELETE", "/v1/budgets/{budget_id}", budget_id=v.budget)

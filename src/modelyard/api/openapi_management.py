@@ -270,6 +270,19 @@ class ModelPrice(BaseModel):
     updated_at: int
 
 
+class AdapterPrice(BaseModel):
+    object: Literal["adapter.price"]
+    adapter: str = Field(description="The registry adapter's name (all its versions).")
+    model_id: str
+    tenant_id: str
+    priced: bool = Field(description="false: its calls cost its base endpoint's prices.")
+    input_usd_per_million: str | None = Field(description="Exact decimal dollars.")
+    output_usd_per_million: str | None
+    cached_input_usd_per_million: str | None
+    batch_discount_percent: str | None
+    updated_at: int | None
+
+
 class Budget(BaseModel):
     object: Literal["budget"]
     id: str
@@ -334,6 +347,9 @@ RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
     ("get", "/v1/webhooks/secret"): WebhookSecret,
     ("put", "/v1/prices/{endpoint}"): ModelPrice,
     ("get", "/v1/prices/{endpoint}"): ModelPrice,
+    ("put", "/v1/prices/adapters/{name}"): AdapterPrice,
+    ("get", "/v1/prices/adapters/{name}"): AdapterPrice,
+    ("delete", "/v1/prices/adapters/{name}"): AdapterPrice,
     ("post", "/v1/budgets"): Budget,
     ("get", "/v1/budgets"): BudgetList,
     ("get", "/v1/budgets/{budget_id}"): BudgetWithSpend,

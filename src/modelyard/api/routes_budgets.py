@@ -62,6 +62,45 @@ async def _with_spend(services: Services, found: list[BudgetRow]) -> list[dict[s
     return views
 
 
+_OWNER = Query(None, max_length=64, description="Platform admin only: the adapter's tenant.")
+
+
+@router.put("/v1/prices/adapters/{name}")
+async def set_adapter_price(
+    name: str,
+    body: PriceSet,
+    tenant_id: str | None = _OWNER,
+    principal: Principal = Depends(get_admin),
+    services: Services = Depends(get_services),
+) -> dict[str, Any]:
+    """A registry LoRA adapter's own prices (all its versions; USD per 1M tokens, batch
+    discount): a call naming it costs these instead of its base endpoint's. The platform admin
+    or an admin of the adapter's tenant."""
+    return await _budgets(services).set_adapter_price(principal, name, body, tenant_id)
+
+
+@router.get("/v1/prices/adapters/{name}")
+async def get_adapter_price(
+    name: str,
+    tenant_id: str | None = _OWNER,
+    principal: Principal = Depends(get_reader),
+    services: Services = Depends(get_services),
+) -> dict[str, Any]:
+    """An adapter's own prices; `priced` false: its calls cost its base endpoint's."""
+    return await _budgets(services).get_adapter_price(principal, name, tenant_id)
+
+
+@router.delete("/v1/prices/adapters/{name}")
+async def delete_adapter_price(
+    name: str,
+    tenant_id: str | None = _OWNER,
+    principal: Principal = Depends(get_admin),
+    services: Services = Depends(get_services),
+) -> dict[str, Any]:
+    """Remove an adapter's own prices: its calls cost its base endpoint's again."""
+    return await _budgets(services).delete_adapter_price(principal, name, tenant_id)
+
+
 @router.put("/v1/prices/{endpoint}")
 async def set_price(
     endpoint: str,

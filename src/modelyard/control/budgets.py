@@ -1,11 +1,13 @@
 """Prices and budgets in dollars: who may set them, their bounds, and the audit of each change.
 
 An endpoint's prices are set by the platform admin or by an admin of the endpoint's tenant (the
-model's owner). A tenant's own budget (scope `tenant`) is the platform admin's to set, like its
-quota; budgets of a key or a team are set by the tenant's admins (or the platform admin). Every
-amount is parsed into exact micro-dollars (`core/pricing.py`) and bounded; a soft limit is at
-most the hard one. Gateways pick a change up within `budget_refresh_s` (`on_change` makes this
-process's apply at once).
+model's owner). A registry LoRA adapter's prices (all its versions) are set by the platform admin
+or an admin of the adapter's tenant; a call naming the adapter costs them, else its base
+endpoint's (`gateway/budgets.py`). A tenant's own budget (scope `tenant`) is the platform
+admin's to set, like its quota; budgets of a key or a team are set by the tenant's admins (or
+the platform admin). Every amount is parsed into exact micro-dollars (`core/pricing.py`) and
+bounded; a soft limit is at most the hard one. Gateways pick a change up within
+`budget_refresh_s` (`on_change` makes this process's apply at once).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from modelyard.control.audit import AuditLog
+from modelyard.control.audit import AuditLog, AuditTarget
 from modelyard.core.errors import Conflict, Forbidden, Invalid, NotFound
 from modelyard.core.identity import Principal
 from modelyard.core.pricing import (
@@ -32,13 +34,15 @@ from modelyard.core.pricing import (
 from modelyard.protocol.budgets import BudgetCreate, BudgetUpdate, PriceSet
 from modelyard.store import budgets as rows
 from modelyard.store import repository as repo
-from modelyard.store.budget_tables import BudgetRow, ModelPriceRow
+from modelyard.store.budget_tables import AdapterPriceRow, BudgetRow, ModelPriceRow
 from modelyard.store.db import Database
 from modelyard.store.people_tables import Team
-from modelyard.store.tables import ApiKey, Endpoint
+from modelyard.store.tables import ApiKey, Endpoint, Model, ModelVersion
 
 # Every gateway holds every budget in memory: a tenant's are bounded.
 MAX_BUDGETS_PER_TENANT = 1000
+# A registry model's name is at most 128 characters (`control/registry.py`).
+_NAME_MAX = 128
 
 
 def _usd(value: object, param: str, maximum: int) -> int:
@@ -74,6 +78,37 @@ def price_view(p: ModelPriceRow) -> dict[str, Any]:
         "cached_input_usd_per_million": None if cached is None else usd(cached),
         "batch_discount_percent": str(Decimal(p.batch_discount_bps) / 100),
         "updated_at": int(repo.as_utc(p.updated_at).timestamp()),
+    }
+
+
+def _price_values(body: PriceSet) -> dict[str, int | None]:
+    """A price body as micro-dollars and basis points, each bounded (`Invalid` naming it)."""
+    cached = body.cached_input_usd_per_million
+    return {
+        "input_micro": _usd(body.input_usd_per_million, "input_usd_per_million",
+                            MAX_PRICE_MICRO),
+        "output_micro": _usd(body.output_usd_per_million, "output_usd_per_million",
+                             MAX_PRICE_MICRO),
+        "cached_input_micro": None if cached is None else _usd(
+            cached, "cached_input_usd_per_million", MAX_PRICE_MICRO),
+        "batch_discount_bps": _percent_bps(body.batch_discount_percent),
+    }  # fmt: skip
+
+
+def adapter_price_view(model: Model, p: AdapterPriceRow | None) -> dict[str, Any]:
+    """An adapter's prices; `priced` false (every amount null): its base endpoint's apply."""
+    cached = None if p is None else p.cached_input_micro
+    return {
+        "object": "adapter.price",
+        "adapter": model.name,
+        "model_id": model.id,
+        "tenant_id": model.tenant_id,
+        "priced": p is not None,
+        "input_usd_per_million": None if p is None else usd(p.input_micro),
+        "output_usd_per_million": None if p is None else usd(p.output_micro),
+        "cached_input_usd_per_million": None if cached is None else usd(cached),
+        "batch_discount_percent": None if p is None else str(Decimal(p.batch_discount_bps) / 100),
+        "updated_at": None if p is None else int(repo.as_utc(p.updated_at).timestamp()),
     }
 
 
@@ -116,16 +151,7 @@ class Budgets:
     async def set_price(
         self, principal: Principal, endpoint: str, body: PriceSet
     ) -> dict[str, Any]:
-        cached = body.cached_input_usd_per_million
-        values = {
-            "input_micro": _usd(body.input_usd_per_million, "input_usd_per_million",
-                                MAX_PRICE_MICRO),
-            "output_micro": _usd(body.output_usd_per_million, "output_usd_per_million",
-                                 MAX_PRICE_MICRO),
-            "cached_input_micro": None if cached is None else _usd(
-                cached, "cached_input_usd_per_million", MAX_PRICE_MICRO),
-            "batch_discount_bps": _percent_bps(body.batch_discount_percent),
-        }  # fmt: skip
+        values = _price_values(body)
 
         def write() -> tuple[dict[str, Any] | None, dict[str, Any]]:
             with self.db.session() as s:
@@ -159,6 +185,81 @@ class Budgets:
                 return price_view(row)
 
         return await asyncio.to_thread(read)
+
+    # ----- adapters' prices -------------------------------------------------------------------
+
+    def _adapter(self, s: Session, principal: Principal, name: str, tenant_id: str | None) -> Model:
+        """The registry LoRA adapter `name` of the caller's tenant (the platform admin: of
+        `tenant_id`, else its own); another tenant's, or a model that is no adapter, is not
+        found."""
+        owner = principal.tenant_filter(tenant_id) or principal.tenant_id
+        model = repo.get_model(s, owner, name) if len(name) <= _NAME_MAX else None
+        lora = model is not None and s.scalar(
+            select(ModelVersion.id)
+            .where(ModelVersion.model_id == model.id, ModelVersion.format == "lora")
+            .limit(1)
+        )
+        if model is None or not lora:
+            raise NotFound(f"No adapter {name[:_NAME_MAX]!r}.", code="not_found")
+        return model
+
+    async def set_adapter_price(
+        self, principal: Principal, name: str, body: PriceSet, tenant_id: str | None
+    ) -> dict[str, Any]:
+        values = _price_values(body)
+
+        def write() -> tuple[dict[str, Any], dict[str, Any]]:
+            with self.db.session() as s:
+                model = self._adapter(s, principal, name, tenant_id)
+                row = s.get(AdapterPriceRow, model.id, with_for_update=True)
+                before = adapter_price_view(model, row)
+                if row is None:
+                    row = AdapterPriceRow(model_id=model.id, tenant_id=model.tenant_id)
+                    s.add(row)
+                for k, v in values.items():
+                    setattr(row, k, v)
+                row.updated_at = repo.now()
+                s.flush()
+                return before, adapter_price_view(model, row)
+
+        before, after = await asyncio.to_thread(write)
+        await self.audit.record(principal, "adapter_price.set", AuditTarget.MODEL,
+                                after["model_id"], before, after,
+                                tenant_id=after["tenant_id"])  # fmt: skip
+        self.on_change()
+        return after
+
+    async def get_adapter_price(
+        self, principal: Principal, name: str, tenant_id: str | None
+    ) -> dict[str, Any]:
+        def read() -> dict[str, Any]:
+            with self.db.session() as s:
+                model = self._adapter(s, principal, name, tenant_id)
+                return adapter_price_view(model, s.get(AdapterPriceRow, model.id))
+
+        return await asyncio.to_thread(read)
+
+    async def delete_adapter_price(
+        self, principal: Principal, name: str, tenant_id: str | None
+    ) -> dict[str, Any]:
+        """The adapter's own prices removed: its calls cost its base endpoint's again."""
+
+        def write() -> tuple[dict[str, Any], dict[str, Any]]:
+            with self.db.session() as s:
+                model = self._adapter(s, principal, name, tenant_id)
+                row = s.get(AdapterPriceRow, model.id, with_for_update=True)
+                before = adapter_price_view(model, row)
+                if row is not None:
+                    s.delete(row)
+                return before, adapter_price_view(model, None)
+
+        before, after = await asyncio.to_thread(write)
+        if before["priced"]:
+            await self.audit.record(principal, "adapter_price.delete", AuditTarget.MODEL,
+                                    after["model_id"], before, after,
+                                    tenant_id=after["tenant_id"])  # fmt: skip
+            self.on_change()
+        return after
 
     # ----- budgets ----------------------------------------------------------------------------
 

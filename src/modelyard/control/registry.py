@@ -20,6 +20,7 @@ from sqlalchemy import select
 from modelyard.control.adapter_bases import check_against_base, find_base
 from modelyard.core.errors import Conflict, Invalid, NotFound
 from modelyard.core.model_files import ModelFacts, inspect_files
+from modelyard.store import budgets as budget_rows
 from modelyard.store import repository as repo
 from modelyard.store import storage
 from modelyard.store.artifact_store import BlobStore
@@ -312,6 +313,7 @@ class Registry:
             shas = storage.shas_of_versions(versions)
             for v in versions:
                 s.delete(v)
+            budget_rows.drop_adapter_price(s, model.id)
             s.delete(model)
             storage.release(s, tenant_id, shas)  # what nothing else of the tenant's uses
 

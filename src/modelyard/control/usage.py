@@ -6,8 +6,8 @@ it ran, what budgets count); rows written before prices were kept are priced wit
 setting. `cost_micro_usd` sums exact integers; `cost_usd` is the same in dollars.
 
 A request to a tenant's registry LoRA adapter is its own model in the report (the adapter's
-name; its row names the base endpoint and model, and the adapter's `name:version`), priced as
-its base model."""
+name; its row names the base endpoint and model, and the adapter's `name:version`), billed at the
+adapter's own price when it has one, else at its base endpoint's (`gateway/budgets.py`)."""
 
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ class Accounting:
             return
         try:
             p, batch = call.principal, call.batch
-            call.budget = await self.budgets.hold(p, call.route, call.reserved, batch)
+            call.budget = await self.budgets.hold(p, call.route, call.reserved, batch, call.adapter)
         except BaseException:
             if not call.batch:
                 await self.close(call, served=False)
@@ -343,7 +343,7 @@ class Accounting:
     def _cost(self, call: Call) -> int:
         if self.budgets is None:
             return 0
-        price = self.budgets.price(call.route)
+        price = self.budgets.price(call.route, call.principal.tenant_id, call.adapter)
         return price.cost(call.prompt_tokens, call.cached_tokens, call.completion_tokens,
                           call.batch)  # fmt: skip
 

@@ -119,7 +119,10 @@ class Admission:
     async def admit_reserved(
         self, principal: Principal, route: EndpointRoute, model: str, kind: str, reserved: int
     ) -> Call:
-        """`admit` for a request whose route and reservation are known (the OIP's)."""
+        """`admit` for a request whose route and reservation are known (the OIP's). The
+        tenant's registry adapter `model` names is known from here on: its budgets are held at
+        its price (`shape_for_worker` resolves the same one)."""
+        adapter = target_for(route, principal.tenant_id, model)
         if self.accounting.at_once is not None:  # limits, quota and slot in one round trip
             call = Call(
                 principal=principal,
@@ -128,6 +131,7 @@ class Admission:
                 request_id=current_request_id() or uuid.uuid4().hex,
                 reserved=reserved,
                 decision=NO_LIMITS,
+                adapter=adapter,
             )
             await self.accounting.admit_at_once(call, model)
             await self.accounting.hold_budget(call)
@@ -141,6 +145,7 @@ class Admission:
             request_id=current_request_id() or uuid.uuid4().hex,
             reserved=reserved,
             decision=decision,
+            adapter=adapter,
         )
         try:
             await self.accounting.hold(call)

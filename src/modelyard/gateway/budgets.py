@@ -1,8 +1,12 @@
 """Budgets in dollars at the gateway: which budgets a request falls under (its tenant's, its
 key's, its team's), its price, and the spend it reserves and settles.
 
-Admission reserves the most the request can cost (the token bound the quota reserves, every
-token at the model's highest price: `Price.bound`) on the spend counter of every budget it
+A request's price is its registry LoRA adapter's when it names one of its tenant's adapters
+that has a price (`adapter_prices`, keyed by the tenant and the adapter's name: another tenant's
+adapter of the same name is another key), else its endpoint's (`model_prices`), else the
+`prices` setting's for the model, else nothing (free). Admission reserves the most the request
+can cost (the token bound the quota reserves, every token at that price's highest:
+`Price.bound`) on the spend counter of every budget it
 falls under, in the budget's current period (day or month, UTC), all at once; it is refused
 with a 429 `budget_exceeded` when one of them has reached its limit. Settlement moves the
 counters from the reservation to the real cost (a batch item's once its result is committed,
@@ -25,6 +29,7 @@ from decimal import Decimal
 from typing import Protocol
 
 from modelyard.config import ModelPrice
+from modelyard.core.adapter_routes import AdapterTarget
 from modelyard.core.errors import QuotaExceeded
 from modelyard.core.identity import Principal
 from modelyard.core.pricing import (
@@ -47,6 +52,9 @@ from modelyard.store.repository import now
 log = logging.getLogger(__name__)
 
 _SEEDED_CAP = 100_000
+
+# (tenant id, adapter registry name) → the adapter's own price
+AdapterPrices = dict[tuple[str, str], Price]
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,7 @@ class BudgetBook:
         self.refresh_s = refresh_s
         self._config = {m: config_price(p, batch_discount) for m, p in config_prices.items()}
         self._prices: dict[str, Price] = {}
+        self._adapter_prices: AdapterPrices = {}
         self._budgets: dict[str, list[Budget]] = {}
         self._loaded_at: float | None = None
         self._loading: asyncio.Task[None] | None = None
@@ -133,22 +142,18 @@ class BudgetBook:
 
     # ----- what is configured -----------------------------------------------------------------
 
-    def _load(self) -> tuple[dict[str, Price], dict[str, list[Budget]]]:
+    def _load(self) -> tuple[dict[str, Price], AdapterPrices, dict[str, list[Budget]]]:
         with self.db.session() as s:
-            prices = {
-                p.endpoint_id: Price(
-                    p.input_micro, p.output_micro, p.cached_input_micro, p.batch_discount_bps
-                )
-                for p in rows.all_prices(s)
-            }
+            prices = {p.endpoint_id: price_of(p) for p in rows.all_prices(s)}
+            adapters = {(t, name): price_of(p) for t, name, p in rows.all_adapter_prices(s)}
             budgets: dict[str, list[Budget]] = {}
             for b in rows.all_budgets(s):
                 budgets.setdefault(b.tenant_id, []).append(budget_of(b))
-        return prices, budgets
+        return prices, adapters, budgets
 
     async def _reload(self) -> None:
         try:
-            self._prices, self._budgets = await asyncio.to_thread(self._load)
+            self._prices, self._adapter_prices, self._budgets = await asyncio.to_thread(self._load)
             self._loaded_at = time.monotonic()
         except Exception as exc:  # the database away: the last read stays in force
             log.warning("reading prices and budgets failed (the last read stays): %r", exc)
@@ -168,7 +173,15 @@ class BudgetBook:
         """Reread before the next request (a price or budget changed in this process)."""
         self._loaded_at = None
 
-    def price(self, route: EndpointRoute) -> Price:
+    def price(
+        self, route: EndpointRoute, tenant_id: str = "", adapter: AdapterTarget | None = None
+    ) -> Price:
+        """What a request of `tenant_id` to `route` costs: its adapter's price (the tenant's
+        own adapter, as `target_for` resolves it), else the endpoint's, else the setting's."""
+        if adapter is not None:
+            own = self._adapter_prices.get((tenant_id, adapter.name))
+            if own is not None:
+                return own
         found = self._prices.get(route.endpoint_id) or self._config.get(route.model_name)
         return found or Price()
 
@@ -198,16 +211,21 @@ class BudgetBook:
         self._seeded.add(counter)
 
     async def hold(
-        self, p: Principal, route: EndpointRoute, tokens: int, batch: bool = False
+        self,
+        p: Principal,
+        route: EndpointRoute,
+        tokens: int,
+        batch: bool = False,
+        adapter: AdapterTarget | None = None,
     ) -> BudgetHold | None:
-        """Reserve the request's most cost on every budget it falls under; None when none
-        applies (or the model is free); `QuotaExceeded` (`budget_exceeded`) when one is
-        spent."""
+        """Reserve the request's most cost (at its adapter's price, else its endpoint's) on
+        every budget it falls under; None when none applies (or the model is free);
+        `QuotaExceeded` (`budget_exceeded`) when one is spent."""
         await self.fresh()
         budgets = self.applicable(p)
         if not budgets:
             return None
-        micro = self.price(route).bound(tokens, batch)
+        micro = self.price(route, p.tenant_id, adapter).bound(tokens, batch)
         if micro == 0:  # a free model: nothing to count, nothing to refuse
             return None
         ts = now()
@@ -273,6 +291,18 @@ def budget_exceeded(budget: Budget, spent_micro: int) -> QuotaExceeded:
         f"{budget.period} (UTC); ask your administrator to raise it.",
         code="budget_exceeded",
     )
+
+
+class PriceRowLike(Protocol):
+    input_micro: int
+    output_micro: int
+    cached_input_micro: int | None
+    batch_discount_bps: int
+
+
+def price_of(p: PriceRowLike) -> Price:
+    """An endpoint's or an adapter's price row as the gateway holds it."""
+    return Price(p.input_micro, p.output_micro, p.cached_input_micro, p.batch_discount_bps)
 
 
 def budget_of(b: BudgetRowLike) -> Budget:

@@ -26,6 +26,23 @@ class ModelPriceRow(Base):
     updated_at: Mapped[datetime]
 
 
+class AdapterPriceRow(Base):
+    """A registry LoRA adapter's prices (all its versions), in micro-dollars per 1M tokens,
+    set by the platform admin or an admin of the adapter's tenant. Keyed by the adapter's
+    registry model id: an adapter deleted and pushed again under its name starts unpriced. A
+    call to an adapter without a row costs its base endpoint's price."""
+
+    __tablename__ = "adapter_prices"
+
+    model_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(40), index=True)
+    input_micro: Mapped[int] = mapped_column(BigInteger)
+    output_micro: Mapped[int] = mapped_column(BigInteger)
+    cached_input_micro: Mapped[int | None] = mapped_column(BigInteger)
+    batch_discount_bps: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime]
+
+
 class BudgetRow(Base):
     """A spend limit in micro-dollars per day or month for a tenant, a key or a team."""
 

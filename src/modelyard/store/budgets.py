@@ -1,24 +1,40 @@
-"""The rows behind budgets in dollars: endpoints' prices, budgets, the once-per-period marker of
-a soft threshold's alert, and the spend of a budget's subject summed from the usage rows (what a
-spend counter is seeded with when a gateway first counts a period)."""
+"""The rows behind budgets in dollars: endpoints' and adapters' prices, budgets, the
+once-per-period marker of a soft threshold's alert, and the spend of a budget's subject summed
+from the usage rows (what a spend counter is seeded with when a gateway first counts a period)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from modelyard.core.pricing import BudgetScope
-from modelyard.store.budget_tables import BudgetAlert, BudgetRow, ModelPriceRow
+from modelyard.store.budget_tables import AdapterPriceRow, BudgetAlert, BudgetRow, ModelPriceRow
 from modelyard.store.repository import now
-from modelyard.store.tables import UsageRecord
+from modelyard.store.tables import Model, UsageRecord
 
 
 def all_prices(s: Session) -> Sequence[ModelPriceRow]:
     return s.scalars(select(ModelPriceRow)).all()
+
+
+def all_adapter_prices(s: Session) -> list[tuple[str, str, AdapterPriceRow]]:
+    """Every adapter's price with its tenant and registry name (a price whose adapter is gone
+    is left out)."""
+    rows = s.execute(
+        select(Model.tenant_id, Model.name, AdapterPriceRow).join(
+            Model, Model.id == AdapterPriceRow.model_id
+        )
+    ).all()
+    return [(tenant_id, name, row) for tenant_id, name, row in rows]
+
+
+def drop_adapter_price(s: Session, model_id: str) -> None:
+    """The price of a registry model being deleted goes with it."""
+    s.execute(delete(AdapterPriceRow).where(AdapterPriceRow.model_id == model_id))
 
 
 def all_budgets(s: Session) -> Sequence[BudgetRow]:
