@@ -246,3 +246,25 @@ def test_text_that_cannot_be_stored_is_a_400_naming_the_field(
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert r.json()["error"]["code"] == "invalid_text"
+
+
+@pytest.mark.parametrize(
+    ("url", "param"),
+    [
+        ("/v1/users?tenant_id=%00x", "tenant_id"),  # PostgreSQL refused the comparison: a 500
+        ("/v1/keys?after=a&tenant_id=tn%00", "tenant_id"),
+        ("/v1/budgets/bdg-%00", "path"),
+        ("/v1/models/tiny%00", "path"),
+    ],
+)
+def test_a_nul_in_a_url_is_a_400_naming_where(admin: httpx.Client, url: str, param: str) -> None:
+    r = admin.get(url)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert r.json()["error"]["code"] == "invalid_text"
+
+
+def test_a_nul_in_an_oip_url_is_a_400_in_the_protocols_shape(admin: httpx.Client) -> None:
+    r = admin.post("/v2/models/tiny/infer?version=K%00w", json={"inputs": []})
+    assert r.status_code == 400, r.text
+    assert isinstance(r.json()["error"], str) and "'version'" in r.json()["error"]

@@ -9,7 +9,8 @@ JSON routes: tenants, keys, deploys, batches…) as they are read, and answers a
 field instead. A body nested deeper than the bound is a 400 too (it broke the writers of the
 audit log and the JSON responses that echo it). The gateway's inference routes parse their raw
 bodies themselves and are not touched, so the hot path pays nothing here (the gateway bounds
-their depth itself).
+their depth itself). A URL whose path or query decodes to a NUL is refused on every route (a
+query holding no `%00` costs one byte search).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 from typing import Any
+from urllib.parse import parse_qsl
 
 import orjson
 from fastapi.routing import APIRoute
@@ -24,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from modelyard.protocol.errors import APIError, bad_request
 from modelyard.protocol.json_depth import SLOW_BYTES, too_deep
+from modelyard.protocol.oip import OIPError, is_oip_path
 
 
 def find_bad_text(value: Any, path: str = "") -> str | None:
@@ -69,11 +72,42 @@ class _Refused(Exception):
     pass
 
 
+def nul_in_url(scope: Scope) -> str | None:
+    """The query parameter (or `path`) whose decoded text holds a NUL, or None. (Starlette
+    decodes a URL's bytes with replacement, so a NUL is the one unstorable character a URL can
+    carry: PostgreSQL refuses it even in a comparison.)"""
+    if "\x00" in scope.get("path", ""):
+        return "path"
+    query: bytes = scope.get("query_string", b"")
+    if b"%00" not in query:
+        return None
+    for name, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
+        if "\x00" in name or "\x00" in value:
+            return name if storable(name) else "query"
+    return None
+
+
+def _invalid_text(where: str) -> APIError:
+    return bad_request(
+        f"Invalid value for '{where}': text must be valid Unicode without NUL characters or "
+        "unpaired surrogates.",
+        where,
+        "invalid_text",
+    )
+
+
 class StorableText:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (where := nul_in_url(scope)) is not None:
+            error = _invalid_text(where)
+            if is_oip_path(scope.get("path", "")):  # the Open Inference Protocol's own shape
+                await OIPError(error.status, error.message).response()(scope, receive, send)
+            else:
+                await error.response()(scope, receive, send)
+            return
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
@@ -114,12 +148,7 @@ class StorableText:
             where = find_bad_text(_decode(body))
             if where is None:
                 return message
-            refusal = bad_request(
-                f"Invalid value for '{where}': text must be valid Unicode without NUL "
-                "characters or unpaired surrogates.",
-                where,
-                "invalid_text",
-            )
+            refusal = _invalid_text(where)
             raise _Refused
 
         async def answer() -> None:
