@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from modelyard.core.adapter_routes import AdapterTarget
 from modelyard.core.errors import QuotaExceeded
 from modelyard.core.identity import Limits, Principal
 from modelyard.core.pricing import Price, parse_usd, usd
@@ -16,9 +17,9 @@ from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.budgets import BudgetBook
 from modelyard.gateway.spend import MemorySpend
 from modelyard.store import repository as repo
-from modelyard.store.budget_tables import BudgetRow, ModelPriceRow
+from modelyard.store.budget_tables import AdapterPriceRow, BudgetRow, ModelPriceRow
 from modelyard.store.db import Database
-from modelyard.store.tables import UsageRecord
+from modelyard.store.tables import Model, UsageRecord
 
 
 def test_costs_are_exact_and_reservations_bound_them() -> None:
@@ -76,5 +77,46 @@ def test_a_team_budget_binds_its_keys_and_survives_a_restart(database: Database)
         assert await book.hold(outsider, route, 300) is None  # no budget of its own
         (current,) = await book.current(book.applicable(member))
         assert current[1] == 1_050
+
+    asyncio.run(run())
+
+
+def test_a_call_naming_an_adapter_is_reserved_at_the_adapters_price(database: Database) -> None:
+    """The hold, not only the bill: an adapter priced 5x its base reserves 5x, for its own
+    tenant only (another tenant's adapter of the same name reserves at the base's price)."""
+    at = repo.now()
+    with database.session() as s:
+        for tenant in ("tn-1", "tn-2"):
+            repo.create_tenant(s, tenant, None)
+        tenant_ids = [t.id for t in repo.list_tenants(s)]
+    own, other = sorted(tenant_ids)
+    with database.session() as s:
+        s.add(Model(id="mdl-bot", tenant_id=own, name="bot", created_at=at))
+        s.add(Model(id="mdl-bot-2", tenant_id=other, name="bot", created_at=at))
+        s.add(AdapterPriceRow(model_id="mdl-bot", tenant_id=own, input_micro=5_000_000,
+                              output_micro=5_000_000, cached_input_micro=None,
+                              batch_discount_bps=0, updated_at=at))  # fmt: skip
+        s.add(ModelPriceRow(endpoint_id="ep-1", tenant_id="system", input_micro=1_000_000,
+                            output_micro=1_000_000, cached_input_micro=None,
+                            batch_discount_bps=0, updated_at=at))  # fmt: skip
+        for tenant in (own, other):
+            s.add(BudgetRow(id=f"bdg-{tenant}", tenant_id=tenant, scope="tenant",
+                            subject_id=tenant, period="day", limit_micro=10**9,
+                            soft_limit_micro=None, webhook_url=None, created_at=at,
+                            updated_at=at))  # fmt: skip
+    route = EndpointRoute("ep-1", "system", "m", True, None, 64)
+    bot = AdapterTarget("bot", 1, "x.mv-1")
+
+    def caller(tenant_id: str) -> Principal:
+        return Principal("k", "k", tenant_id, "acme", frozenset({"inference"}),
+                         Limits(None, None), None, False)  # fmt: skip
+
+    async def run() -> None:
+        book = BudgetBook(database, MemorySpend(), 60.0, {}, 0.0)
+        base = await book.hold(caller(own), route, 100)
+        adapter = await book.hold(caller(own), route, 100, adapter=bot)
+        theirs = await book.hold(caller(other), route, 100, adapter=bot)
+        assert base is not None and adapter is not None and theirs is not None
+        assert (base.micro, adapter.micro, theirs.micro) == (100, 500, 100)
 
     asyncio.run(run())
