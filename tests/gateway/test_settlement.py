@@ -37,6 +37,7 @@ from tests.platform_harness import (
     usage_rows,
     wait_batch,
     wait_request_ids,
+    wait_status,
     wait_usage,
 )
 from tests.tiny_encoders import minilm_folder
@@ -93,8 +94,10 @@ def platform(
     p = PlatformProcess(data, env).start()
     try:
         admin = p.api()
-        deploy(admin, TINY, str(models / TINY), public=True)
-        deploy(admin, "minilm", str(minilm_folder()), public=True)
+        served = [
+            deploy(admin, TINY, str(models / TINY), public=True),
+            deploy(admin, "minilm", str(minilm_folder()), public=True),
+        ]
         legacy = deploy(admin, "legacy", str(models / TINY), public=True)
     finally:
         p.stop()
@@ -106,6 +109,8 @@ def platform(
     p = PlatformProcess(data, env).start()
     try:
         p.legacy = legacy  # type: ignore[attr-defined]
+        for endpoint in served:  # serving again once restarted (its replicas start anew)
+            wait_status(p.api(), endpoint, "ready")
         yield p
     finally:
         p.stop()

@@ -124,16 +124,21 @@ class Provisioner:
         running = await self._take_over(state)
         state.desired = max(state.desired, running)
         try:
-            if state.model_path is None:
+            path = state.model_path
+            if path is None:
                 if state.row.version_id is None:
-                    state.model_path = Path(state.row.artifact)
+                    path = Path(state.row.artifact)
                 else:
-                    state.model_path = await self.replicas.fetch_model(state)
-            state.kind = await asyncio.to_thread(detect, state.model_path)
+                    path = await self.replicas.fetch_model(state)
+            kind = await asyncio.to_thread(detect, path)
             route = state.route
             route.model_kind, route.capabilities = await asyncio.to_thread(
-                describe, state.model_path, state.kind, state.engine
+                describe, path, kind, state.engine
             )
+            # The path and the kind become known together: a request arriving while the kind
+            # is read (`activate`: a path and no kind looked like an LLM's) started an engine
+            # worker for an encoder folder, which exits ("model_type 'bert' is not supported").
+            state.model_path, state.kind = path, kind
         except Exception as exc:
             why = f"cannot prepare the model files: {exc}"
             await self.statuses.set(state, EndpointStatus.FAILED, why, StatusTrigger.PREPARE_FAILED)
