@@ -95,6 +95,12 @@ def _price_values(body: PriceSet) -> dict[str, int | None]:
     }  # fmt: skip
 
 
+def _set_price(row: ModelPriceRow | AdapterPriceRow, values: dict[str, int | None]) -> None:
+    for k, v in values.items():
+        setattr(row, k, v)
+    row.updated_at = repo.now()
+
+
 def adapter_price_view(model: Model, p: AdapterPriceRow | None) -> dict[str, Any]:
     """An adapter's prices; `priced` false (every amount null): its base endpoint's apply."""
     cached = None if p is None else p.cached_input_micro
@@ -161,9 +167,7 @@ class Budgets:
                 if row is None:
                     row = ModelPriceRow(endpoint_id=ep.id, tenant_id=ep.tenant_id)
                     s.add(row)
-                for k, v in values.items():
-                    setattr(row, k, v)
-                row.updated_at = repo.now()
+                _set_price(row, values)
                 s.flush()
                 return before, price_view(row)
 
@@ -216,9 +220,7 @@ class Budgets:
                 if row is None:
                     row = AdapterPriceRow(model_id=model.id, tenant_id=model.tenant_id)
                     s.add(row)
-                for k, v in values.items():
-                    setattr(row, k, v)
-                row.updated_at = repo.now()
+                _set_price(row, values)
                 s.flush()
                 return before, adapter_price_view(model, row)
 
