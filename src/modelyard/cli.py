@@ -107,6 +107,7 @@ def serve(
 
     from modelyard.api.app import create_platform_app
     from modelyard.config import PlatformSettings
+    from modelyard.core.gc_pauses import freeze_heap_when_started
     from modelyard.core.redis_url import RedisUrlError
     from modelyard.core.uvicorn_options import uvicorn_options
     from modelyard.platform import Platform
@@ -159,6 +160,7 @@ def serve(
         progress.append(asyncio.get_running_loop().create_task(report))
 
     platform.on_ready = ready
+    freeze_heap_when_started()
     uvicorn.run(
         app_,
         host=settings.host,
@@ -196,6 +198,7 @@ def _run_role(kind: str, host: str | None, port: int | None, data_dir: Path | No
     import uvicorn
 
     from modelyard.config import PlatformSettings
+    from modelyard.core.gc_pauses import freeze_heap_when_started
     from modelyard.core.redis_url import RedisUrlError
     from modelyard.core.uvicorn_options import uvicorn_options
     from modelyard.roles import ClusterConfigError, ControllerRole, GatewayRole
@@ -220,6 +223,7 @@ def _run_role(kind: str, host: str | None, port: int | None, data_dir: Path | No
                 typer.secho(f"{boot.admin_key_file}):\n  {boot.admin_key}", bold=True)
 
         role.on_leading = leading
+    freeze_heap_when_started()
     uvicorn.run(role.asgi(), host=settings.host, port=settings.port,
                 log_level=telemetry.log_level, timeout_graceful_shutdown=10,
                 **uvicorn_options(telemetry))  # fmt: skip

@@ -33,6 +33,7 @@ from modelyard.api.routes_metrics import install_metrics
 from modelyard.api.services import Lifecycle, Services
 from modelyard.api.text_guard import StorableText
 from modelyard.core.errors import DomainError
+from modelyard.core.gc_pauses import heap_started
 from modelyard.core.identity import Principal
 from modelyard.core.loop_monitor import watching_loop
 from modelyard.gateway.request_context import GatewayRequestContext
@@ -50,6 +51,7 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
         with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
             await lifecycle.start()
             await asyncio.to_thread(warm_routes, app)  # not on the first request's loop turn
+            heap_started()  # a server process's startup objects leave the collector's walks
             try:
                 yield
             finally:

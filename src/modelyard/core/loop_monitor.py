@@ -9,9 +9,12 @@ then executing a callback or a task's code. A loop thread found in the loop's ow
 the OS did not schedule it, or it waits for the GIL. Time the loop thread spent runnable
 but not running (its run-queue wait, `/proc/self/task/<tid>/schedstat` on Linux) is
 taken off the overdue time too, so work descheduled by a loaded machine is not blamed for the
-machine's load. Work that holds the GIL (one long C call) keeps the watchdog from running at all:
-the watchdog reads the stack first thing when it gets the GIL back, while that work is still on
-the stack.
+machine's load, and so is the time the garbage collector ran (`gc_pauses.py`): a collection
+holds every thread, wherever the loop was when it began. A collection longer than the threshold
+is logged and counted as a pause of its own (`modelyard_gc_long_pauses_total`; `event: gc_pause`
+in the log file), not as a stall of the work it interrupted. Work that holds the GIL (one long
+C call) keeps the watchdog from running at all: the watchdog reads the stack first thing when
+it gets the GIL back, while that work is still on the stack.
 
 A stall is logged (WARNING, with the stack), counted (`modelyard_event_loop_stalls_total`, and
 its length once it ends in `modelyard_event_loop_stall_seconds`) and, with a log file, appended
@@ -41,6 +44,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from modelyard.config import TelemetrySettings
+from modelyard.core.gc_pauses import GcClock, GcPause
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +124,7 @@ class Stall:
     others: list[list[str]] = field(default_factory=list)
     due: float = 0.0
     runqueue_mark: int = 0
+    gc_mark: float = 0.0
     duration_s: float | None = None
     at: float = field(default_factory=time.time)
 
@@ -151,6 +156,13 @@ class LoopMonitor:
             buckets=_BUCKETS,
             registry=self.registry,
         )
+        self.gc_pauses = Counter(
+            "modelyard_gc_long_pauses",
+            "Garbage collections of this process that held every thread, its event loop's too, "
+            "for longer than loop_stall_ms.",
+            registry=self.registry,
+        )
+        self.gc = GcClock(threshold_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_id = 0
         self._native_id = 0
@@ -159,8 +171,9 @@ class LoopMonitor:
         self._pending = (0, 0.0)  # (heartbeat number, when it is due), set by the loop
         self._ran = (-1, 0.0)  # (heartbeat number, when it ran), set by the loop
         self._stop = threading.Event()
-        self._mark = (-1, 0)  # (heartbeat number, the loop thread's run-queue ns before due)
-        self._last = (0.0, 0)  # (time of the last tick, the run-queue ns then)
+        # (heartbeat number, the loop thread's run-queue ns and the collector's s before due)
+        self._mark: tuple[int, int, float] = (-1, 0, 0.0)
+        self._last: tuple[float, int, float] = (0.0, 0, 0.0)  # (last tick, run-queue ns, gc s)
         self._current: Stall | None = None
         self.thread: threading.Thread | None = None
 
@@ -173,7 +186,8 @@ class LoopMonitor:
         self._thread_id = threading.get_ident()
         self._native_id = threading.get_native_id()
         self._base = _base_frame(sys._getframe(1))
-        self._last = (time.monotonic(), _runqueue_ns(self._native_id))
+        self.gc.start()
+        self._last = (time.monotonic(), _runqueue_ns(self._native_id), self.gc.total_s)
         self._beat()
         self.thread = threading.Thread(target=self._watch, name="modelyard-loop-monitor")
         self.thread.daemon = True
@@ -185,6 +199,7 @@ class LoopMonitor:
         """Stop watching (from the loop or any thread); the watchdog exits within a tick."""
         global _active
         self._stop.set()
+        self.gc.stop()
         if self._handle is not None:
             self._handle.cancel()
         if self.thread is not None and self.thread is not threading.current_thread():
@@ -220,26 +235,33 @@ class LoopMonitor:
             # The stack first, before anything here gives up the GIL: work that held it (one
             # long C call) has just let go, and would run on to its end meanwhile.
             frames = sys._current_frames()
+            if any(f.f_code is self.gc.callback_code for f in frames.values()):
+                return  # a collection is ending, its time not yet added: the next tick decides
             frame = frames.get(self._thread_id)
             work = self._work(frame) if frame is not None else None
             others = _running_threads(frames, self._thread_id) if work else []
-        runqueue = _runqueue_ns(self._native_id)
+        runqueue, collecting = _runqueue_ns(self._native_id), self.gc.total_s
+        for pause in self.gc.drain():
+            self._gc_pause(pause)
         if self._current is not None and self._ran[0] >= self._current.beat:
-            self._ended(self._current, self._ran[1], runqueue)
+            self._ended(self._current, self._ran[1], runqueue, collecting)
             self._current = None
         if self._mark[0] != number:
-            # The loop thread's run-queue time from before the heartbeat was due: the last
-            # tick's if it was (a starved loop thread holding the GIL delays the ticks too).
-            before, then = self._last
-            self._mark = (number, then if before <= due else runqueue)
-        self._last = (now, runqueue)
+            # The loop thread's run-queue and the collector's time from before the heartbeat was
+            # due: the last tick's if it was (a starved loop thread delays the ticks too).
+            before, queued, collected = self._last
+            if before > due:
+                queued, collected = runqueue, collecting
+            self._mark = (number, queued, collected)
+        self._last = (now, runqueue, collecting)
         overdue = now - due
         self.max_overdue_s = max(self.max_overdue_s, overdue)
-        held = overdue - (runqueue - self._mark[1]) / 1e9  # minus the time it was not run
+        # Minus the time the loop thread was not run, and the time the collector held it.
+        held = overdue - (runqueue - self._mark[1]) / 1e9 - (collecting - self._mark[2])
         if held > self.threshold_s and work:
             stall = Stall(
                 held, _format(work), beat=number, others=[_format(x) for x in others],
-                due=due, runqueue_mark=self._mark[1],
+                due=due, runqueue_mark=self._mark[1], gc_mark=self._mark[2],
             )  # fmt: skip
             self._current = stall
             self._found(stall)
@@ -275,8 +297,19 @@ class LoopMonitor:
         self._append({"event": "stall", "stalled_ms": round(stall.stalled_s * 1000, 1),
                       "stack": stall.stack, "other_threads": stall.others})  # fmt: skip
 
-    def _ended(self, stall: Stall, ran: float, runqueue: int) -> None:
-        duration = max(ran - stall.due - (runqueue - stall.runqueue_mark) / 1e9, stall.stalled_s)
+    def _gc_pause(self, pause: GcPause) -> None:
+        self.gc_pauses.inc()
+        log.warning(
+            "garbage collection (generation %d, %d objects freed) held every thread for %.0f ms "
+            "(threshold %.0f ms)",
+            pause.generation, pause.collected, pause.seconds * 1000, self.threshold_s * 1000,
+        )  # fmt: skip
+        self._append({"event": "gc_pause", "generation": pause.generation,
+                      "paused_ms": round(pause.seconds * 1000, 1)})  # fmt: skip
+
+    def _ended(self, stall: Stall, ran: float, runqueue: int, collecting: float) -> None:
+        not_work = (runqueue - stall.runqueue_mark) / 1e9 + collecting - stall.gc_mark
+        duration = max(ran - stall.due - not_work, stall.stalled_s)
         stall.duration_s = duration
         self.seconds.observe(duration)
         log.warning("event loop stall ended after %.0f ms", duration * 1000)

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
+from modelyard.core.gc_pauses import heap_started
 from modelyard.core.loop_monitor import LoopStallCollector, watching_loop
 from modelyard.engine.client import EngineClient
 from modelyard.protocol.errors import install_error_handlers
@@ -46,6 +47,7 @@ def create_app(
         with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
             engine.start()
             await asyncio.to_thread(warm_routes, app)  # not on the first request's loop turn
+            heap_started()  # a worker process's model and startup objects leave the GC's walks
             if owner_watch is not None:  # its clock starts when the replica serves
                 owner_watch.start()
             yield

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from modelyard import __version__
 from modelyard.core.errors import DomainError, model_not_found
+from modelyard.core.gc_pauses import freeze_heap_when_started, heap_started
 from modelyard.core.loop_monitor import LoopStallCollector, watching_loop
 from modelyard.encoders.errors import ModelTooLarge, UnsupportedModel
 from modelyard.encoders.host import ModelHost
@@ -75,6 +76,7 @@ def create_encoder_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
             await asyncio.to_thread(warm_routes, app)  # not on the first request's loop turn
+            heap_started()  # an encoder worker's startup objects leave the collector's walks
             if owner_watch is not None:  # its clock starts when the host serves
                 owner_watch.start()
             yield
@@ -204,6 +206,7 @@ def serve_encoders(
         **uvicorn_options(TelemetrySettings()),
     )  # fmt: skip
     server = uvicorn.Server(config)
+    freeze_heap_when_started()
     if app.state.owner_watch is not None:
         app.state.owner_watch.server = server
     server.run()

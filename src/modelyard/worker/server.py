@@ -17,6 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from modelyard.config import EngineSettings, TelemetrySettings
+from modelyard.core.gc_pauses import freeze_heap_when_started
 from modelyard.core.owner_watch import exit_if_orphaned
 from modelyard.core.uvicorn_options import uvicorn_options
 from modelyard.engine.client import LocalEngineClient
@@ -89,6 +90,7 @@ def serve_worker(
             **uvicorn_options(TelemetrySettings()),
         )  # fmt: skip
         exit_on_failure.server = uvicorn.Server(config)
+        freeze_heap_when_started()
         if app.state.owner_watch is not None:
             app.state.owner_watch.server = exit_on_failure.server
         exit_on_failure.server.run()
