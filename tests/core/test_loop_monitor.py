@@ -25,6 +25,7 @@ import uvloop
 from pydantic import ValidationError
 
 from modelyard.config import TelemetrySettings
+from modelyard.core.gc_pauses import freeze_heap_when_started, heap_started
 from modelyard.core.loop_monitor import LoopMonitor, loop_stall_families
 from tests.loop_stalls import read_stalls
 from tests.platform_harness import PlatformProcess, deploy, tiny_models_env
@@ -302,6 +303,21 @@ def test_the_monitor_stops_cleanly() -> None:
     run(main)
     names = [t.name for t in threading.enumerate()]
     assert "modelyard-loop-monitor" not in names
+
+
+def test_a_server_process_freezes_its_heap_once_started_and_an_embedded_app_does_not() -> None:
+    assert gc.get_freeze_count() == 0
+    heap_started()  # an app started inside another program (this test run): nothing frozen
+    assert gc.get_freeze_count() == 0
+    freeze_heap_when_started()  # what `modelyard serve` and the workers' entry points call
+    try:
+        heap_started()
+        assert gc.get_freeze_count() > 1000
+        gc.unfreeze()
+        heap_started()  # once
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 def test_the_setting_is_off_or_at_least_10_ms() -> None:
