@@ -12,6 +12,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -289,9 +290,21 @@ def test_tenants_call_their_own_adapters_on_the_public_base(
 
 
 def test_an_adapter_that_does_not_fit_the_base_is_refused_at_push(
-    platform: PlatformProcess, folders: dict[str, Any]
+    platform: PlatformProcess, folders: dict[str, Any], tmp_path: Path
 ) -> None:
     dave = Tenant(platform, "dave")
+    # Only LoRA is served: another PEFT method, or none named, is refused naming peft_type.
+    for i, peft_type in enumerate(("PREFIX_TUNING", None, 7)):
+        other = tmp_path / f"peft-{i}"
+        shutil.copytree(folders["a"], other)
+        config = json.loads((other / "adapter_config.json").read_text())
+        config.pop("peft_type")
+        if peft_type is not None:
+            config["peft_type"] = peft_type
+        (other / "adapter_config.json").write_text(json.dumps(config))
+        r = push(dave.api, other, f"not-lora-{i}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "peft_type", r.text
+        assert "LORA" in r.json()["error"]["message"], r.text
     r = push(dave.api, folders["big"], "too-big")  # r=32 > the replica's max_lora_rank 16
     assert r.status_code == 400 and r.json()["error"]["param"] == "r", r.text
     r = push(dave.api, folders["wrong"], "wrong-shape")  # made for another model's shapes
@@ -300,7 +313,7 @@ def test_an_adapter_that_does_not_fit_the_base_is_refused_at_push(
     r = push(dave.api, folders["a"], "orphan", base="no-such-base")
     assert r.status_code == 400 and r.json()["error"]["param"] == "base_model", r.text
     names = {m["name"] for m in dave.api.get("/v1/registry/models").json()["data"]}
-    assert not names & {"too-big", "wrong-shape", "orphan"}
+    assert not names & {"too-big", "wrong-shape", "orphan", "not-lora-0", "not-lora-1"}
 
 
 def test_twenty_adapters_cycle_through_four_slots_under_load(
