@@ -12,6 +12,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -216,25 +217,34 @@ def test_tenants_call_their_own_adapters_on_the_public_base(
     # Bob's "support-bot" is his own; Alice's second version and her legal bot do not exist for him.
     assert push(alice.api, folders["a"], "legal-bot").status_code == 201
     carol = Tenant(platform, "carol")  # no adapters at all
-    # Each name answers as a name that does not exist does (the same status and code).
+    # Each name answers as a name that does not exist does: 404 `model_not_found`, the same
+    # words but the name (through the base too, refused before a replica is asked).
     unknown = {"legal-bot": "no-such-model", "support-bot:2": "support-bot:9",
-               "smollm2:legal-bot": "smollm2:no-such-adapter"}  # fmt: skip
+               "smollm2:legal-bot": "smollm2:no-such-adapter",
+               "smollm2:no-such-adapter": "no-such-model"}  # fmt: skip
+
+    def seen(exc: pytest.ExceptionInfo[openai.APIStatusError], model: str) -> tuple[Any, ...]:
+        body = exc.value.body
+        assert isinstance(body, dict), body
+        return exc.value.status_code, body["code"], body["message"].replace(f"`{model}`", "?")
+
     for model, nonexistent in unknown.items():
         for t in (bob, carol) if model != "support-bot:2" else (bob,):
-            with pytest.raises(openai.APIStatusError) as refused:
-                t.complete(model)
             with pytest.raises(openai.APIStatusError) as missing:
                 t.complete(nonexistent)
-            assert refused.value.status_code == missing.value.status_code
-            assert refused.value.body["code"] == missing.value.body["code"]  # type: ignore[index]
+            expected = seen(missing, nonexistent)
+            assert expected[:2] == (404, "model_not_found"), expected
+            with pytest.raises(openai.APIStatusError) as refused:
+                t.complete(model)
+            assert seen(refused, model) == expected
             with pytest.raises(openai.APIStatusError) as chat:
                 t.client.chat.completions.create(
                     model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
                 )
-            assert chat.value.status_code == missing.value.status_code
+            assert seen(chat, model) == expected
             with pytest.raises(openai.APIStatusError) as responses:
                 t.client.responses.create(model=model, input="Hi", max_output_tokens=2)
-            assert responses.value.status_code == missing.value.status_code
+            assert seen(responses, model) == expected
     with pytest.raises(openai.NotFoundError):
         bob.complete("legal-bot")
     internal = f"{alice.id}."  # an internal name is never accepted from a client
@@ -246,17 +256,18 @@ def test_tenants_call_their_own_adapters_on_the_public_base(
     assert bob.api.get("/v1/models/legal-bot").status_code == 404
     assert alice.api.get("/v1/models/legal-bot").json()["parent"] == "smollm2"
 
-    # Batch lines: Alice's adapter answers her line; Bob's line naming it fails as unknown.
+    # Batch lines: Alice's adapter answers her lines; Bob's naming it fail as unknown (404).
     for t, ok in ((alice, True), (bob, False)):
-        lines = [batch_line("x", model="legal-bot", max_tokens=2)]
+        lines = [batch_line("x", model="legal-bot", max_tokens=2),
+                 batch_line("y", model="smollm2:legal-bot", max_tokens=2)]  # fmt: skip
         f = t.client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
         batch = t.client.batches.create(
             input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         done = wait_batch(t.client, batch.id, {"completed", "failed"}, timeout=180)
         out = read_jsonl(t.client, done.output_file_id) + read_jsonl(t.client, done.error_file_id)
-        response = out[0].get("response") or {}
-        assert (response.get("status_code") == 200) is ok, out
+        statuses = sorted((o.get("response") or {}).get("status_code") for o in out)
+        assert statuses == ([200, 200] if ok else [404, 404]), out
         assert ok or "model_not_found" in json.dumps(out), out
 
     # Usage rows name the adapter beside the base endpoint; each tenant sees only its own.
@@ -279,9 +290,21 @@ def test_tenants_call_their_own_adapters_on_the_public_base(
 
 
 def test_an_adapter_that_does_not_fit_the_base_is_refused_at_push(
-    platform: PlatformProcess, folders: dict[str, Any]
+    platform: PlatformProcess, folders: dict[str, Any], tmp_path: Path
 ) -> None:
     dave = Tenant(platform, "dave")
+    # Only LoRA is served: another PEFT method, or none named, is refused naming peft_type.
+    for i, peft_type in enumerate(("PREFIX_TUNING", None, 7)):
+        other = tmp_path / f"peft-{i}"
+        shutil.copytree(folders["a"], other)
+        config = json.loads((other / "adapter_config.json").read_text())
+        config.pop("peft_type")
+        if peft_type is not None:
+            config["peft_type"] = peft_type
+        (other / "adapter_config.json").write_text(json.dumps(config))
+        r = push(dave.api, other, f"not-lora-{i}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "peft_type", r.text
+        assert "LORA" in r.json()["error"]["message"], r.text
     r = push(dave.api, folders["big"], "too-big")  # r=32 > the replica's max_lora_rank 16
     assert r.status_code == 400 and r.json()["error"]["param"] == "r", r.text
     r = push(dave.api, folders["wrong"], "wrong-shape")  # made for another model's shapes
@@ -290,7 +313,7 @@ def test_an_adapter_that_does_not_fit_the_base_is_refused_at_push(
     r = push(dave.api, folders["a"], "orphan", base="no-such-base")
     assert r.status_code == 400 and r.json()["error"]["param"] == "base_model", r.text
     names = {m["name"] for m in dave.api.get("/v1/registry/models").json()["data"]}
-    assert not names & {"too-big", "wrong-shape", "orphan"}
+    assert not names & {"too-big", "wrong-shape", "orphan", "not-lora-0", "not-lora-1"}
 
 
 def test_twenty_adapters_cycle_through_four_slots_under_load(

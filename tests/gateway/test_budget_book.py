@@ -12,7 +12,7 @@ import pytest
 from modelyard.core.adapter_routes import AdapterTarget
 from modelyard.core.errors import QuotaExceeded
 from modelyard.core.identity import Limits, Principal
-from modelyard.core.pricing import Price, parse_usd, usd
+from modelyard.core.pricing import Price, parse_percent_bps, parse_usd, usd
 from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.budgets import BudgetBook
 from modelyard.gateway.spend import MemorySpend
@@ -36,6 +36,19 @@ def test_costs_are_exact_and_reservations_bound_them() -> None:
     for bad in ("0.0000001", "-1", "NaN", "1e999999999", "x", True):
         with pytest.raises(ValueError):
             parse_usd(bad, "x", 10**9)
+    assert parse_usd("12", "x", 10**9) == 12_000_000 and parse_usd(0.5, "x", 10**9) == 500_000
+    # Only a plain decimal: no underscore ("5_0" is not $50), space, exponent, sign, other
+    # scripts' digits, and no lone point; the refusal names the field.
+    for bad in ("5_0", "1_000.5", " 5", "5 ", "5\n", "5e1", "5E1", "+5", "-0", "\u0665", "5.",
+                ".5", "0x5", "", "1.2.3", "Infinity"):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^limit_usd must be a plain decimal"):
+            parse_usd(bad, "limit_usd", 10**9)
+        with pytest.raises(ValueError, match=r"^batch_discount_percent must be a plain decimal"):
+            parse_percent_bps(bad, "batch_discount_percent")
+    assert parse_percent_bps("12.5", "p") == 1_250 and parse_percent_bps(100, "p") == 10_000
+    for bad_percent in ("100.01", "0.001", -1, 101.0, True):
+        with pytest.raises(ValueError, match=r"^p must be"):
+            parse_percent_bps(bad_percent, "p")
     assert (usd(1_500_000), usd(150_000), usd(0)) == ("1.5", "0.15", "0")
 
 

@@ -214,6 +214,11 @@ def test_the_management_api_bounds_and_audits(
         ({"scope": "key", "subject_id": key_id, "limit_usd": 1, "period": "week"}, "period"),
         ({"scope": "key", "limit_usd": 1}, "subject_id"),
         ({"scope": "key", "subject_id": key_id, "limit_usd": True}, "limit_usd"),  # not $1
+        # Only plain decimals: "5_0" is not $50 (as Python's Decimal would read it).
+        *[({"scope": "key", "subject_id": key_id, "limit_usd": v}, "limit_usd")
+          for v in ("5_0", " 5", "5e1", "+5", "\u0665")],
+        ({"scope": "key", "subject_id": key_id, "limit_usd": 9, "soft_limit_usd": "1_0"},
+         "soft_limit_usd"),
     ]  # fmt: skip
     for body, param in bad:
         r = t.api.post("/v1/budgets", json=body)
@@ -246,6 +251,10 @@ def test_the_management_api_bounds_and_audits(
         assert result.exit_code == 0, (result.output, result.exception)
         return json.loads(result.stdout)
 
+    refused = CliRunner().invoke(
+        app, ["budgets", "create", "key", "--subject", key_id, "--limit", "5_0"], env=env
+    )
+    assert refused.exit_code == 1 and "limit_usd" in refused.output, refused.output
     made = cli("budgets", "create", "key", "--subject", key_id, "--limit", "0.5", "--period", "day")
     assert made["limit_micro_usd"] == 500_000
     assert t.chat(4).status_code == 200
@@ -291,8 +300,13 @@ def test_an_adapter_costs_its_own_price_else_its_base_endpoints(
     r = other.api.put("/v1/prices/adapters/bot", params={"tenant_id": t.id}, json=price)
     assert r.status_code == 404, r.text  # not the other tenant's to price
     for bad in ({**price, "input_usd_per_million": "1000.000001"},
-                {**price, "batch_discount_percent": "10.001"}, {**price, "colour": 1}):  # fmt: skip
-        assert t.api.put("/v1/prices/adapters/bot", json=bad).status_code == 400, bad
+                {**price, "batch_discount_percent": "10.001"}, {**price, "colour": 1},
+                {**price, "input_usd_per_million": "3_00"},
+                {**price, "output_usd_per_million": "7e2"},
+                {**price, "batch_discount_percent": "1_0"}):  # fmt: skip
+        r = t.api.put("/v1/prices/adapters/bot", json=bad)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] in bad, (bad, r.text)
     assert t.api.put(f"/v1/prices/adapters/{base}", json=price).status_code == 404  # no adapter
     r = t.api.put("/v1/prices/adapters/bot", json=price)
     assert r.status_code == 200, r.text

@@ -99,14 +99,19 @@ def test_fields_are_checked_at_the_edge(tenant_admin: httpx.Client) -> None:
         ({"allowed_models": ["x" * 201]}, "allowed_models"),
         ({"allowed_models": ["no spaces"]}, "allowed_models"),
         ({"allowed": ["tiny"]}, "allowed"),
+        ({"rpm_limit": True}, "rpm_limit"),  # not 1 request a minute
+        ({"tpm_limit": True}, "tpm_limit"),
     ]
     for body, param in bad:
         r = tenant_admin.post("/v1/keys", json={"name": "bad", **body})
         assert r.status_code == 400, (body, r.text)
         assert param in r.text, (body, r.text)
     key = create_key(tenant_admin)
-    r = tenant_admin.post(f"/v1/keys/{key['id']}/rotate", json={"grace_period_seconds": -1})
-    assert r.status_code == 400 and "grace_period_seconds" in r.text, r.text
+    for grace in (-1, True):  # `true` is not 1 s
+        r = tenant_admin.post(f"/v1/keys/{key['id']}/rotate", json={"grace_period_seconds": grace})
+        assert r.status_code == 400 and "grace_period_seconds" in r.text, r.text
+    r = tenant_admin.patch(f"/v1/keys/{key['id']}", json={"rpm_limit": True})
+    assert r.status_code == 400 and "rpm_limit" in r.text, r.text
     r = tenant_admin.post(f"/v1/keys/{key['id']}/rotate", json={"grace": 10})
     assert r.status_code == 400 and "grace" in r.text, r.text
 

@@ -24,10 +24,10 @@ from modelyard.control.audit import AuditLog, AuditTarget
 from modelyard.core.errors import Conflict, Forbidden, Invalid, NotFound
 from modelyard.core.identity import Principal
 from modelyard.core.pricing import (
-    FULL_BPS,
     MAX_BUDGET_MICRO,
     MAX_PRICE_MICRO,
     BudgetScope,
+    parse_percent_bps,
     parse_usd,
     usd,
 )
@@ -54,17 +54,9 @@ def _usd(value: object, param: str, maximum: int) -> int:
 
 def _percent_bps(value: object) -> int:
     try:
-        percent = Decimal(str(value).strip())
-        bps = percent * 100 if percent.is_finite() and 0 <= percent <= 100 else Decimal(-1)
-        whole = bps == bps.to_integral_value()
-    except ArithmeticError:  # not a number at all
-        bps, whole = Decimal(-1), False
-    if not whole or not 0 <= bps <= FULL_BPS:
-        raise Invalid(
-            "batch_discount_percent must be 0-100 with at most 2 decimals",
-            param="batch_discount_percent",
-        )
-    return int(bps)
+        return parse_percent_bps(value, "batch_discount_percent")
+    except ValueError as exc:
+        raise Invalid(str(exc), param="batch_discount_percent", code="invalid_value") from exc
 
 
 def price_view(p: ModelPriceRow) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class Provisioner:
             version_id=row.version_id,
             max_tokens_cap=config.engine.max_tokens_cap,
             sampling_defaults=config.sampling_defaults,
+            lora_dir=config.engine.lora_dir is not None,
         )
         state = EndpointState(
             row=row,

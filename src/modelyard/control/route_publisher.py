@@ -48,6 +48,7 @@ def entry_of(state: EndpointState) -> dict[str, Any]:
         "max_tokens_cap": route.max_tokens_cap,
         "upstream_model": route.upstream_model,
         "sampling_defaults": dict(route.sampling_defaults),
+        "lora_dir": route.lora_dir,
         "model_kind": route.model_kind,
         "capabilities": dict(route.capabilities),
         "weights": dict(route.weights),

@@ -371,6 +371,8 @@ class Versions:
         """Replicas of `track`'s version start with its engine options."""
         env, _ = engine_env(track.engine)
         self.replicas.version_engine[(state.row.id, track.version_id)] = env
+        # `<model>:<name>` of its own `lora_dir` passes the gateway (`gateway/admission.py`).
+        state.route.lora_dir = state.route.lora_dir or track.engine.get("lora_dir") is not None
 
     def _make_stable(self, state: EndpointState, track: Track) -> None:
         """The endpoint's own version (what its autoscaled replicas run) becomes `track`'s."""

@@ -5,8 +5,8 @@ The base's dimensions come from its `config.json` (a Hugging Face folder) or its
 header of its `adapter_model.safetensors` (each weight's name and shape). Every weight must
 target a projection the engine serves (q/k/v/o, gate/up/down) of a layer the base has, with
 A of shape (r, in) and B of (out, r), and r within the serving endpoints' `max_lora_rank`. A
-refusal is `Invalid` naming the field: `r`, or `adapter_model.safetensors` (the tensor and
-both shapes in the message).
+refusal is `Invalid` naming the field: `peft_type` (only LoRA is served), `r`, or
+`adapter_model.safetensors` (the tensor and both shapes in the message).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from modelyard.core.model_file_limits import (
     read_exact,
 )
 
+SERVED_PEFT_TYPE = "LORA"  # prefix tuning, IA3, LoHa, ... are not served
 ADAPTER_KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d{1,6})\.(?:self_attn|mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])(?:\.default)?\.weight$"
@@ -96,6 +97,14 @@ def check_adapter(
     max_rank: int,
 ) -> int:
     """The adapter's rank once its weights fit the base (`Invalid` naming the field if not)."""
+    peft_type = config.get("peft_type")
+    if not isinstance(peft_type, str) or peft_type.upper() != SERVED_PEFT_TYPE:
+        shown = "missing" if peft_type is None else repr(peft_type)[:100]
+        raise _refuse(
+            f"adapter_config.json peft_type is {shown}: only LoRA adapters are served "
+            f'(peft_type "{SERVED_PEFT_TYPE}", as PEFT writes for a LoraConfig)',
+            "peft_type",
+        )
     r = config.get("r", 8)
     if not is_int(r) or not 1 <= r <= max_rank:
         raise _refuse(f"adapter_config.json r={r} is outside 1..{max_rank} (max_lora_rank)", "r")

@@ -8,6 +8,7 @@ price costs 0: budgets neither count nor refuse its requests.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -89,13 +90,29 @@ class Price:
         return self._scaled(tokens * top, batch)
 
 
-def parse_usd(value: object, param: str, maximum_micro: int) -> int:
-    """A dollar amount (a number or a decimal string, at most 6 decimals) as micro-dollars,
-    within 0..`maximum_micro`; ValueError naming `param` otherwise."""
+# A decimal string as a person writes an amount: ASCII digits, at most one point between
+# digits. `Decimal` and `int` read more ("5_0" as 50, " 5", "5e1", "+5", other scripts' digits).
+_PLAIN_DECIMAL = re.compile(r"[0-9]+(\.[0-9]+)?")
+
+
+def plain_decimal(value: object, param: str, unit: str) -> Decimal:
+    """A JSON number or a plain decimal string (`_PLAIN_DECIMAL`) as a `Decimal`; ValueError
+    naming `param` otherwise (a boolean is not a number)."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"{param} must be a number of dollars")
+        raise ValueError(f"{param} must be a number of {unit}")
+    if isinstance(value, str) and not _PLAIN_DECIMAL.fullmatch(value):
+        raise ValueError(
+            f"{param} must be a plain decimal number of {unit} such as 12 or 0.15 (digits and "
+            f"at most one point: no sign, exponent, underscore or space), got {value[:40]!r}"
+        )
+    return Decimal(str(value))
+
+
+def parse_usd(value: object, param: str, maximum_micro: int) -> int:
+    """A dollar amount (a number or a plain decimal string, at most 6 decimals) as
+    micro-dollars, within 0..`maximum_micro`; ValueError naming `param` otherwise."""
+    amount = plain_decimal(value, param, "dollars")
     try:
-        amount = Decimal(str(value).strip())
         if not amount.is_finite() or amount < 0:
             raise ValueError(f"{param} must be a finite amount of dollars, not negative")
         if amount > Decimal(maximum_micro) / MICRO:
@@ -109,6 +126,15 @@ def parse_usd(value: object, param: str, maximum_micro: int) -> int:
     if micro > maximum_micro:
         raise ValueError(f"{param} is above the maximum of {usd(maximum_micro)} dollars")
     return int(micro)
+
+
+def parse_percent_bps(value: object, param: str) -> int:
+    """A percentage 0-100 with at most 2 decimals (a number or a plain decimal string) in basis
+    points; ValueError naming `param` otherwise."""
+    bps = plain_decimal(value, param, "percent") * 100
+    if not bps.is_finite() or bps != bps.to_integral_value() or not 0 <= bps <= FULL_BPS:
+        raise ValueError(f"{param} must be 0-100 with at most 2 decimals")
+    return int(bps)
 
 
 def usd(micro: int) -> str:

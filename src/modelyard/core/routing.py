@@ -119,6 +119,7 @@ class EndpointRoute:
     retry_after_s: int = 10
     # Registry LoRA adapters its replicas serve, of every tenant (`core/adapter_routes.py`).
     adapters: AdapterMap = field(default_factory=dict)
+    lora_dir: bool = False  # its engine has a `lora_dir`: `<model>:<name>` may name one there
     model_kind: str | None = None  # core/model_kinds.py's ModelKind; None until provisioned
     capabilities: dict[str, Any] = field(default_factory=dict)  # what /v1/models shows
     queue: AdmissionQueue = field(default_factory=lambda: AdmissionQueue())

@@ -195,12 +195,22 @@ class Admission:
         if route is None:  # the tenant's registry adapter (`name`, `name:N`): its base's endpoint
             route = self.routing.adapter_index.lookup(tenant_id, model)
         if route is None and ":" in model:  # `<model>:<adapter>`: its base endpoint serves it
-            base, _, adapter = model.rpartition(":")
-            route = self.routing.resolve(tenant_id, base)
-            if route is not None and is_internal(adapter):  # never another tenant's by its name
-                route = None
+            route = self._base_of(tenant_id, model)
         if route is None:
             raise model_not_found(model)
         if kind is not None:
             refuse_wrong_kind(model, route.model_kind, kind)
         return route
+
+    def _base_of(self, tenant_id: str, model: str) -> EndpointRoute | None:
+        """The base endpoint of `<model>:<adapter>` when `<adapter>` is the tenant's registry
+        adapter on it, or may be one of its engine's own `lora_dir` (never an internal name);
+        None otherwise: another tenant's adapter, or none at all, is an unknown model (404),
+        answered here before any replica is asked."""
+        base, _, adapter = model.rpartition(":")
+        route = self.routing.resolve(tenant_id, base)
+        if route is None or not adapter or is_internal(adapter):
+            return None
+        if target_for(route, tenant_id, model) is not None or route.lora_dir:
+            return route
+        return None

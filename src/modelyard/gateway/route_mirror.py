@@ -143,6 +143,7 @@ class RouteMirror:
             self.routing.publish(route)
         route.max_tokens_cap = entry["max_tokens_cap"]
         route.sampling_defaults = dict(entry.get("sampling_defaults") or {})
+        route.lora_dir = bool(entry.get("lora_dir"))
         route.model_kind = entry.get("model_kind")
         route.capabilities = dict(entry.get("capabilities") or {})
         if route.version_id != entry["version_id"]:

@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     StringConstraints,
     field_validator,
     model_validator,
@@ -257,8 +258,8 @@ class KeyCreate(BaseModel):
         description="inference (the OpenAI API), admin (the tenant's management API), metrics "
         "(GET /metrics: the tenant's own series).",
     )
-    rpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
-    tpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
+    rpm_limit: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
+    tpm_limit: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
     expires_at: datetime | None = Field(None, description=_EXPIRES)
     allowed_models: list[ModelPattern] | None = Field(
         None, min_length=1, max_length=ALLOWED_MODELS_MAX, description=_ALLOWED
@@ -290,8 +291,8 @@ class KeyUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(None, min_length=1, max_length=200)
-    rpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
-    tpm_limit: int | None = Field(None, ge=1, le=INT32_MAX)
+    rpm_limit: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
+    tpm_limit: StrictInt | None = Field(None, ge=1, le=INT32_MAX)
     expires_at: datetime | None = Field(
         None, description=_EXPIRES + " null: never; a time already past expires it now."
     )
@@ -308,7 +309,8 @@ class KeyUpdate(BaseModel):
 class KeyRotate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    grace_period_seconds: int = Field(
+    # Strict, as every integer a key's owner writes: `true` is not read as 1 s.
+    grace_period_seconds: StrictInt = Field(
         86_400,
         ge=0,
         le=ROTATION_GRACE_MAX_S,
