@@ -147,9 +147,10 @@ def test_tenants_and_keys(platform: PlatformProcess) -> None:
     assert rotated["previous_key_expires_at"] - rotated["created_at"] >= 3600
     cleared = cli_json(platform, "keys", "update", scoped["id"], "--all-models", "--never-expires")
     assert cleared["allowed_models"] is None and cleared["expires_at"] is None
-    bad = run_cli("keys", "rotate", scoped["id"], "--grace", "soon", env={
-        "MODELYARD_URL": platform.url, "MODELYARD_API_KEY": platform.admin_key})  # fmt: skip
-    assert bad.returncode != 0 and "duration" in bad.stderr + bad.stdout
+    for grace in ("soon", "\u00b2h"):  # "²" is a digit to str.isdigit, not to int()
+        bad = run_cli("keys", "rotate", scoped["id"], "--grace", grace, env={
+            "MODELYARD_URL": platform.url, "MODELYARD_API_KEY": platform.admin_key})  # fmt: skip
+        assert bad.returncode == 2 and "duration" in bad.stderr + bad.stdout, bad
     cli(platform, "keys", "revoke", key["id"])
     revoked = {k["id"]: k for k in cli_json(platform, "keys", "list")}[key["id"]]
     assert revoked["revoked_at"] is not None

@@ -168,7 +168,7 @@ def _seconds(text: str) -> int:
     text = text.strip().lower()
     unit = _UNITS.get(text[-1:], 0)
     digits = text[:-1] if unit else text
-    if not digits.isdigit():
+    if not (digits.isascii() and digits.isdigit()):  # not "²", which isdigit() allows
         raise typer.BadParameter(f"{text!r} is not a duration like 90, 30m, 24h or 7d")
     return int(digits) * (unit or 1)
 
