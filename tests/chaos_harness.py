@@ -14,8 +14,9 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,17 @@ class RedisServer:
     def close(self) -> None:
         self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    @classmethod
+    @contextmanager
+    def running(cls) -> Iterator[RedisServer]:
+        """A private server for the block (a test's own: it may kill and restart it)."""
+        server = cls()
+        server.start()
+        try:
+            yield server
+        finally:
+            server.close()
 
 
 class PostgresServer:

@@ -293,8 +293,12 @@ class Platform:
 
     async def _seed_quotas(self) -> None:
         """The quota counters from the usage rows: seeded in memory, rebuilt in Redis if it lost
-        them (`gateway/quota_rebuild.py`; every quota check rechecks that afterwards)."""
+        them (`gateway/quota_rebuild.py`; every quota check rechecks that afterwards); so are
+        the budgets' spend counters in Redis (`gateway/spend_rebuild.py`)."""
         await self.gateway.accounting.quota_rebuild.at_start()
+        budgets = self.gateway.accounting.budgets
+        if budgets is not None:
+            await budgets.spend_rebuild.at_start()
 
     def _bootstrap_admin(self) -> Bootstrap:
         key_file = self.settings.data_dir / ADMIN_KEY_FILE

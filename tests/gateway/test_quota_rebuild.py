@@ -36,12 +36,8 @@ ROUTE = EndpointRoute("ep-1", "tenant-1", "m", False, None, 4096)
 
 @pytest.fixture
 def server() -> Iterator[RedisServer]:
-    s = RedisServer()  # its own redis-server: these tests kill it
-    s.start()
-    try:
+    with RedisServer.running() as s:  # its own redis-server: these tests kill it
         yield s
-    finally:
-        s.close()
 
 
 def principal() -> Principal:

@@ -82,7 +82,7 @@ class Accounting:
         # With the limits in Redis: what to do while it does not answer (set by the gateway).
         self.outage: LimitsOutage | None = None
         # The quota counters, rebuilt from the usage rows when Redis lost them.
-        self.quota_rebuild = QuotaRebuild(quota, recorder)
+        self.quota_rebuild = QuotaRebuild(quota, recorder, metrics)
         # Budgets in dollars (`budgets.py`): held with the rest, settled with the rest.
         self.budgets: BudgetBook | None = None
 

@@ -12,7 +12,9 @@ with a 429 `budget_exceeded` when one of them has reached its limit. Settlement 
 counters from the reservation to the real cost (a batch item's once its result is committed,
 like its quota). So spend passes a limit by at most one request's cost, on one gateway or many
 (the counters live where the quota's do: `spend.py`). A request is billed in the period it was
-admitted in.
+admitted in. A Redis that lost the counters (a restart, a failover) has them rebuilt from the
+usage rows before a budget is checked or read again (`spend_rebuild.py`), so a tenant at its
+limit stays refused.
 
 Prices and budgets are read from the database every `budget_refresh_s` (a change made through
 this process applies at once: `invalidate`). A period's counter crossing a budget's soft limit
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Protocol
@@ -43,8 +46,10 @@ from modelyard.core.pricing import (
 )
 from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.limits_outage import fail_closed
+from modelyard.gateway.metrics import GatewayMetrics
 from modelyard.gateway.quota import QuotaCounter, RedisQuotaCounter
 from modelyard.gateway.spend import MemorySpend, RedisSpend, SpendCounter
+from modelyard.gateway.spend_rebuild import SpendRebuild
 from modelyard.store import budgets as rows
 from modelyard.store.db import Database
 from modelyard.store.repository import now
@@ -78,6 +83,7 @@ class BudgetHold:
 
     held: tuple[tuple[Budget, str], ...]  # (budget, period key)
     micro: int
+    reserved_on: str = ""  # the run id of the Redis server that took it ("" in memory)
 
 
 class BudgetRowLike(Protocol):
@@ -126,9 +132,14 @@ class BudgetBook:
         refresh_s: float,
         config_prices: dict[str, ModelPrice],
         batch_discount: float,
+        flush: Callable[[], Awaitable[None]] | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
+        """`flush` writes this process's pending usage rows (before a rebuild reads them);
+        `metrics` count the rebuilds of the spend counters this process makes."""
         self.db = db
         self.spend = spend
+        self.spend_rebuild = SpendRebuild(spend, self._spent_now, flush, metrics)
         self.refresh_s = refresh_s
         self._config = {m: config_price(p, batch_discount) for m, p in config_prices.items()}
         self._prices: dict[str, Price] = {}
@@ -193,6 +204,16 @@ class BudgetBook:
             b for b in self._budgets.get(p.tenant_id, ()) if subjects.get(b.scope) == b.subject_id
         ]
 
+    def _spent_now(self) -> dict[str, int]:
+        """Every budget's counter of its current period and its spend from the usage rows (what
+        a rebuild sets: read from the database, not this process's last read)."""
+        at = now()
+        with self.db.session() as s:
+            found = rows.all_budgets(s)
+            spent = rows.spent_in_periods(s, found, at)
+        budgets = [budget_of(b) for b in found]
+        return {b.counter(period_key(b.period, at)): spent[b.id] for b in budgets}
+
     # ----- reserve and settle -----------------------------------------------------------------
 
     async def _seed(self, budget: Budget, key: str) -> None:
@@ -230,37 +251,44 @@ class BudgetBook:
             return None
         ts = now()
         held = tuple((b, period_key(b.period, ts)) for b in budgets)
-        with fail_closed():
+        counters = [b.counter(k) for b, k in held]
+
+        async def reserve() -> tuple[int, str]:
             for b, key in held:
                 await self._seed(b, key)
-            refused = await self.spend.reserve(
-                [b.counter(k) for b, k in held], [b.limit_micro for b, _ in held], micro
-            )
-        if refused >= 0:
-            budget, key = held[refused]
-            (spent,) = await self.spend.spent([budget.counter(key)])
-            raise budget_exceeded(budget, spent)
-        return BudgetHold(held, micro)
+            return await self.spend.reserve(counters, [b.limit_micro for b, _ in held], micro)
+
+        with fail_closed():  # counters lost: rebuilt, then tried once more
+            refused, reserved_on = await self.spend_rebuild.counted(reserve)
+            if refused >= 0:
+                (spent,) = await self.spend_rebuild.counted(
+                    lambda: self.spend.spent([counters[refused]])
+                )
+                raise budget_exceeded(held[refused][0], spent)
+        return BudgetHold(held, micro, reserved_on)
 
     async def current(self, budgets: list[Budget]) -> list[tuple[str, int]]:
         """Each budget's current period and its spend (with what requests in flight hold)."""
         ts = now()
         keys = [period_key(b.period, ts) for b in budgets]
         pairs = list(zip(budgets, keys, strict=True))
-        with fail_closed():
+
+        async def read() -> list[int]:
             for b, key in pairs:
                 await self._seed(b, key)
-            spent = await self.spend.spent([b.counter(k) for b, k in pairs])
+            return await self.spend.spent([b.counter(k) for b, k in pairs])
+
+        with fail_closed():  # counters lost: rebuilt, then read once more
+            spent = await self.spend_rebuild.counted(read)
         return list(zip(keys, spent, strict=True))
 
     async def settle(self, hold: BudgetHold, cost_micro: int) -> None:
-        """Move the hold's counters from its reservation to the real cost (0: given back)."""
-        delta = cost_micro - hold.micro
+        """Move the hold's counters from its reservation to the real cost (0: given back);
+        on counters Redis lost since the reservation, see `RedisSpend.settle`."""
         counters = [b.counter(k) for b, k in hold.held]
-        if delta:
-            totals = await self.spend.add([(c, delta) for c in counters])
-        else:
-            totals = await self.spend.spent(counters)
+        totals = await self.spend.settle(counters, hold.micro, cost_micro, hold.reserved_on)
+        if not totals:  # left to the rebuild
+            return
         for (budget, key), total in zip(hold.held, totals, strict=True):
             soft = budget.soft_limit_micro
             if soft is not None and total >= soft and cost_micro > 0:

@@ -152,6 +152,13 @@ class GatewayMetrics:
             "admits on 1/N of every limit.",
             registry=r,
         )
+        self.counters_rebuilt = Counter(
+            "modelyard_gateway_counters_rebuilt",
+            "Rebuilds of counters in Redis from the usage rows made by this gateway, because the "
+            "Redis answering had lost them (a restart, a failover): `quota` or `spend`.",
+            ["counters"],
+            registry=r,
+        )
         self.local_admissions = Counter(
             "modelyard_gateway_local_admissions",
             "Requests admitted on this gateway's own shares of their limits while Redis did not "

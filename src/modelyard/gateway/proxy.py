@@ -76,7 +76,7 @@ class Gateway:
         self.accounting = Accounting(limiter, quota, slots, recorder, metrics)
         self.accounting.budgets = BudgetBook(
             recorder.db, spend_beside(quota), settings.budget_refresh_s, settings.prices,
-            settings.batch_discount,
+            settings.batch_discount, recorder.flush, metrics,
         )  # fmt: skip
         if self.accounting.at_once is not None and isinstance(slots, RedisConcurrencyLimiter):
             # Limits in Redis: what admission and settlement do while it does not answer.

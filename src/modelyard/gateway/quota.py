@@ -8,7 +8,8 @@ When Redis cannot be reached, every Redis-backed call raises `LimitsUnavailable`
 then admits on its own shares or fails closed (`limits_outage.py`), journals the settlement,
 and still records the usage.
 When Redis answers but lost the counters (a restart, a failover), a reservation raises
-`QuotaCountersLost` until they are rebuilt from the usage rows (`quota_rebuild.py`).
+`QuotaCountersLost` until they are rebuilt from the usage rows (`quota_rebuild.py`); the
+budgets' spend counters (`spend.py`) are guarded by the same marker mechanism (`BuiltMarker`).
 """
 
 from __future__ import annotations
@@ -37,10 +38,14 @@ class LimitsUnavailable(RuntimeError):
     """The shared store of limits and quotas (Redis) cannot be reached."""
 
 
-class QuotaCountersLost(LimitsUnavailable):
-    """Redis answers, but the quota counters it holds were not built on this server: it
-    restarted (empty, or from an older snapshot) or a replica took over. They are rebuilt from
-    the usage rows (`quota_rebuild.py`) before a quota is checked against them again."""
+class CountersLost(LimitsUnavailable):
+    """Redis answers, but the counters it holds were not built on this server: it restarted
+    (empty, or from an older snapshot) or a replica took over (`BuiltMarker`). They are rebuilt
+    from the usage rows (`quota_rebuild.py`) before anything is checked against them again."""
+
+
+class QuotaCountersLost(CountersLost):
+    """The monthly quota counters are lost (`CountersLost`)."""
 
 
 def shared_store(
@@ -111,28 +116,21 @@ class MemoryQuotaCounter:
 
 
 # The run id of the Redis server running a script: a new one at every restart, and another
-# server's after a failover. The counters are trusted only on the server whose run id the
-# marker (`RedisQuotaCounter.marker_key`) holds: the one they were rebuilt on.
+# server's after a failover. A set of counters is trusted only on the server whose run id its
+# marker (`BuiltMarker`) holds: the one they were rebuilt on.
 RUN_ID_LUA = "local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')\n"
 COUNTERS_LOST = -2
 
-# KEYS: the month's counter, the marker. ARGV: tokens, quota, ttl. Returns the total before,
-# -1 refused, or COUNTERS_LOST.
-_RESERVE_LUA = f"""{RUN_ID_LUA}
-if redis.call('GET', KEYS[2]) ~= run_id then
-  return {COUNTERS_LOST}
-end
-local before = tonumber(redis.call('GET', KEYS[1]) or '0')
-if before >= tonumber(ARGV[2]) then
-  return -1
-end
-redis.call('INCRBY', KEYS[1], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return before
-"""
 
-# KEYS: the marker, then the month's counters. ARGV: the ttl, then each counter's total (0:
-# deleted). Sets them only if no other gateway rebuilt them on this server first; 1 if it did.
+def lost_check(marker: str, lost: str = str(COUNTERS_LOST)) -> str:
+    """Lua that sets `run_id` and returns `lost` (a Lua expression) unless the marker (the Lua
+    expression of its key, e.g. "KEYS[1]") holds it: the head of every script that checks
+    against counters which Redis may have lost."""
+    return f"{RUN_ID_LUA}if redis.call('GET', {marker}) ~= run_id then\n  return {lost}\nend\n"
+
+
+# KEYS: the marker, then the counters. ARGV: the ttl, then each counter's total (0: deleted).
+# Sets them only if no other gateway rebuilt them on this server first; 1 if it did.
 _REBUILD_LUA = f"""{RUN_ID_LUA}
 if redis.call('GET', KEYS[1]) == run_id then
   return 0
@@ -153,6 +151,43 @@ return redis.call('GET', KEYS[1]) == run_id and 1 or 0
 """
 
 
+class BuiltMarker:
+    """The marker of a set of counters in Redis: the run id of the server they were rebuilt on
+    (`key`). Every script that checks against them starts with `lost_check(...)` on it, so on
+    a server that restarted or took over it changes nothing and reports the loss; `rebuild`
+    sets them and the marker in one script, once per server (one gateway's rebuild wins)."""
+
+    def __init__(self, redis: Redis, key: str) -> None:
+        self.key = key
+        self._rebuild = redis.register_script(_REBUILD_LUA)
+        self._built = redis.register_script(_BUILT_LUA)
+
+    @shared_store
+    async def built(self) -> bool:
+        """Whether the counters were rebuilt on the Redis server that answers now."""
+        return bool(int(await self._built(keys=[self.key])))
+
+    @shared_store
+    async def rebuild(self, totals: dict[str, int], ttl_s: int) -> bool:
+        """Set each counter (a Redis key) to its total (0: deleted) and mark them built on this
+        server; False (nothing changed) when another gateway did first."""
+        done = await self._rebuild(keys=[self.key, *totals], args=[ttl_s, *totals.values()])
+        return bool(int(done))
+
+
+# KEYS: the month's counter, the marker. ARGV: tokens, quota, ttl. Returns the total before,
+# -1 refused, or COUNTERS_LOST.
+_RESERVE_LUA = f"""{lost_check("KEYS[2]")}
+local before = tonumber(redis.call('GET', KEYS[1]) or '0')
+if before >= tonumber(ARGV[2]) then
+  return -1
+end
+redis.call('INCRBY', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return before
+"""
+
+
 class RedisQuotaCounter:
     """Monthly token totals in Redis, shared by every gateway process using the same prefix.
 
@@ -165,8 +200,7 @@ class RedisQuotaCounter:
         self._redis = redis
         self._prefix = prefix
         self._reserve = redis.register_script(_RESERVE_LUA)
-        self._rebuild = redis.register_script(_REBUILD_LUA)
-        self._built = redis.register_script(_BUILT_LUA)
+        self.marker = BuiltMarker(redis, f"{prefix}quota-built-on")
 
     @property
     def redis(self) -> Redis:
@@ -178,12 +212,11 @@ class RedisQuotaCounter:
     @property
     def marker_key(self) -> str:
         """Holds the run id of the Redis server the counters were last rebuilt on."""
-        return f"{self._prefix}quota-built-on"
+        return self.marker.key
 
-    @shared_store
     async def built(self) -> bool:
         """Whether the counters were rebuilt on the Redis server that answers now."""
-        return bool(int(await self._built(keys=[self.marker_key])))
+        return await self.marker.built()
 
     @shared_store
     async def rebuild(self, month: str, totals: dict[str, int]) -> bool:
@@ -194,10 +227,7 @@ class RedisQuotaCounter:
         counters = {self.key(t, month): tokens for t, tokens in totals.items()}
         for key in found:
             counters.setdefault(key.decode() if isinstance(key, bytes) else key, 0)
-        done = await self._rebuild(
-            keys=[self.marker_key, *counters], args=[QUOTA_TTL_S, *counters.values()]
-        )
-        return bool(int(done))
+        return await self.marker.rebuild(counters, QUOTA_TTL_S)
 
     @shared_store
     async def used(self, tenant_id: str, month: str) -> int:

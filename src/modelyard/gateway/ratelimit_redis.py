@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 from modelyard.core.identity import Limits
 from modelyard.gateway.quota import (
     QUOTA_TTL_S,
-    RUN_ID_LUA,
     QuotaCountersLost,
     RedisConcurrencyLimiter,
     RedisQuotaCounter,
+    lost_check,
     shared_store,
 )
 from modelyard.gateway.rate_decision import EPS, Decision, check_tokens, decision
@@ -125,6 +125,7 @@ _RECONCILE_LUA = (
 # (-1 none), slot id, slot lease s, quota ttl s. Returns {refused (0 none, 1 requests,
 # 2 tokens, 3 quota, 4 concurrency, 5 counters lost), retry_after_s, the four levels, quota
 # total before}.
+_LOST_REPLY = "{5, '0', levels_text[1], levels_text[2], levels_text[3], levels_text[4], 0}"
 _ADMIT_LUA = (
     _ACQUIRE_LUA.split("if refused == 0 then")[0]
     + f"""
@@ -135,10 +136,7 @@ end
 local quota, slots = tonumber(ARGV[6]), tonumber(ARGV[7])
 local before = 0
 if quota >= 0 then
-  {RUN_ID_LUA}  if redis.call('GET', KEYS[7]) ~= run_id then
-    return {{5, '0', levels_text[1], levels_text[2], levels_text[3], levels_text[4], 0}}
-  end
-  before = tonumber(redis.call('GET', KEYS[5]) or '0')
+  {lost_check("KEYS[7]", _LOST_REPLY)}  before = tonumber(redis.call('GET', KEYS[5]) or '0')
   if before >= quota then
     return {{3, '0', levels_text[1], levels_text[2], levels_text[3], levels_text[4], before}}
   end

@@ -1,6 +1,7 @@
 """The rows behind budgets in dollars: endpoints' and adapters' prices, budgets, the
 once-per-period marker of a soft threshold's alert, and the spend of a budget's subject summed
-from the usage rows (what a spend counter is seeded with when a gateway first counts a period)."""
+from the usage rows (what a spend counter is seeded with when a gateway first counts a period,
+and every budget's at once when the counters are rebuilt: `spent_in_periods`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from modelyard.core.pricing import BudgetScope
+from modelyard.core.pricing import BudgetPeriod, BudgetScope, period_start
 from modelyard.store.budget_tables import AdapterPriceRow, BudgetAlert, BudgetRow, ModelPriceRow
 from modelyard.store.repository import now
 from modelyard.store.tables import Model, UsageRecord
@@ -58,6 +59,37 @@ def spent_since(s: Session, scope: str, tenant_id: str, subject_id: str, since: 
     elif scope == BudgetScope.TEAM:
         q = q.where(UsageRecord.team_id == subject_id)
     return int(s.scalar(q) or 0)
+
+
+def spent_in_periods(s: Session, budgets: Sequence[BudgetRow], at: datetime) -> dict[str, int]:
+    """Each budget's spend (by id) in its period holding `at`: what `spent_since` gives one
+    budget from its period's start, for all of them in one query grouped by key, team and
+    whether the row is of `at`'s day."""
+    tenants = {b.tenant_id for b in budgets}
+    if not tenants:
+        return {}
+    month = period_start(BudgetPeriod.MONTH, at)
+    today = UsageRecord.created_at >= period_start(BudgetPeriod.DAY, at)
+    u = UsageRecord
+    q = (
+        select(u.tenant_id, u.key_id, u.team_id, today, func.coalesce(func.sum(u.cost_micro), 0))
+        .where(u.tenant_id.in_(tenants), u.created_at >= month)
+        .group_by(u.tenant_id, u.key_id, u.team_id, today)
+    )
+    groups: dict[str, list[tuple[str, str | None, bool, int]]] = {}
+    for tenant_id, key_id, team_id, of_today, micro in s.execute(q):
+        groups.setdefault(tenant_id, []).append((key_id, team_id, bool(of_today), int(micro or 0)))
+    spent: dict[str, int] = {}
+    for b in budgets:
+        day = b.period == BudgetPeriod.DAY
+        spent[b.id] = sum(
+            micro
+            for key_id, team_id, of_today, micro in groups.get(b.tenant_id, ())
+            if (of_today or not day)
+            and (b.scope != BudgetScope.KEY or key_id == b.subject_id)
+            and (b.scope != BudgetScope.TEAM or team_id == b.subject_id)
+        )
+    return spent
 
 
 def claim_alert(s: Session, budget_id: str, period_key: str, spent_micro: int) -> bool:
