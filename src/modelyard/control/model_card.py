@@ -4,8 +4,9 @@ provisioning, for `/v1/models` and the gateway's wrong-kind check.
 
 Capabilities: `tools` and `structured_outputs` (the engine serves both for any LLM with a chat
 template; structured outputs for completions too), `reasoning` (the chat template has a thinking
-mode, `<think>`; the thinking arrives inside `content`), `adapters` (the endpoint serves LoRA
-adapters) and `max_context` (the longest prompt plus output, in tokens; null when unknown).
+mode, `<think>`; the worker answers the thinking as `reasoning_content`), `adapters` (the
+endpoint serves LoRA adapters) and `max_context` (the longest prompt plus output, in tokens;
+null when unknown).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from modelyard.engine.request_checks import RequestRejected
 from modelyard.engine.requests import RequestOutput, SequenceDelta
 from modelyard.engine.sampling_params import MAX_N, SamplingParams
 from modelyard.engine.sequence import TokenLogprob
-from modelyard.engine.structured import StructuredKind, StructuredOutput
+from modelyard.engine.structured import StructuredKind, StructuredOutput, ThinkingGate
 from modelyard.engine.tokenizer import ChatTemplateError, Tokenizer
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "SequenceDelta",
     "StructuredKind",
     "StructuredOutput",
+    "ThinkingGate",
     "TokenLogprob",
     "Tokenizer",
     "resolve_model_path",

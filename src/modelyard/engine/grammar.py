@@ -42,12 +42,15 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from modelyard.engine.structured import StructuredKind, StructuredOutput
+from modelyard.engine.grammar_state import Closers as Closers
+from modelyard.engine.grammar_state import GrammarState as GrammarState
+from modelyard.engine.grammar_state import GrammarViolation as GrammarViolation
+from modelyard.engine.grammar_state import short_error as _short
+from modelyard.engine.structured import StructuredKind, StructuredOutput, ThinkingGate
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -55,7 +58,6 @@ if TYPE_CHECKING:
     from modelyard.engine.tokenizer import Tokenizer
 
 DEFAULT_CACHE_CAPACITY = 256
-MAX_ERROR_CHARS = 400
 # llguidance's ParserLimits (defaults: 1M, 200k, 250k states, 500k symbols): a hostile regex such
 # as `(x{1000}){1000}` took 1.2-4.6 s of its first mask under the defaults, ~0.1 s under these.
 INITIAL_LEXER_FUEL = 50_000
@@ -84,15 +86,6 @@ def closing_window(max_tokens: int) -> int:
 
 class GrammarError(ValueError):
     """A schema, regex or grammar that cannot be compiled (the request's fault: a 400)."""
-
-
-class GrammarViolation(RuntimeError):
-    """A sequence's matcher refused a token or broke (fails that request only)."""
-
-
-def _short(message: str) -> str:
-    message = " ".join(message.split())
-    return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 1] + "…"
 
 
 def bound_numbers(schema: Any) -> Any:
@@ -168,14 +161,6 @@ def grammar_text(structured: StructuredOutput, strings_bounded: bool = True) -> 
         raise GrammarError(_short(str(exc))) from None
 
 
-@dataclass(frozen=True)
-class Closers:
-    """`[vocab]` booleans: tokens that end a string (`"`, `"}`…) and tokens of `}`/`]` only."""
-
-    quote: torch.Tensor
-    brace: torch.Tensor
-
-
 def limits() -> Any:
     """The `LLParserLimits` every matcher is built with (see the constants above)."""
     import llguidance
@@ -214,10 +199,10 @@ class RequestGrammar:
         self._matcher = matcher
         self.compiled = compiled
 
-    def state(self, max_tokens: int) -> GrammarState:
+    def state(self, max_tokens: int, gate: ThinkingGate | None = None) -> GrammarState:
         c = self.compiled
         closing_from = max_tokens - closing_window(max_tokens) if c.json else max_tokens + 1
-        return GrammarState(self._matcher.deep_copy(), c.words, c.closers, closing_from)
+        return GrammarState(self._matcher.deep_copy(), c.words, c.closers, closing_from, gate)
 
 
 class CompiledGrammar:
@@ -333,49 +318,4 @@ class GrammarCompiler:
         prepared = structured.compiled
         if not isinstance(prepared, RequestGrammar):  # a direct engine caller: prepare here
             prepared = self.prepare(structured)
-        return prepared.state(max_tokens)
-
-
-class GrammarState:
-    """One sequence's matcher. It has consumed exactly the sequence's output tokens: a preempted
-    sequence keeps its tokens (it is recomputed, not resampled), and `sync` rebuilds the state
-    from the tokens should the two ever differ."""
-
-    def __init__(self, matcher: Any, words: int, closers: Closers, closing_from: int) -> None:
-        self.matcher = matcher
-        self.words = words
-        self.closers = closers  # see the module docstring
-        self.closing_from = closing_from
-        self.consumed = 0
-
-    @property
-    def closing(self) -> bool:
-        """In the last tokens of its budget: prefer the tokens that close what is open."""
-        return self.consumed >= self.closing_from
-
-    @property
-    def complete(self) -> bool:
-        """Nothing more can follow: the output is a full sentence of the grammar (a broken
-        matcher is stopped too: `GrammarViolation`, never an empty "complete" output)."""
-        self.check()
-        return bool(self.matcher.is_stopped())
-
-    def check(self) -> None:
-        if self.matcher.is_error():
-            raise GrammarViolation(_short(self.matcher.get_error()))
-
-    def sync(self, output_token_ids: list[int]) -> None:
-        if self.consumed == len(output_token_ids):
-            return
-        self.matcher.reset()
-        self.consumed = 0
-        if output_token_ids and not self.matcher.consume_tokens(output_token_ids):
-            raise GrammarViolation(_short(self.matcher.get_error()))
-        self.consumed = len(output_token_ids)
-
-    def advance(self, token: int) -> bool:
-        """Consume the sampled token; True when the grammar is complete."""
-        if not self.matcher.consume_token(token):
-            raise GrammarViolation(_short(self.matcher.get_error()))
-        self.consumed += 1
-        return self.complete
+        return prepared.state(max_tokens, structured.gate)

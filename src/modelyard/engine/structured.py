@@ -5,7 +5,7 @@ schema as JSON text, a regular expression, a JSON list of choices, or an EBNF (G
 grammar. The worker builds it from `response_format` / `guided_*` (or from a tool choice) and
 compiles it before the request is queued (`modelyard.engine.grammar`); `compiled` carries that
 request's own matcher (`RequestGrammar`) into the engine so that nothing is compiled on the
-engine's thread.
+engine's thread, and `gate` (a reasoning model's) where in the output the constraint starts.
 """
 
 from __future__ import annotations
@@ -24,12 +24,24 @@ class StructuredKind(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class ThinkingGate:
+    """A reasoning model's constraint applies after its thinking: from the token after `end`
+    (`</think>`). `start` None: the output starts inside the thinking (the prompt opened it);
+    else the token that opens it, which the model may emit first (the constraint applies from
+    the first token when it does not)."""
+
+    end: int
+    start: int | None = None
+
+
+@dataclass(frozen=True)
 class StructuredOutput:
     kind: StructuredKind
     spec: str = ""
     # The request's matcher (engine.grammar.RequestGrammar) once the worker prepared it; not part
     # of the identity, so two requests with the same (kind, spec) compare and hash equal.
     compiled: Any = field(default=None, compare=False, hash=False, repr=False)
+    gate: ThinkingGate | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         # Accept the kind's value ("json_schema") as well as the enum member.

@@ -200,23 +200,24 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text; `tools` (OpenAI-shape function tools) go to the template as
-        transformers passes them, for templates that render them."""
+        transformers passes them, for templates that render them; `variables` are the
+        request's own (`enable_thinking`…), never in place of these."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
             if self._template is None:
                 self._template = _template_environment().from_string(self.chat_template)
-            return str(
-                self._template.render(
-                    messages=messages,
-                    add_generation_prompt=add_generation_prompt,
-                    tools=tools or None,
-                    documents=None,
-                    **self.special_tokens,
-                )
-            )
+            own = {
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "tools": tools or None,
+                "documents": None,
+                **self.special_tokens,
+            }
+            return str(self._template.render({**(variables or {}), **own}))
         except Exception as exc:  # jinja raises whatever the template author chose
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
 

@@ -126,6 +126,8 @@ class ChatMessage(BaseModel):
     tool_call_id: Name | None = None
     function_call: FunctionCall | None = None
     refusal: Text | None = None
+    # A reasoning model's thinking of an earlier turn: its chat template may render it again.
+    reasoning_content: Text | None = None
     # Output-only fields an SDK may echo back with an assistant message: null or ignored.
     annotations: EchoedList | None = None
     audio: dict[str, Any] | None = None
@@ -145,7 +147,7 @@ class ChatMessage(BaseModel):
                 _check_text(text, f"content[{i}]")
         return value
 
-    @field_validator("name", "tool_call_id", "refusal")
+    @field_validator("name", "tool_call_id", "refusal", "reasoning_content")
     @classmethod
     def _name_is_text(cls, value: str | None) -> str | None:
         return None if value is None else _check_text(value, "the value")
@@ -273,6 +275,11 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
     # (the prefix cache here is automatic).
     safety_identifier: Name | None = None
     prompt_cache_key: Name | None = None
+    # vLLM's: variables for the chat template, such as Qwen3's `enable_thinking`. Names and
+    # plain values only; the template's own (messages, tools…) are never replaced.
+    chat_template_kwargs: (
+        Annotated[dict[Word, bool | int | float | Name | None], Field(max_length=16)] | None
+    ) = None
 
     @field_validator("modalities")
     @classmethod

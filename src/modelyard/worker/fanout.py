@@ -34,10 +34,12 @@ from modelyard.protocol.errors import GRAMMAR_FAILED, APIError, error_body
 from modelyard.protocol.openai import PROMPT_TOKENS_HEADER, SamplingFields
 from modelyard.protocol.sse import DONE, TOKEN_STAMPS_HEADER, sse_data, stamped
 from modelyard.worker.metrics import RequestTimer, WorkerMetrics
+from modelyard.worker.reasoning import ReasoningTokens
 
 Job = tuple[list[int], SamplingParams]  # one engine request: its prompt and checked params
 RoleChunk = Callable[[int], dict[str, Any]]
-ChoiceChunk = Callable[[int, str, list[TokenLogprob], str | None], dict[str, Any]]
+# A choice's chunk of the delta's text, logprobs and finish; None: nothing to send (yet).
+ChoiceChunk = Callable[[int, str, list[TokenLogprob], str | None], dict[str, Any] | None]
 
 # What a step can fail with; each becomes an API error (whole) or an error event (stream).
 ENGINE_FAILURES = (RequestTimeout, EngineDeadError, RequestFailed)
@@ -56,11 +58,15 @@ class Usage:
     prompt: dict[int, int] = field(default_factory=dict)  # per engine request
     cached: dict[int, int] = field(default_factory=dict)
     completion: dict[int, int] = field(default_factory=dict)
+    reasoning: ReasoningTokens | None = None  # a reasoning model's: its thinking tokens
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
         self.prompt[prompt_index] = out.prompt_tokens
         self.cached[prompt_index] = out.cached_tokens
         self.completion[prompt_index] = out.completion_tokens
+        if self.reasoning is not None:
+            for d in out.deltas:
+                self.reasoning.add((prompt_index, d.index), d.token_ids)
 
     def totals(self) -> tuple[int, int]:
         """Prompt and completion tokens of all the engine requests."""
@@ -68,12 +74,15 @@ class Usage:
 
     def as_dict(self) -> dict[str, Any]:
         prompt, completion = self.totals()
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt,
-            "completion_tokens": completion,
+            "completion_tokens": completion,  # thinking included, as OpenAI counts it
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())},
         }
+        if self.reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning.total}
+        return usage
 
 
 class FanOut:
@@ -126,12 +135,12 @@ class FanOut:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(
-        self, request_id: str, jobs: list[Job], req: SamplingFields
+        self, request_id: str, jobs: list[Job], req: SamplingFields, usage: Usage | None = None
     ) -> tuple[dict[int, Choice], Usage]:
-        """Every choice whole, by choice index, and the usage."""
+        """Every choice whole, by choice index, and the usage (`usage`, when given)."""
         timer = RequestTimer(self.metrics)
         choices: dict[int, Choice] = {}
-        usage = Usage()
+        usage = usage if usage is not None else Usage()
         try:
             async for pi, out in self.merged(request_id, jobs, req):
                 usage.add(pi, out)
@@ -172,15 +181,21 @@ class FanOut:
                 timer.output(out)
                 for d in out.deltas:
                     index = pi * req.n + d.index
-                    if d.text or d.logprobs:
-                        chunk = choice_chunk(index, d.text, d.logprobs, None)
+                    chunk = (
+                        choice_chunk(index, d.text, d.logprobs, None)
+                        if d.text or d.logprobs
+                        else None
+                    )
+                    if chunk is not None:
                         yield sse_data({**base, "choices": [chunk]})
                     if d.finish_reason is None:
                         continue
                     # The finish gets a chunk of its own with an empty delta, as OpenAI sends it;
                     # usage never rides on it (clients that add up usage chunks count once).
-                    reason = d.finish_reason
-                    yield sse_data({**base, "choices": [choice_chunk(index, "", [], reason)]})
+                    # (A reasoning model's text held back to the end may ride on it.)
+                    last = choice_chunk(index, "", [], d.finish_reason)
+                    if last is not None:
+                        yield sse_data({**base, "choices": [last]})
             if include_usage:
                 yield sse_data({**base, "choices": [], "usage": usage.as_dict()})
             timer.done(*usage.totals())

@@ -4,14 +4,16 @@ This module turns the API request into engine requests, checked once, here, befo
 is queued (`modelyard.worker.checked_params`), and builds the API's response shapes; running the
 engine requests and streaming their outputs is `modelyard.worker.fanout`'s job, tools (prompt,
 constraint, parsing) `modelyard.worker.tools`'s, and a stream with tools
-`modelyard.worker.tool_stream`'s. The Responses API (`modelyard.worker.responses`) runs on
-`prepare_chat`/`chat_body` too.
+`modelyard.worker.tool_stream`'s, a reasoning model's thinking (split off the answer before
+tools read it) `modelyard.worker.reasoning`'s. The Responses API (`modelyard.worker.responses`)
+runs on `prepare_chat`/`chat_body` too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import threading
 import time
 import uuid
@@ -42,6 +44,7 @@ from modelyard.worker.fanout import FanOut, Usage, streaming_response, wants_sta
 from modelyard.worker.logprobs import chat_logprobs, completion_logprobs
 from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.prompt_bounds import PromptBudget
+from modelyard.worker.reasoning import ReasoningSplitter, Thinking, reasoning_format
 from modelyard.worker.structured import (
     compile_structured,
     structured_field,
@@ -89,6 +92,7 @@ class OpenAIServing:
         self.fanout = FanOut(engine, metrics)
         self.created = int(time.time())
         self.budget = PromptBudget(engine.max_model_len, self.tokenizer.max_chars_per_token())
+        self.reasoning = reasoning_format(self.tokenizer)
         self._prompt_threads = started_pool(PROMPT_THREADS, "modelyard-prompt")
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -134,33 +138,37 @@ class OpenAIServing:
         lora = self._check_model(req, None)
         plan = plan_tools(req)
         renders_tools = self.tokenizer.template_supports_tools
-        prompt = await self._off_loop(self._chat_prompt, req, plan, renders_tools)
+        prompt, text = await self._off_loop(self._chat_prompt, req, plan, renders_tools)
+        thinking = Thinking.of(self.reasoning, text)
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         if req.stream and k is not None and plan.active:
             raise bad_request("logprobs cannot be streamed with tools", "logprobs")
         structured = await self._chat_constraint(req, plan)
+        if structured is not None and thinking is not None:  # the answer's, not the thinking's
+            structured = dataclasses.replace(structured, gate=thinking.gate)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = admit(self.engine, req, prompt, max_tokens, k, "messages", structured, lora)
         parser = parser_for(self.model_type, self.tokenizer.chat_template, renders_tools)
-        return ChatJob(prompt, params, plan, parser, k)
+        return ChatJob(prompt, params, plan, parser, k, thinking)
 
     def _chat_prompt(
         self, req: ChatCompletionRequest, plan: ToolPlan, renders_tools: bool
-    ) -> list[int]:
+    ) -> tuple[list[int], str]:
         """On a prompt thread: the messages and tools bounded against the context, then
-        rendered by the chat template and tokenized."""
+        rendered by the chat template (its text returned too) and tokenized."""
         self.budget.check_chat(req)
         messages, tools = template_messages(req.messages, plan, renders_tools)
+        variables = req.chat_template_kwargs
         try:
-            text = self.tokenizer.render_chat(messages, tools=tools)
+            text = self.tokenizer.render_chat(messages, tools=tools, variables=variables)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
         # The rendered template already holds the special tokens (BOS included) it wants.
         prompt = self.tokenizer.encode_many([text], add_special_tokens=False)[0]
         self.budget.check_tokens(len(prompt), "messages")
-        return prompt
+        return prompt, text
 
     async def _chat_constraint(
         self, req: ChatCompletionRequest, plan: ToolPlan
@@ -188,11 +196,12 @@ class OpenAIServing:
         }
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            usage = Usage()
+            usage = job.usage()
             if job.plan.active:
                 events = choice_events(
-                    self.fanout, request_id, [job.job], req, job.plan, job.parser, usage
-                )
+                    self.fanout, request_id, [job.job], req, job.plan, job.parser, usage,
+                    job.thinking,
+                )  # fmt: skip
                 body = chat_tool_stream(events, base, req.n, job.plan, include_usage)
             else:
                 body = self._plain_chat_stream(request_id, job, req, base, include_usage, usage)
@@ -205,15 +214,20 @@ class OpenAIServing:
         self, job: ChatJob, req: ChatCompletionRequest, request_id: str
     ) -> dict[str, Any]:
         """The non-streamed chat completion of a prepared request."""
-        choices, usage = await self.fanout.collect(request_id, [job.job], req)
+        choices, usage = await self.fanout.collect(request_id, [job.job], req, job.usage())
         out = []
         for i, c in sorted(choices.items()):
-            decoded = decode(job.plan, job.parser, "".join(c.text))
+            text = "".join(c.text)
+            thinking, answer = job.thinking.split(text) if job.thinking else (None, text)
+            decoded = decode(job.plan, job.parser, answer)
             reason = job.plan.finish_reason if decoded.calls else c.finish_reason
+            msg = message(job.plan, decoded)
+            if job.thinking is not None:
+                msg["reasoning_content"] = thinking
             out.append(
                 {
                     "index": i,
-                    "message": message(job.plan, decoded),
+                    "message": msg,
                     "logprobs": chat_logprobs(self.tokenizer, c.logprobs)
                     if job.k is not None
                     else None,
@@ -239,6 +253,7 @@ class OpenAIServing:
         usage: Usage,
     ) -> AsyncIterator[bytes]:
         k = job.k
+        splitters: dict[int, ReasoningSplitter] = {}  # a reasoning model's, per choice
 
         def role_chunk(i: int) -> dict[str, Any]:
             return {
@@ -250,10 +265,18 @@ class OpenAIServing:
 
         def choice_chunk(
             i: int, text: str, lps: list[TokenLogprob], reason: str | None
-        ) -> dict[str, Any]:
+        ) -> dict[str, Any] | None:
+            delta = {"content": text} if text else {}
+            if job.thinking is not None:
+                splitter = splitters.setdefault(i, job.thinking.splitter())
+                parts = splitter.finish() if reason else splitter.feed(text)
+                names = ("reasoning_content", "content")
+                delta = {name: v for name, v in zip(names, parts, strict=True) if v}
+                if not (delta or lps or reason):
+                    return None  # held back: it may be the start of a tag
             return {
                 "index": i,
-                "delta": {"content": text} if text else {},
+                "delta": delta,
                 "logprobs": chat_logprobs(self.tokenizer, lps) if k is not None and lps else None,
                 "finish_reason": reason,
             }

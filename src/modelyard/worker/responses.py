@@ -3,8 +3,9 @@
 A request becomes a chat completion request (`to_chat`: `instructions` as the system message,
 input items as messages, function tools as chat tools, `text.format` as `response_format`,
 `max_output_tokens` as `max_completion_tokens`) and runs on the chat path, tools and
-constraints included; its answer becomes a `response` object whose output holds a `message`
-item and/or `function_call` items. A stream sends the Responses API's typed events
+constraints included; its answer becomes a `response` object whose output holds a `reasoning`
+item (a reasoning model's thinking, as `reasoning_text` content), a `message` item and/or
+`function_call` items. A stream sends the Responses API's typed events
 (`event: <type>` + `data:`), from `response.created` to `response.completed`, whose usage
 (`input_tokens`, `output_tokens`) is what the gateway bills.
 """
@@ -41,6 +42,7 @@ from modelyard.worker.tool_stream import (
     CallHead,
     Content,
     Finished,
+    Reasoning,
     choice_events,
 )
 from modelyard.worker.tools import ChatJob, call_id
@@ -126,7 +128,11 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": (usage.get("completion_tokens_details") or {}).get(
+                "reasoning_tokens", 0
+            )
+        },
         "total_tokens": prompt + completion,
     }
 
@@ -134,6 +140,12 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": content if status == "completed" else []}  # fmt: skip
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
             "content": content if status == "completed" else []}  # fmt: skip
 
 
@@ -195,7 +207,7 @@ class ResponsesServing:
         created = int(time.time())
         envelope = self._envelope(req, response_id, created, "in_progress")
         if req.stream:
-            usage = Usage()
+            usage = job.usage()
             stream = self._stream(chat_req, job, request_id, envelope, usage)
             events: AsyncIterator[bytes] = (
                 stamp_tokens(stream, usage) if wants_stamps(request.headers) else stream
@@ -210,6 +222,8 @@ class ResponsesServing:
         choice = body["choices"][0]
         msg = choice["message"]
         output = []
+        if msg.get("reasoning_content"):
+            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", msg["reasoning_content"]))
         if msg.get("content"):
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", msg["content"]))
         for tc in msg.get("tool_calls") or []:
@@ -249,6 +263,23 @@ class ResponsesServing:
         msg_id = f"msg_{uuid.uuid4().hex}"
         calls: dict[int, tuple[int, dict[str, Any]]] = {}  # call -> (output index, its item)
         reason, usage = "stop", None
+        thought: str | None = None  # the open reasoning item's text so far
+        rs_id = f"rs_{uuid.uuid4().hex}"
+
+        def close_reasoning() -> list[bytes]:
+            nonlocal thought
+            if thought is None:
+                return []
+            index, part = len(output), {"type": "reasoning_text", "text": thought}
+            at = {"item_id": rs_id, "output_index": index, "content_index": 0}
+            item = _reasoning_item(rs_id, thought)
+            output.append(item)
+            thought = None
+            return [
+                event("response.reasoning_text.done", **at, text=part["text"]),
+                event("response.content_part.done", **at, part=part),
+                event("response.output_item.done", output_index=index, item=item),
+            ]
 
         def close_text() -> list[bytes]:
             nonlocal text
@@ -267,10 +298,25 @@ class ResponsesServing:
             ]
 
         events = choice_events(
-            self.chat.fanout, request_id, [job.job], chat_req, job.plan, job.parser, counted
-        )
+            self.chat.fanout, request_id, [job.job], chat_req, job.plan, job.parser, counted,
+            job.thinking,
+        )  # fmt: skip
         try:
             async for ev in events:
+                if isinstance(ev, Reasoning):
+                    at = {"item_id": rs_id, "output_index": len(output), "content_index": 0}
+                    if thought is None:
+                        thought = ""
+                        item = _reasoning_item(rs_id, "", "in_progress")
+                        yield event("response.output_item.added", output_index=len(output),
+                                    item=item)  # fmt: skip
+                        empty = {"type": "reasoning_text", "text": ""}
+                        yield event("response.content_part.added", **at, part=empty)
+                    thought += ev.text
+                    yield event("response.reasoning_text.delta", **at, delta=ev.text)
+                    continue
+                for chunk in close_reasoning():  # the thinking comes before all else
+                    yield chunk
                 if isinstance(ev, Content):
                     at = {"item_id": msg_id, "output_index": len(output), "content_index": 0}
                     if text is None:
@@ -308,7 +354,7 @@ class ResponsesServing:
                     reason = ev.reason
                 elif isinstance(ev, Usage):
                     usage = ev.as_dict()
-            for chunk in close_text():
+            for chunk in close_reasoning() + close_text():
                 yield chunk
         except ENGINE_FAILURES as exc:
             error = api_error(exc)

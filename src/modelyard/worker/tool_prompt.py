@@ -99,6 +99,8 @@ def template_messages(
 def _native(m: ChatMessage, names: dict[str, str]) -> dict[str, Any]:
     role = "tool" if m.role == "function" else m.role
     msg: dict[str, Any] = {"role": role, "content": m.text()}
+    if m.role == "assistant" and m.reasoning_content is not None:
+        msg["reasoning_content"] = m.reasoning_content  # Qwen3's template renders it again
     if m.role == "assistant" and (calls := _calls_of(m)):
         msg["tool_calls"] = [
             {

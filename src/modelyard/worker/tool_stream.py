@@ -9,6 +9,9 @@ name of an offered tool. The fragments are the model's own text of the arguments
 joined they are exactly the arguments the same request gets without streaming. Content goes
 out as it comes, holding back only what may start a call. A call cut short by `max_tokens`
 has sent part of its arguments and ends with `finish_reason: "length"` (as OpenAI's do).
+
+A reasoning model's thinking (`modelyard.worker.reasoning`) comes first as `Reasoning` events
+(chat: `reasoning_content` deltas); content and calls are read from its answer only.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 from modelyard.protocol.sse import DONE, sse_data
 from modelyard.worker.fanout import ENGINE_FAILURES, FanOut, Job, Usage, stream_error
 from modelyard.worker.metrics import RequestTimer
+from modelyard.worker.reasoning import ReasoningSplitter, Thinking
 from modelyard.worker.tool_parsers import CallScan, ToolParser, scan_call
 from modelyard.worker.tools import ToolMode, ToolPlan, call_id, constrained_objects, decode
 
@@ -30,6 +34,12 @@ ARGUMENT_FRAGMENT_CHARS = 16
 class Content:
     index: int
     text: str
+
+
+@dataclass
+class Reasoning:
+    index: int
+    text: str  # the next characters of the thinking
 
 
 @dataclass
@@ -61,7 +71,7 @@ class Finished:
     reason: str
 
 
-Event = Content | CallHead | CallArgs | CallDone | Finished | Usage
+Event = Reasoning | Content | CallHead | CallArgs | CallDone | Finished | Usage
 
 
 def fragments(text: str, size: int = ARGUMENT_FRAGMENT_CHARS) -> list[str]:
@@ -77,7 +87,14 @@ class _Open:
 class StreamDecoder:
     """One streamed choice: its text as it grows, turned into events."""
 
-    def __init__(self, plan: ToolPlan, parser: ToolParser, index: int = 0) -> None:
+    def __init__(
+        self,
+        plan: ToolPlan,
+        parser: ToolParser,
+        index: int = 0,
+        splitter: ReasoningSplitter | None = None,
+    ) -> None:
+        self.splitter = splitter  # a reasoning model's: the thinking taken off first
         self.plan = plan
         self.parser = parser
         self.index = index
@@ -99,6 +116,13 @@ class StreamDecoder:
 
     def feed(self, delta: str) -> list[Event]:
         """The events that can go out now."""
+        if self.splitter is None:
+            return self._answer(delta)
+        thinking, answer = self.splitter.feed(delta)
+        events: list[Event] = [Reasoning(self.index, thinking)] if thinking else []
+        return events + self._answer(answer)
+
+    def _answer(self, delta: str) -> list[Event]:
         self.text += delta
         if not self.plan.active:
             self.sent = len(self.text)
@@ -127,10 +151,14 @@ class StreamDecoder:
 
     def finish(self, reason: str) -> list[Event]:
         """The rest: content not sent yet, the calls' last fragments, their ends, the finish."""
-        if not self.plan.active:
-            return [Finished(self.index, reason)]
-        decoded = decode(self.plan, self.parser, self.text)
         events: list[Event] = []
+        if self.splitter is not None:
+            thinking, answer = self.splitter.finish()
+            events += [Reasoning(self.index, thinking)] if thinking else []
+            events += self._answer(answer) if answer else []
+        if not self.plan.active:
+            return [*events, Finished(self.index, reason)]
+        decoded = decode(self.plan, self.parser, self.text)
         content = decoded.content or ""
         # A begun call that did not complete is not content again (its text was sent as one).
         unsent = content[self.sent :] if content.startswith(self.text[: self.sent]) else ""
@@ -162,9 +190,11 @@ async def choice_events(
     plan: ToolPlan,
     parser: ToolParser,
     usage: Usage | None = None,
+    thinking: Thinking | None = None,
 ) -> AsyncIterator[Event]:
     """Decoded events of every choice, then the usage; raises the engine's failures. `usage`
-    (kept up to date as the outputs come) is the caller's, to stamp what it sends."""
+    (kept up to date as the outputs come) is the caller's, to stamp what it sends; `thinking`
+    a reasoning model's."""
     timer = RequestTimer(fanout.metrics)
     usage = usage if usage is not None else Usage()
     decoders: dict[int, StreamDecoder] = {}
@@ -173,7 +203,10 @@ async def choice_events(
         timer.output(out)
         for d in out.deltas:
             index = pi * req.n + d.index
-            decoder = decoders.setdefault(index, StreamDecoder(plan, parser, index))
+            decoder = decoders.get(index)
+            if decoder is None:
+                splitter = thinking.splitter() if thinking is not None else None
+                decoder = decoders[index] = StreamDecoder(plan, parser, index, splitter)
             if d.text:
                 for event in decoder.feed(d.text):
                     yield event
@@ -213,6 +246,8 @@ async def chat_tool_stream(
         async for event in events:
             if isinstance(event, Content):
                 yield chunk(event.index, {"content": event.text})
+            elif isinstance(event, Reasoning):
+                yield chunk(event.index, {"reasoning_content": event.text})
             elif isinstance(event, CallHead | CallArgs):
                 yield chunk(event.index, _call_delta(plan, event))
             elif isinstance(event, CallDone):

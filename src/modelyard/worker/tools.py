@@ -27,6 +27,8 @@ from modelyard.engine.client import SamplingParams, StructuredKind, StructuredOu
 from modelyard.protocol.errors import bad_request
 from modelyard.protocol.openai import ChatCompletionRequest
 from modelyard.protocol.tools import FunctionDefinition, FunctionName, NamedToolChoice
+from modelyard.worker.fanout import Usage
+from modelyard.worker.reasoning import Thinking
 from modelyard.worker.tool_parsers import (
     CallScan,
     ParsedCall,
@@ -173,10 +175,15 @@ class ChatJob:
     plan: ToolPlan
     parser: ToolParser
     k: int | None  # top logprobs asked for, None: no logprobs
+    thinking: Thinking | None = None  # a reasoning model's: how its output splits
 
     @property
     def job(self) -> tuple[list[int], SamplingParams]:
         return (self.prompt, self.params)
+
+    def usage(self) -> Usage:
+        """The usage this request's outputs are counted into (its thinking tokens too)."""
+        return Usage(reasoning=self.thinking.tokens() if self.thinking is not None else None)
 
 
 @dataclass
