@@ -29,6 +29,21 @@ class EngineSettings(SettingsBase):
     kv_cache_memory: int = Field(
         parse_size("1GiB"), description="Memory budget for the paged KV cache (e.g. 1GiB)."
     )
+    kv_swap_memory: int = Field(
+        parse_size("256MiB"),
+        ge=0,
+        description="Host-memory pool (per replica, pinned on CUDA) that keeps the KV blocks of "
+        "sequences preempted by swap until they resume (e.g. 256MiB); 0 = no pool, preempted "
+        "sequences are always recomputed.",
+    )
+    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
+        "auto",
+        description="How a sequence preempted for a more urgent one comes back: swap (its KV "
+        "blocks copied to the kv_swap_memory pool and back), recompute (its prompt and output "
+        "so far computed again), or auto: swap when the engine's measured copy cost is below "
+        "its measured prefill cost for that length; swap falls back to recompute when the pool "
+        "is full. Not with tensor_parallel_size > 1 (always recompute; swap is refused).",
+    )
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences running in one engine step.")
     max_num_batched_tokens: int = Field(
@@ -88,7 +103,7 @@ class EngineSettings(SettingsBase):
         "registry adapters pushed against this endpoint's base model (one per adapter name).",
     )
 
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", "kv_swap_memory", mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> int:
         return parse_size(value)

@@ -23,7 +23,7 @@ import contextvars
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -84,6 +84,12 @@ class EngineSnapshot:
     preemptions: int
     requests_finished: dict[str, int]  # by finish reason
     lora_loaded: tuple[str, ...] = ()  # adapters in LoRA slots, least recently used first
+    # (priority, "swap" | "recompute") -> sequences preempted; they sum to `preemptions`
+    preemptions_by: dict[tuple[int, str], int] = field(default_factory=dict)
+    kv_swap_capacity_blocks: int = 0  # the swap pool's size (0: no pool)
+    kv_swap_used_blocks: int = 0  # blocks of swapped-out sequences in it now
+    kv_swapped_out_blocks: int = 0  # counters: blocks copied into the pool, and back
+    kv_swapped_in_blocks: int = 0
 
 
 class EngineClient(Protocol):
@@ -319,6 +325,7 @@ class LocalEngineClient:
     def snapshot(self) -> EngineSnapshot:
         e = self._core
         s = e.stats
+        pool = e.preemptor.pool
         return EngineSnapshot(
             running=e.num_running,
             waiting=e.num_waiting,
@@ -334,4 +341,9 @@ class LocalEngineClient:
             preemptions=e.scheduler.num_preemptions,
             requests_finished=dict(s.requests_finished),
             lora_loaded=_lora_loaded(e.runner.lora),
+            preemptions_by={(p, str(m)): n for (p, m), n in dict(e.preemptor.counts).items()},
+            kv_swap_capacity_blocks=pool.num_blocks if pool else 0,
+            kv_swap_used_blocks=pool.num_used if pool else 0,
+            kv_swapped_out_blocks=pool.swapped_out_blocks if pool else 0,
+            kv_swapped_in_blocks=pool.swapped_in_blocks if pool else 0,
         )

@@ -21,6 +21,7 @@ from modelyard.engine.loading import load
 from modelyard.engine.lora.engine_hooks import AdapterWaitlist, adapter_namespace
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.config import ModelConfig
+from modelyard.engine.preemption import make_preemptor
 from modelyard.engine.request_checks import EngineLimits, RequestRejected, check_request
 from modelyard.engine.requests import EngineRequest, RequestOutput
 from modelyard.engine.sampler import Sampler
@@ -63,7 +64,16 @@ class LLMEngine:
         self.model_name = model_name
         self.model_config: ModelConfig = runner.config
         self.kv = KVCacheManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
+        self.preemptor = make_preemptor(
+            self.kv,
+            runner.kv_caches,
+            settings.preemption_mode,
+            settings.kv_swap_memory,
+            tensor_parallel=runner.leader is not None,
+        )
+        self.scheduler = Scheduler(
+            self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, self.preemptor
+        )
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
@@ -243,10 +253,13 @@ class LLMEngine:
         self, scheduled: list[tuple[Sequence, int]]
     ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """Run the model and the sampler; only the KV cache slots of this step are written, so
-        running the same sequences again writes the same values."""
+        running the same sequences again writes the same values. Prefill-heavy steps are timed
+        for the preemption cost model."""
+        started = time.perf_counter()
         inputs = self.runner.prepare(scheduled)
         logits = self.runner.execute(inputs)
-        token_ids, logprobs = self.sampler(logits, inputs.sampling_seqs)
+        token_ids, logprobs = self.sampler(logits, inputs.sampling_seqs)  # waits for the step
+        self.preemptor.costs.observe_step([n for _, n in scheduled], time.perf_counter() - started)
         return list(zip(inputs.sampling_seqs, token_ids, logprobs, strict=True))
 
     def _fatal(self, exc: BaseException) -> bool:

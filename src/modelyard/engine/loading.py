@@ -83,6 +83,11 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
         raise ValueError(
             "quantization and max_loras are not supported with tensor_parallel_size > 1"
         )
+    if tp > 1 and settings.preemption_mode == "swap":
+        raise ValueError(
+            "preemption_mode=swap is not supported with tensor_parallel_size > 1 (the helper "
+            "ranks' KV caches cannot be swapped); use auto or recompute"
+        )
     if tp > 1 and device.type == "cuda":
         available = torch.cuda.device_count()
         if (device.index or 0) + tp > available:

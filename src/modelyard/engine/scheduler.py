@@ -3,7 +3,9 @@
 Every step spends one token budget: running sequences first (one token per decode, or the next
 chunk of an unfinished prefill), then waiting sequences in priority order, whose prompts are
 split into chunks when the budget runs short. When the KV cache is full, the lowest-priority,
-latest running sequence is preempted: its blocks are freed and it is recomputed later.
+latest running sequence is preempted (never one more urgent than the sequence that needs the
+room): its blocks are freed, its computed tokens swapped to host memory or recomputed when it
+resumes (`Preemptor`, by the `preemption_mode` setting and its cost model).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from modelyard.engine.kv_cache_manager import KVCacheManager
+from modelyard.engine.preemption import Preemptor
 from modelyard.engine.sequence import Sequence, SequenceStatus
 
 
@@ -36,13 +39,18 @@ class Scheduler:
         kv: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        preemptor: Preemptor | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemptor = preemptor or Preemptor(kv)  # default: always recompute
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemptor.num_preemptions
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -55,13 +63,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+        self.preemptor.discard(seq)
         seq.status = SequenceStatus.FINISHED
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
-        self.num_preemptions += 1
-        self.add(seq)
 
     def _urgent_priority(self) -> int | None:
         """The priority whose first tokens are pending while less urgent sequences run.
@@ -97,8 +100,9 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
+                victim = self.running.pop()  # the least urgent: never more urgent than seq
+                self.preemptor.preempt(victim)
+                self.add(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
@@ -121,8 +125,11 @@ class Scheduler:
             leader = seq.leader
             if leader is not None and not leader.finished and leader.prefilling:
                 continue  # its leader is computing the shared prompt; reuse it next step
-            cached = self.kv.find_cached_prefix(seq)
-            num_computed = len(cached) * self.kv.block_size
+            if seq.swap_slots:  # swapped out: its computed tokens come back from the pool
+                cached, num_computed = [], seq.num_computed_tokens
+            else:
+                cached = self.kv.find_cached_prefix(seq)
+                num_computed = len(cached) * self.kv.block_size
             num_new = seq.num_tokens - num_computed
             if num_new > budget:
                 num_new = budget  # chunked prefill: the rest of the prompt runs next step
@@ -134,13 +141,12 @@ class Scheduler:
                 if less_urgent is None:
                     break
                 self.running.remove(less_urgent)
-                self.kv.free(less_urgent)
-                less_urgent.num_computed_tokens = 0
-                self.num_preemptions += 1
+                self.preemptor.preempt(less_urgent)
                 displaced.append(less_urgent)
                 out.preempted.append(less_urgent)
             else:
                 seq.num_computed_tokens = num_computed
+                self.preemptor.resume(seq)
                 if not seq.admitted:
                     seq.num_cached_tokens = num_computed
                     seq.admitted = True

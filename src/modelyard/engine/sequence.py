@@ -54,6 +54,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks, in order
     num_registered_blocks: int = 0  # full blocks already published to the prefix cache
+    swap_slots: list[int] = field(default_factory=list)  # swapped out: its KV in the swap pool
     leader: Sequence | None = None  # n>1: wait for the first choice's prefill, then share it
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -122,6 +122,11 @@ class _EngineCollector(Collector):
             ("modelyard_prefix_cache_hit_rate", (),
              "Prompt tokens served from the prefix cache / prompt tokens looked up.",
              hits / queries if queries else 0.0),
+            ("modelyard_kv_swap_capacity_blocks", (),
+             "KV blocks the swap pool holds (0: no pool, preemption recomputes).",
+             s.kv_swap_capacity_blocks),
+            ("modelyard_kv_swap_used_blocks", (),
+             "KV blocks of swapped-out sequences in the swap pool.", s.kv_swap_used_blocks),
         ]  # fmt: skip
         counters: list[tuple[str, tuple[str, ...], str, float]] = [
             ("modelyard_prefix_cache_queries", ("vllm:prefix_cache_queries",),
@@ -140,6 +145,11 @@ class _EngineCollector(Collector):
              s.busy_seconds),
             ("modelyard_num_preemptions", ("vllm:num_preemptions",), "Sequences preempted.",
              s.preemptions),
+            ("modelyard_kv_swapped_out_blocks", (),
+             "KV blocks copied into the swap pool by preemptions.", s.kv_swapped_out_blocks),
+            ("modelyard_kv_swapped_in_blocks", (),
+             "KV blocks copied back from the swap pool by resumed sequences.",
+             s.kv_swapped_in_blocks),
         ]  # fmt: skip
         for name, aliases, doc, value in gauges:
             for n, label in ((name, "model"), *((a, "model_name") for a in aliases)):
@@ -151,6 +161,14 @@ class _EngineCollector(Collector):
                 c = CounterMetricFamily(n, doc, labels=[label])
                 c.add_metric([self.model], value)
                 yield c
+        c = CounterMetricFamily(
+            "modelyard_preemptions",
+            "Sequences preempted, by their priority and how they come back (swap, recompute).",
+            labels=["model", "priority", "mode"],
+        )
+        for (priority, mode), count in sorted(s.preemptions_by.items()):
+            c.add_metric([self.model, str(priority), mode], count)
+        yield c
         finished = sorted(s.requests_finished.items())
         for n, labels in (
             ("modelyard_request_success", ["model", "finish_reason"]),
