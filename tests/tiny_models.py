@@ -79,6 +79,9 @@ def build_model(
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     }[model_type]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).to(dtype).eval()
@@ -87,5 +90,9 @@ def build_model(
         for name, p in model.named_parameters():
             if name.endswith("proj.weight") or "embed" in name or "lm_head" in name:
                 p.normal_(0.0, 0.08)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0.0, 0.08)  # the experts as transformers holds them, stacked
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0.0, 0.5)  # routers: clear-cut expert choices, not near-ties
     model.save_pretrained(str(folder))
     return folder

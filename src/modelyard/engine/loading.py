@@ -18,6 +18,7 @@ from modelyard.engine.lora.manager import LoRAManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import DTYPES, ModelRunner
 from modelyard.engine.models.loader import load_model, read_model_config, to_hf_folder
+from modelyard.engine.models.moe import check_moe_features
 from modelyard.engine.models.sharding import check_tensor_parallel
 from modelyard.engine.tensor_parallel.leader import TensorParallelLeader
 from modelyard.engine.tensor_parallel.wire import HelperSpec, rank_device
@@ -78,6 +79,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
         keep_freed_memory_for_reuse()
     folder = to_hf_folder(model, settings.cache_dir)
     cfg = read_model_config(folder)
+    check_moe_features(cfg, tp, settings.quantization, settings.max_loras)
     check_tensor_parallel(cfg, tp)
     if tp > 1 and (settings.quantization or settings.max_loras):
         raise ValueError(

@@ -1,4 +1,5 @@
-"""`ModelConfig`: the architecture numbers of a Llama-family model, read from a HF config.json."""
+"""`ModelConfig`: the architecture numbers of a Llama-family model (`MoeConfig`: its experts, for
+the mixture-of-experts ones), read from a HF config.json."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ SUPPORTED_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 
@@ -29,6 +33,68 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: each token's `top_k` experts by softmax router probability."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each routed expert's
+    norm_topk_prob: bool  # renormalise the chosen experts' probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+    dense_layers: frozenset[int] = frozenset()  # layers with the dense MLP instead
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> MoeConfig | None:
+        """The MoE numbers of a `mixtral`, `qwen2_moe` or `olmoe` config; None for the others."""
+        model_type = cfg.get("model_type")
+        if model_type == "mixtral":
+            moe = cls(
+                num_experts=cfg.get("num_local_experts", 8),
+                top_k=cfg.get("num_experts_per_tok", 2),
+                intermediate_size=cfg["intermediate_size"],
+                norm_topk_prob=True,
+            )
+        elif model_type == "olmoe":
+            if cfg.get("clip_qkv") is not None:
+                raise UnsupportedModelError("olmoe with clip_qkv is not supported")
+            if cfg.get("attention_bias"):
+                raise UnsupportedModelError("olmoe with attention_bias is not supported")
+            moe = cls(
+                num_experts=cfg.get("num_experts", 64),
+                top_k=cfg.get("num_experts_per_tok", 8),
+                intermediate_size=cfg["intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            )
+        elif model_type == "qwen2_moe":
+            step = cfg.get("decoder_sparse_step", 1)
+            if not isinstance(step, int) or step < 1:
+                raise UnsupportedModelError(
+                    f"qwen2_moe decoder_sparse_step={step!r} is not supported (a positive integer)"
+                )
+            mlp_only = cfg.get("mlp_only_layers") or []
+            layers = range(cfg["num_hidden_layers"])
+            moe = cls(
+                num_experts=cfg.get("num_experts", 60),
+                top_k=cfg.get("num_experts_per_tok", 4),
+                intermediate_size=cfg.get("moe_intermediate_size", 1408),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 5632),
+                dense_layers=frozenset(i for i in layers if i in mlp_only or (i + 1) % step),
+            )
+        else:
+            return None
+        if not 1 <= moe.top_k <= moe.num_experts:
+            raise UnsupportedModelError(
+                f"{model_type} with num_experts_per_tok={moe.top_k} and {moe.num_experts} "
+                "experts is not supported"
+            )
+        return moe
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -45,6 +111,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False  # OLMoE: q/k RMSNorm over all heads at once, not per head
+    moe: MoeConfig | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -92,9 +160,15 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 has q/k/v biases without saying so in its config.
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            # Qwen2 has q/k/v biases without saying so in its config, Qwen2-MoE as `qkv_bias`.
+            attention_bias=bool(
+                cfg.get("qkv_bias", True)
+                if model_type == "qwen2_moe"
+                else cfg.get("attention_bias", model_type == "qwen2")
+            ),
+            qk_norm=model_type in ("qwen3", "olmoe"),
+            qk_norm_whole=model_type == "olmoe",
+            moe=MoeConfig.from_hf_dict(cfg),
             # Without sliding-window attention the engine is exact only up to the window.
             sliding_window=cfg.get("sliding_window")
             if cfg.get("use_sliding_window", True)

@@ -1,7 +1,7 @@
 """A decode step's decoder layers in one C call (`csrc/decode_step.c`): the layers' weights,
 norms and KV caches described once to the C code, then one call per step instead of ~10 module
 calls per layer. It applies where every piece already runs in C: a Llama-family model on CPU
-with w8a8 weights in the C matmul's form (AVX-512 VNNI), one rank, no per-head q/k norm, no LoRA
+with w8a8 weights in the C matmul's form (AVX-512 VNNI), one rank, no q/k norm, no experts, no LoRA
 layers, and a step of decodes only (prefill chunks go through the modules).
 """
 
@@ -71,7 +71,7 @@ class DecodeStep:
         # Read structurally: llama.py imports this module, so its classes cannot be named here.
         model_any: Any = lm
         cfg = model_any.config
-        if model_any.tp_size != 1 or not kernels.int8_matmul_vectorized:
+        if model_any.tp_size != 1 or cfg.moe is not None or not kernels.int8_matmul_vectorized:
             return None
         if caches[0].dtype not in (torch.float32, torch.bfloat16):
             return None

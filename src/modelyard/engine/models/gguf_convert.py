@@ -70,6 +70,10 @@ def _hf_config(reader: Any) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
+    if get("expert_count"):  # Mixtral's GGUF says "llama": its experts are not converted
+        raise UnsupportedModelError(
+            "GGUF mixture-of-experts models are not supported; use the Hugging Face folder"
+        )
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     names = {t.name for t in reader.tensors}

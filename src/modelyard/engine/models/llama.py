@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2/3, SmolLM2) in plain PyTorch over a flat token batch.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/3, SmolLM2) in plain PyTorch over a flat token batch,
+and its mixture-of-experts relatives (Mixtral, Qwen2-MoE, OLMoE: `moe.py` in place of the MLP).
 
 Parameter names follow Hugging Face's checkpoints so that safetensors load by name; q/k/v and
 gate/up projections are fused into one matmul each at load time (`fuse_projections`).
@@ -15,13 +16,14 @@ import math
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from modelyard.engine.attention import AttentionMetadata, paged_attention, write_kv
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.decode_step import OneCallDecode
+from modelyard.engine.models.mlp import MLP, all_reduce, fused_linear
+from modelyard.engine.models.moe import SparseMoeBlock
 from modelyard.engine.models.packed_linear import pack_linears, pack_matrix
 
 if TYPE_CHECKING:
@@ -96,23 +98,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _fused_linear(parts: tuple[nn.Linear, ...]) -> nn.Linear:
-    """One linear layer whose output is the concatenation of `parts`' outputs."""
-    out_features = sum(p.out_features for p in parts)
-    has_bias = parts[0].bias is not None
-    fused = nn.Linear(parts[0].in_features, out_features, bias=has_bias, device="meta")
-    fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
-    if has_bias:
-        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
-    return fused
-
-
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum the row-parallel partial outputs of every tensor-parallel rank (in place)."""
-    dist.all_reduce(x)
-    return x
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_size: int = 1) -> None:
         super().__init__()
@@ -128,15 +113,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3 normalises each head; OLMoE the whole q and k projections (`qk_norm_whole`).
+        self.qk_norm_whole = cfg.qk_norm_whole
+        q_norm_size, k_norm_size = (
+            (self.q_size, self.kv_size) if cfg.qk_norm_whole else (self.head_dim, self.head_dim)
+        )
+        self.q_norm = RMSNorm(q_norm_size, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_proj: nn.Linear | None = None
         self.kernels: CpuKernels | None = None
 
     def fuse(self) -> None:
         """Replace q/k/v projections by one matmul over their concatenated weights."""
         parts = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_proj = _fused_linear(parts)
+        self.qkv_proj = fused_linear(parts)
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
@@ -162,12 +152,12 @@ class Attention(nn.Module):
         else:
             q, k, v = self._heads(qkv, t)
             if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = self._qk_norm(q, k)
             q, k = rope(positions, q, k)
             write_kv(cache, meta.slot_mapping, k, v)
         out = paged_attention(q, k, v, cache, meta, self.scale)
         out = self.o_proj(out.reshape(t, self.q_size))
-        return _all_reduce(out) if self.tp_size > 1 else out
+        return all_reduce(out) if self.tp_size > 1 else out
 
     def _heads(self, qkv: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -177,6 +167,15 @@ class Attention(nn.Module):
             v.reshape(t, self.num_kv_heads, self.head_dim),
         )
 
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.q_norm is not None and self.k_norm is not None
+        if not self.qk_norm_whole:
+            return self.q_norm(q), self.k_norm(k)
+        t = q.shape[0]
+        q_flat = self.q_norm(q.reshape(t, self.q_size))
+        k_flat = self.k_norm(k.reshape(t, self.kv_size))
+        return q_flat.view(q.shape), k_flat.view(k.shape)
+
     def _fused_rope_applies(self, qkv: torch.Tensor, cache: torch.Tensor) -> bool:
         return (
             self.q_norm is None
@@ -185,34 +184,16 @@ class Attention(nn.Module):
         )
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_size: int = 1) -> None:
-        super().__init__()
-        self.tp_size = tp_size
-        self.intermediate = cfg.intermediate_size // tp_size
-        self.gate_proj = nn.Linear(cfg.hidden_size, self.intermediate, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
-        self.gate_up_proj: nn.Linear | None = None
-
-    def fuse(self) -> None:
-        self.gate_up_proj = _fused_linear((self.gate_proj, self.up_proj))
-        del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        out = self.down_proj(F.silu(gate) * up)
-        return _all_reduce(out) if self.tp_size > 1 else out
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_size: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, tp_size)
-        self.mlp = MLP(cfg, tp_size)
+        # A mixture-of-experts layer (Mixtral, Qwen2-MoE, OLMoE) or the dense MLP.
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg.hidden_size, cfg.moe)
+            if cfg.moe is not None and cfg.moe.is_sparse(index)
+            else MLP(cfg.hidden_size, cfg.intermediate_size // tp_size, tp_size)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -238,7 +219,7 @@ class LlamaModel(nn.Module):
         # nn.Embedding until quantization swaps in its int8 form
         self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp_size) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, tp_size, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg, max_positions)

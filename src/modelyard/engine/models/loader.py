@@ -15,6 +15,7 @@ from modelyard.engine.models.bundled import ModelNotFoundError, resolve_model_pa
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.gguf_convert import convert_gguf
 from modelyard.engine.models.llama import LlamaForCausalLM
+from modelyard.engine.models.moe import check_moe_features, checkpoint_name
 from modelyard.engine.models.packed_linear import packing_available
 from modelyard.engine.models.quantize import quantize_model
 from modelyard.engine.models.sharding import Slice, check_tensor_parallel, shard_slice
@@ -97,11 +98,14 @@ def load_model(
     """Load the model, or with `tp_size > 1` rank `tp_rank`'s shard of it (see `sharding`);
     `quantization`: "int8" (weight-only) or "w8a8" linears (see `engine.quantization`)."""
     cfg = read_model_config(folder)
+    check_moe_features(cfg, tp_size, quantization)
     check_tensor_parallel(cfg, tp_size)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions, tp_size)
     shard = partial(shard_slice, cfg=cfg, rank=tp_rank, tp=tp_size) if tp_size > 1 else None
     state = _load_state_dict(folder, shard)
+    if cfg.moe is not None:
+        state = {checkpoint_name(name): tensor for name, tensor in state.items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     expected = {k for k in model.state_dict()}
