@@ -43,6 +43,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # tests each has. So these start first and the processes finish together instead of one
 # waiting out the other's last long file.
 _LONGEST_FILES = [  # seconds under coverage, AMD EPYC 2 vCPU (AVX2), 2026-12-05
+    "test_langchain_standard.py",  # ~300 est.: 165 before its tool/structured/JSON tests ran (~1.8x)
     "test_ray_backend.py",  # 264
     "test_api_fuzz.py",  # ~260 (418 before its examples were halved)
     "test_platform_lifecycle.py",  # 226
@@ -52,7 +53,6 @@ _LONGEST_FILES = [  # seconds under coverage, AMD EPYC 2 vCPU (AVX2), 2026-12-05
     "test_smollm2.py",  # 174
     "test_cluster_leader.py",  # 174
     "test_shared_base_adapters.py",  # ~170: both modes, bundled models
-    "test_langchain_standard.py",  # 165 without its tool/structured/JSON tests (now run: ~1.8x)
     "test_chaos.py",  # 162
     "test_versions.py",  # 147
     "test_settlement.py",  # 134
