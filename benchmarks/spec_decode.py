@@ -41,11 +41,14 @@ TASKS = {
     "summary": "Summarise the document below, quoting its key sentences:\n\n",
     "free": "Write a short poem about the sea. Do not mention this document:\n\n",
 }
+SAMPLED = "free"  # also run sampled (temperature 0.8, seed 0): drafts are accepted less often
 
 
-def time_request(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+def time_request(
+    engine: LLMEngine, prompt: list[int], max_tokens: int, temperature: float = 0.0
+) -> tuple[float, list[int]]:
     """Decode tokens/s of one request (first token to last) and its tokens."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
     engine.add_request("bench", prompt, params)
     tokens: list[int] = []
     first = last = 0.0
@@ -80,6 +83,9 @@ def main() -> None:
         name: tok.encode_chat([{"role": "user", "content": task + DOCUMENT}])
         for name, task in TASKS.items()
     }
+    prompts[SAMPLED + "@0.8"] = prompts[SAMPLED]
+    for engine in engines.values():  # warm-up: first steps build kernels and caches
+        time_request(engine, prompts["free"], 16)
     print(f"{platform.processor() or platform.machine()}, load {os.getloadavg()}")
     rates: dict[tuple[str, str], list[float]] = {}
     outputs: dict[tuple[str, str], list[int]] = {}
@@ -89,7 +95,8 @@ def main() -> None:
             for mode in order:
                 engine = engines[mode]
                 before = (engine.spec_stats.draft_tokens, engine.spec_stats.accepted_tokens)
-                rate, tokens = time_request(engine, prompt, args.max_tokens)
+                temperature = 0.8 if name.endswith("@0.8") else 0.0
+                rate, tokens = time_request(engine, prompt, args.max_tokens, temperature)
                 rates.setdefault((name, mode), []).append(rate)
                 outputs[(name, mode)] = tokens
                 drafted = engine.spec_stats.draft_tokens - before[0]
@@ -101,12 +108,15 @@ def main() -> None:
     print(f"load after {os.getloadavg()}")
     s = engines["ngram"].spec_stats
     for name in prompts:
+        print(f"{name}: {tok.decode(outputs[(name, 'ngram')])[:160]!r}")
+    for name in prompts:
         off = statistics.median(rates[(name, "off")])
         on = statistics.median(rates[(name, "ngram")])
         same = outputs[(name, "off")] == outputs[(name, "ngram")]
         print(
             f"{name:8s} off {off:6.1f} tok/s  ngram {on:6.1f} tok/s  x{on / off:.2f}  same={same}"
         )
+    print("(same=False is expected for the sampled row: its draws differ, not its distribution)")
     print(
         f"overall acceptance {s.accepted_tokens / max(s.draft_tokens, 1):.2f}, "
         f"tokens per verifying step {s.emitted_tokens / max(s.spec_steps, 1):.2f}"
