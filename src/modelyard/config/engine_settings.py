@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from modelyard.config.sources import SettingsBase, parse_size
 
@@ -92,6 +92,23 @@ class EngineSettings(SettingsBase):
         0, ge=0, description="LoRA adapter slots held at once (LRU); 0 = no LoRA serving."
     )
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank a slot takes.")
+    speculative: Literal["off", "ngram"] = Field(
+        "off",
+        description="Speculative decoding: ngram = prompt lookup: a decoding sequence whose "
+        "last tokens occurred earlier in its prompt or output drafts the tokens that followed, "
+        "verified in one step (greedy output unchanged, sampling distribution preserved); not "
+        "for requests with penalties, logprobs or structured output. Off by default: it pays "
+        "on output that copies its input (summaries, edits, code), and costs a little elsewhere.",
+    )
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=16, description="Most draft tokens verified per sequence and step."
+    )
+    prompt_lookup_min: int = Field(
+        2, ge=1, description="Shortest suffix n-gram looked up for a draft (speculative=ngram)."
+    )
+    prompt_lookup_max: int = Field(
+        4, ge=1, description="Longest suffix n-gram looked up for a draft (speculative=ngram)."
+    )
     lora_dir: Path | None = Field(
         None,
         description="Folder of PEFT adapters (one subfolder per adapter name) a request may "
@@ -102,6 +119,12 @@ class EngineSettings(SettingsBase):
         description="Set by the platform, never in a deploy body: the node-cache folder of the "
         "registry adapters pushed against this endpoint's base model (one per adapter name).",
     )
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> EngineSettings:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        return self
 
     @field_validator("kv_cache_memory", "kv_swap_memory", mode="before")
     @classmethod

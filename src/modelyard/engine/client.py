@@ -90,6 +90,12 @@ class EngineSnapshot:
     kv_swap_used_blocks: int = 0  # blocks of swapped-out sequences in it now
     kv_swapped_out_blocks: int = 0  # counters: blocks copied into the pool, and back
     kv_swapped_in_blocks: int = 0
+    # speculative decoding counters: drafts verified (sequence-steps), their tokens, accepted
+    # ones, and the tokens those sequence-steps emitted (accepted + the target's own one each)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
 
 
 class EngineClient(Protocol):
@@ -346,4 +352,8 @@ class LocalEngineClient:
             kv_swap_used_blocks=pool.num_used if pool else 0,
             kv_swapped_out_blocks=pool.swapped_out_blocks if pool else 0,
             kv_swapped_in_blocks=pool.swapped_in_blocks if pool else 0,
+            spec_drafts=e.spec_stats.spec_steps,
+            spec_draft_tokens=e.spec_stats.draft_tokens,
+            spec_accepted_tokens=e.spec_stats.accepted_tokens,
+            spec_emitted_tokens=e.spec_stats.emitted_tokens,
         )

@@ -108,6 +108,12 @@ class KVCacheManager:
             self.pool.register(self.pool.blocks[seq.block_ids[i]], hashes[i])
         seq.num_registered_blocks = full
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks past the sequence's tokens (those a rejected draft took)."""
+        keep = blocks_for(seq.num_tokens, self.block_size)
+        while len(seq.block_ids) > keep:
+            self.pool.release(self.pool.blocks[seq.block_ids.pop()])
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so its prefix is evicted last."""
         for block_id in reversed(seq.block_ids):

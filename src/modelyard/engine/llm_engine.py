@@ -28,6 +28,7 @@ from modelyard.engine.sampler import Sampler
 from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.scheduler import Scheduler
 from modelyard.engine.sequence import FinishReason, Sequence, TokenLogprob
+from modelyard.engine.spec_decode import NgramDrafter, Sampled, SpecStats, sample_step
 from modelyard.engine.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "RequestFailed", "RequestOutput", "RequestRejected"]
@@ -77,6 +78,14 @@ class LLMEngine:
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
+        self.spec_stats = SpecStats()
+        if settings.speculative == "ngram":
+            self.scheduler.drafter = NgramDrafter(
+                settings.num_speculative_tokens,
+                settings.prompt_lookup_min,
+                settings.prompt_lookup_max,
+                max_model_len,
+            )
         self._requests: dict[str, EngineRequest] = {}
         self._next_seq_id = 0
         self.lora_waiting = AdapterWaitlist()  # requests whose adapter waits for a slot
@@ -225,20 +234,22 @@ class LLMEngine:
         outputs = [self._fail(self._requests[rid], exc) for rid, exc in failed.items()]
         for seq, n in plan.scheduled:
             if seq.request_id in failed:
+                seq.draft = []
                 continue
             if seq.prefilling:
                 self.stats.prompt_tokens += min(n, seq.prompt_len - seq.num_computed_tokens)
-            seq.num_computed_tokens += n
-            self.kv.commit(seq)
+            if not seq.draft:  # a draft's rows advance by what is accepted, once it is known
+                seq.num_computed_tokens += n
+                self.kv.commit(seq)
 
-        by_request: dict[str, list[tuple[Sequence, int, TokenLogprob | None]]] = {}
+        by_request: dict[str, list[Sampled]] = {}
         for item in sampled:
             by_request.setdefault(item[0].request_id, []).append(item)
         for request_id, items in by_request.items():
             req = self._requests[request_id]
             try:
-                for seq, token, lp in items:
-                    self._append_token(req, seq, token, lp)
+                for seq, tokens, lp in items:
+                    self._append_tokens(req, seq, tokens, lp)
                 outputs.append(self._collect(req))
             except Exception as exc:  # e.g. the detokenizer: this request's fault alone
                 if self._fatal(exc):
@@ -249,18 +260,18 @@ class LLMEngine:
         self.stats.busy_seconds += time.perf_counter() - started
         return outputs
 
-    def _forward(
-        self, scheduled: list[tuple[Sequence, int]]
-    ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """Run the model and the sampler; only the KV cache slots of this step are written, so
-        running the same sequences again writes the same values. Prefill-heavy steps are timed
-        for the preemption cost model."""
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> list[Sampled]:
+        """Run the model and the sampler (verifying drafts); only the KV cache slots of this
+        step are written, so running the same sequences again writes the same values.
+        Prefill-heavy steps are timed for the preemption cost model (a draft's rows count as
+        decodes)."""
         started = time.perf_counter()
         inputs = self.runner.prepare(scheduled)
         logits = self.runner.execute(inputs)
-        token_ids, logprobs = self.sampler(logits, inputs.sampling_seqs)  # waits for the step
-        self.preemptor.costs.observe_step([n for _, n in scheduled], time.perf_counter() - started)
-        return list(zip(inputs.sampling_seqs, token_ids, logprobs, strict=True))
+        sampled = sample_step(self.sampler, logits, inputs.sampling_seqs)  # waits for the step
+        counts = [c for s, n in scheduled for c in ([1] * n if s.draft else [n])]
+        self.preemptor.costs.observe_step(counts, time.perf_counter() - started)
+        return sampled
 
     def _fatal(self, exc: BaseException) -> bool:
         """No retry after this: the process is in doubt, or the tensor-parallel group died."""
@@ -268,13 +279,13 @@ class LLMEngine:
 
     def _isolate(
         self, scheduled: list[tuple[Sequence, int]]
-    ) -> tuple[list[tuple[Sequence, int, TokenLogprob | None]], dict[str, BaseException]]:
+    ) -> tuple[list[Sampled], dict[str, BaseException]]:
         """Run each request of a failed step alone: what succeeds is kept, what fails again
         is the request's own fault."""
         groups: dict[str, list[tuple[Sequence, int]]] = {}
         for seq, n in scheduled:
             groups.setdefault(seq.request_id, []).append((seq, n))
-        sampled: list[tuple[Sequence, int, TokenLogprob | None]] = []
+        sampled: list[Sampled] = []
         failed: dict[str, BaseException] = {}
         for request_id, group in groups.items():
             try:
@@ -303,6 +314,23 @@ class LLMEngine:
     def fail_all(self, exc: BaseException) -> list[RequestOutput]:
         """Fail every request (a step failed where no request can be blamed)."""
         return [self._fail(req, exc) for req in list(self._requests.values())]
+
+    def _append_tokens(
+        self, req: EngineRequest, seq: Sequence, tokens: list[int], lp: TokenLogprob | None
+    ) -> None:
+        """Append a step's tokens until one finishes the sequence. After a draft, the KV of
+        its accepted positions counts as computed and the rest is rolled back."""
+        for token in tokens:
+            self._append_token(req, seq, token, lp)
+            if seq.finished:
+                break
+        if seq.draft:
+            self.spec_stats.record(len(seq.draft), len(tokens))
+            if not seq.finished:
+                seq.num_computed_tokens += len(tokens)  # the last real token and the accepted
+                self.kv.trim(seq)
+                self.kv.commit(seq)
+            seq.draft = []
 
     def _append_token(
         self, req: EngineRequest, seq: Sequence, token: int, lp: TokenLogprob | None

@@ -38,7 +38,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling_seqs: list[Sequence]  # in the order of logits_indices
+    sampling_seqs: list[Sequence]  # in the order of logits_indices (1 + len(draft) rows each)
     lora_slots: list[int] | None = None  # per flat-batch token: its adapter slot (0 = base)
 
 
@@ -123,7 +123,11 @@ class ModelRunner:
             if n != 1:
                 blocks = self._block_tables([seq.block_ids], end)[0] if start else None
                 chunks.append(PrefillChunk(offset, offset + n, start, blocks))
-            if end == seq.num_tokens:  # the chunk reaches the last known token: sample after it
+            if seq.draft:  # last token and draft: the logits of every position verify it
+                input_ids.extend(seq.draft)
+                logits_indices.extend(range(offset, offset + n))
+                sampling_seqs.append(seq)
+            elif end == seq.num_tokens:  # the chunk reaches the last known token: sample after it
                 logits_indices.append(offset + n - 1)
                 sampling_seqs.append(seq)
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from modelyard.engine.kv_cache_manager import KVCacheManager
 from modelyard.engine.preemption import Preemptor
 from modelyard.engine.sequence import Sequence, SequenceStatus
+
+# (sequence, token budget left) -> the draft its decode verifies this step ([] for none)
+Drafter = Callable[[Sequence, int], list[int]]
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Scheduler:
         self.preemptor = preemptor or Preemptor(kv)  # default: always recompute
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
+        self.drafter: Drafter | None = None  # speculative decoding, when it is on
 
     @property
     def num_preemptions(self) -> int:
@@ -86,6 +91,18 @@ class Scheduler:
                 return seq
         return None
 
+    def _speculate(self, seq: Sequence, budget: int) -> bool:
+        """Give a decoding sequence its draft and the blocks for it, if it has one and they fit
+        without preempting anybody (else it decodes one token as usual)."""
+        seq.draft = []
+        if self.drafter is None or seq.prefilling or budget <= 0:
+            return False
+        draft = self.drafter(seq, budget)
+        if not draft or not self.kv.allocate(seq, 1 + len(draft)):
+            return False
+        seq.draft = draft
+        return True
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -99,6 +116,11 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 1 and self._speculate(seq, budget - 1):
+                out.scheduled.append((seq, 1 + len(seq.draft)))
+                budget -= 1 + len(seq.draft)
+                i += 1
+                continue
             while not self.kv.allocate(seq, num_new):
                 victim = self.running.pop()  # the least urgent: never more urgent than seq
                 self.preemptor.preempt(victim)

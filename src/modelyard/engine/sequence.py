@@ -60,6 +60,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cache_salt: bytes = b""  # a prefix-cache namespace (per tenant): only equal salts share blocks
     grammar: GrammarState | None = None  # the output's matcher when it is constrained
+    draft: list[int] = field(default_factory=list)  # speculative tokens this step verifies
 
     @property
     def num_tokens(self) -> int:

@@ -127,6 +127,12 @@ class _EngineCollector(Collector):
              s.kv_swap_capacity_blocks),
             ("modelyard_kv_swap_used_blocks", (),
              "KV blocks of swapped-out sequences in the swap pool.", s.kv_swap_used_blocks),
+            ("modelyard_spec_decode_acceptance_rate", (),
+             "Draft tokens accepted / draft tokens verified (speculative decoding).",
+             s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0),
+            ("modelyard_spec_decode_tokens_per_step", (),
+             "Tokens a sequence gains per step that verifies a draft (1 + accepted).",
+             s.spec_emitted_tokens / s.spec_drafts if s.spec_drafts else 0.0),
         ]  # fmt: skip
         counters: list[tuple[str, tuple[str, ...], str, float]] = [
             ("modelyard_prefix_cache_queries", ("vllm:prefix_cache_queries",),
@@ -150,6 +156,13 @@ class _EngineCollector(Collector):
             ("modelyard_kv_swapped_in_blocks", (),
              "KV blocks copied back from the swap pool by resumed sequences.",
              s.kv_swapped_in_blocks),
+            ("modelyard_spec_decode_num_drafts", ("vllm:spec_decode_num_drafts",),
+             "Drafts verified (one per sequence and step).", s.spec_drafts),
+            ("modelyard_spec_decode_num_draft_tokens", ("vllm:spec_decode_num_draft_tokens",),
+             "Draft tokens verified.", s.spec_draft_tokens),
+            ("modelyard_spec_decode_num_accepted_tokens",
+             ("vllm:spec_decode_num_accepted_tokens",), "Draft tokens accepted.",
+             s.spec_accepted_tokens),
         ]  # fmt: skip
         for name, aliases, doc, value in gauges:
             for n, label in ((name, "model"), *((a, "model_name") for a in aliases)):
