@@ -43,7 +43,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # tests each has. So these start first and the processes finish together instead of one
 # waiting out the other's last long file.
 _LONGEST_FILES = [  # seconds under coverage, AMD EPYC 2 vCPU (AVX2), 2026-12-05
-    "test_langchain_standard.py",  # ~300 est.: 165 before its tool/structured/JSON tests ran (~1.8x)
+    "test_langchain_standard.py",  # ~300 est.: 165 before its tool/JSON tests ran (~1.8x)
     "test_ray_backend.py",  # 264
     "test_api_fuzz.py",  # ~260 (418 before its examples were halved)
     "test_platform_lifecycle.py",  # 226
