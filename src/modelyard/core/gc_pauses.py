@@ -43,8 +43,10 @@ class GcClock:
         self.total_s = 0.0  # collector time since start (read by another thread: a float store)
         self.long: deque[GcPause] = deque(maxlen=100)  # drained by the reader
         self._began = 0.0
-        # The callback's code: a thread in it may give up the GIL before adding its time.
-        self.callback_code = self._on_gc.__code__
+        # From this clock's start callback to its stop callback's adding of the time: another
+        # thread that runs then (a callback's Python code may give up the GIL, this one's or
+        # another library's) must not judge time the collection has not yet been counted for.
+        self.collecting = False
 
     def start(self) -> None:
         if self._on_gc not in gc.callbacks:
@@ -58,9 +60,11 @@ class GcClock:
         now = time.perf_counter()
         if phase == "start":
             self._began = now
+            self.collecting = True
             return
         took = now - self._began
         self.total_s += took
+        self.collecting = False
         if took > self.long_s:
             self.long.append(
                 GcPause(info.get("generation", -1), took, info.get("collected", 0), time.time())

@@ -235,7 +235,7 @@ class LoopMonitor:
             # The stack first, before anything here gives up the GIL: work that held it (one
             # long C call) has just let go, and would run on to its end meanwhile.
             frames = sys._current_frames()
-            if any(f.f_code is self.gc.callback_code for f in frames.values()):
+            if self.gc.collecting:
                 return  # a collection is ending, its time not yet added: the next tick decides
             frame = frames.get(self._thread_id)
             work = self._work(frame) if frame is not None else None
