@@ -42,3 +42,11 @@ def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MODELYARD_DTYPE", "float16")
     with pytest.raises(ValidationError, match="dtype"):
         EngineSettings()
+
+
+def test_a_deploys_lookup_ngrams_are_bounded() -> None:
+    """A draft's n-gram search is a loop per step over each length up to prompt_lookup_max."""
+    assert EngineSettings(prompt_lookup_max=16).prompt_lookup_max == 16
+    for field in ("prompt_lookup_min", "prompt_lookup_max"):
+        with pytest.raises(ValidationError, match=field):
+            EngineSettings(**{field: 10**9})

@@ -13,7 +13,7 @@ import torch
 from modelyard.engine.async_engine import AsyncEngine
 from modelyard.engine.client import LocalEngineClient
 from modelyard.engine.llm_engine import LLMEngine
-from modelyard.engine.preemption import make_preemptor
+from modelyard.engine.preemption import MAX_CACHES, make_preemptor
 from modelyard.engine.sampling_params import SamplingParams
 from modelyard.worker.metrics import WorkerMetrics
 from tests.parity import make_engine
@@ -130,6 +130,15 @@ def test_auto_mode_and_its_metrics(tiny_llama: Path, uninterrupted: dict[str, li
     assert 'modelyard_kv_swap_capacity_blocks{model="tiny"} 64.0' in text
     out = f'modelyard_kv_swapped_out_blocks_total{{model="tiny"}} {snap.kv_swapped_out_blocks}.0'
     assert out in text and "modelyard_kv_swapped_in_blocks_total" in text
+
+
+def test_a_deploys_swap_pool_is_bounded_by_its_cache(tiny_llama: Path) -> None:
+    engine = make_engine(
+        tiny_llama, block_size=4, kv_cache_memory=TOKEN_BYTES * 4 * 32, kv_swap_memory=2**40,
+        preemption_mode="swap",
+    )  # fmt: skip
+    assert engine.preemptor.pool is not None
+    assert engine.preemptor.pool.num_blocks == MAX_CACHES * engine.kv.num_blocks
 
 
 def test_no_swap_memory_means_recompute(tiny_llama: Path) -> None:

@@ -33,8 +33,9 @@ class EngineSettings(SettingsBase):
         parse_size("256MiB"),
         ge=0,
         description="Host-memory pool (per replica, pinned on CUDA) that keeps the KV blocks of "
-        "sequences preempted by swap until they resume (e.g. 256MiB); 0 = no pool, preempted "
-        "sequences are always recomputed.",
+        "sequences preempted by swap until they resume (e.g. 256MiB), at most 4 times the "
+        "KV cache's blocks whatever is set; 0 = no pool, preempted sequences are always "
+        "recomputed.",
     )
     preemption_mode: Literal["auto", "swap", "recompute"] = Field(
         "auto",
@@ -104,10 +105,16 @@ class EngineSettings(SettingsBase):
         4, ge=1, le=16, description="Most draft tokens verified per sequence and step."
     )
     prompt_lookup_min: int = Field(
-        2, ge=1, description="Shortest suffix n-gram looked up for a draft (speculative=ngram)."
+        2,
+        ge=1,
+        le=16,
+        description="Shortest suffix n-gram looked up for a draft (speculative=ngram).",
     )
     prompt_lookup_max: int = Field(
-        4, ge=1, description="Longest suffix n-gram looked up for a draft (speculative=ngram)."
+        4,
+        ge=1,
+        le=16,
+        description="Longest suffix n-gram looked up for a draft (speculative=ngram).",
     )
     lora_dir: Path | None = Field(
         None,

@@ -124,6 +124,9 @@ class Preemptor:
         seq.swap_slots = []
 
 
+MAX_CACHES = 4  # the swap pool holds at most this many KV caches' blocks
+
+
 def make_preemptor(
     kv: KVCacheManager,
     kv_caches: list[torch.Tensor],
@@ -138,7 +141,10 @@ def make_preemptor(
         return Preemptor(kv, None, policy)
     layer = kv_caches[0]
     bytes_per_block = 2 * kv.block_size * layer[0, 0].numel() * layer.element_size()
-    num_blocks = swap_memory // (bytes_per_block * len(kv_caches))
+    # A deploy's setting is bounded here: more than a few caches' worth of preempted blocks
+    # only holds host memory (pinned, on CUDA) the node's other replicas need.
+    by_setting = swap_memory // (bytes_per_block * len(kv_caches))
+    num_blocks = min(by_setting, MAX_CACHES * kv.num_blocks)
     if num_blocks < 1:
         return Preemptor(kv, None, policy)
     pool = KVSwapPool(kv_caches, num_blocks, kv.block_size)
