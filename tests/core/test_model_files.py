@@ -142,6 +142,8 @@ def test_too_many_header_entries_are_refused(tmp_path: Path) -> None:
         ("config.json", b'{"hidden_size": 1048576}', "hidden_size"),
         ("config.json", b'{"num_hidden_layers": true}', "num_hidden_layers"),
         ("config.json", b'{"vocab_size": 1.5}', "vocab_size"),
+        ("config.json", b'{"num_local_experts": 1000000000}', "num_local_experts"),
+        ("config.json", b'{"num_experts": 0}', "num_experts"),
         ("config.json", b'{"rope_theta": NaN}', "NaN"),
         ("config.json", b'{"rope_theta": 1e999}', "not finite"),
         ("config.json", b'{"architectures": "LlamaForCausalLM"}', "architectures"),

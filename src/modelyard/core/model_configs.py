@@ -38,6 +38,13 @@ CONFIG_INTS = {
     "sliding_window": (1, 1 << 24),
     "num_labels": (1, 1 << 16),
     "type_vocab_size": (1, 1 << 16),
+    # mixture-of-experts (Mixtral, Qwen2-MoE, OLMoE): one module per expert is built at load
+    "num_local_experts": (1, 1024),
+    "num_experts": (1, 1024),
+    "num_experts_per_tok": (1, 1024),
+    "moe_intermediate_size": (1, 1 << 20),
+    "shared_expert_intermediate_size": (1, 1 << 20),
+    "decoder_sparse_step": (1, 1024),
 }
 
 
