@@ -85,9 +85,9 @@ def test_cost_model_swaps_long_sequences_and_recomputes_short_ones() -> None:
     kv = KVCacheManager(16, BS)
     pool = KVSwapPool(caches(16), 8, BS)
     costs = PreemptionCosts(swap_overhead_s=1e-3, swap_s_per_block=1e-5)
-    costs.observe_step([40], 40 * 1e-4)  # a prefill at 10,000 tokens/s
+    costs.observe_step(40, 40, 40 * 1e-4)  # a prefill at 10,000 tokens/s
     assert costs.prefill_timed and costs.prefill_s_per_token == pytest.approx(1e-4)
-    costs.observe_step([1] * 32, 1.0)  # decodes are not prefill: not timed
+    costs.observe_step(32, 0, 1.0)  # decodes are not prefill: not timed
     assert costs.prefill_s_per_token == pytest.approx(1e-4)
     auto = Preemptor(kv, pool, "auto", costs)
     short, long = make_seq([1] * 6), make_seq([2] * 20, 1)

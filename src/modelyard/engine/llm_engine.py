@@ -269,8 +269,9 @@ class LLMEngine:
         inputs = self.runner.prepare(scheduled)
         logits = self.runner.execute(inputs)
         sampled = sample_step(self.sampler, logits, inputs.sampling_seqs)  # waits for the step
-        counts = [c for s, n in scheduled for c in ([1] * n if s.draft else [n])]
-        self.preemptor.costs.observe_step(counts, time.perf_counter() - started)
+        num_tokens = sum(n for _, n in scheduled)
+        prefill = sum(n for s, n in scheduled if n > 1 and not s.draft)  # a draft: decodes
+        self.preemptor.costs.observe_step(num_tokens, prefill, time.perf_counter() - started)
         return sampled
 
     def _fatal(self, exc: BaseException) -> bool:

@@ -59,11 +59,9 @@ class PreemptionCosts:
     def recompute_seconds(self, num_tokens: int) -> float:
         return num_tokens * self.prefill_s_per_token
 
-    def observe_step(self, token_counts: list[int], seconds: float) -> None:
-        """A model step computing `token_counts` tokens per sequence took `seconds`: timed as
-        a prefill when at least half its tokens are prompt chunks (a decode is one token)."""
-        num_tokens = sum(token_counts)
-        prefill = sum(n for n in token_counts if n > 1)
+    def observe_step(self, num_tokens: int, prefill: int, seconds: float) -> None:
+        """A model step computing `num_tokens` tokens, `prefill` of them in prompt chunks, took
+        `seconds`: timed as a prefill when at least half its tokens are."""
         if num_tokens < MIN_TIMED_PREFILL_TOKENS or 2 * prefill < num_tokens or seconds <= 0:
             return
         per_token = seconds / num_tokens
