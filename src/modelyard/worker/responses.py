@@ -266,6 +266,15 @@ class ResponsesServing:
         thought: str | None = None  # the open reasoning item's text so far
         rs_id = f"rs_{uuid.uuid4().hex}"
 
+        def open_item(item: dict[str, Any], part: dict[str, Any]) -> list[bytes]:
+            """An item (reasoning or message) and its one content part begin, at the end."""
+            index = len(output)
+            at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            return [
+                event("response.output_item.added", output_index=index, item=item),
+                event("response.content_part.added", **at, part=part),
+            ]
+
         def close_reasoning() -> list[bytes]:
             nonlocal thought
             if thought is None:
@@ -307,11 +316,9 @@ class ResponsesServing:
                     at = {"item_id": rs_id, "output_index": len(output), "content_index": 0}
                     if thought is None:
                         thought = ""
-                        item = _reasoning_item(rs_id, "", "in_progress")
-                        yield event("response.output_item.added", output_index=len(output),
-                                    item=item)  # fmt: skip
                         empty = {"type": "reasoning_text", "text": ""}
-                        yield event("response.content_part.added", **at, part=empty)
+                        for chunk in open_item(_reasoning_item(rs_id, "", "in_progress"), empty):
+                            yield chunk
                     thought += ev.text
                     yield event("response.reasoning_text.delta", **at, delta=ev.text)
                     continue
@@ -321,12 +328,10 @@ class ResponsesServing:
                     at = {"item_id": msg_id, "output_index": len(output), "content_index": 0}
                     if text is None:
                         text = ""
-                        item = _message_item(msg_id, "", "in_progress")
-                        yield event("response.output_item.added", output_index=len(output),
-                                    item=item)  # fmt: skip
                         part = {"type": "output_text", "text": "", "annotations": [],
                                 "logprobs": []}  # fmt: skip
-                        yield event("response.content_part.added", **at, part=part)
+                        for chunk in open_item(_message_item(msg_id, "", "in_progress"), part):
+                            yield chunk
                     text += ev.text
                     yield event("response.output_text.delta", **at, delta=ev.text, logprobs=[])
                 elif isinstance(ev, CallHead):
