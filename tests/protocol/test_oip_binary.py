@@ -7,8 +7,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from modelyard.protocol.oip import MAX_DIMS, OIPError
-from modelyard.protocol.oip_binary import decode_infer
+from modelyard.protocol.oip import MAX_DIMS, OIPError, read_texts
+from modelyard.protocol.oip_binary import decode_infer, json_request
 
 
 def body(shape: list[int], datatype: str, blob: bytes) -> tuple[bytes, str]:
@@ -49,3 +49,17 @@ def test_hostile_bodies_are_400s(
     with pytest.raises(OIPError) as caught:
         decode_infer(raw, length or header_length)
     assert caught.value.status == 400 and message in caught.value.message, caught.value.message
+
+
+def test_numeric_binary_data_stays_one_array_and_its_input_is_refused_by_name() -> None:
+    """8 MiB of FP32 data: decoded as one array view (not two million
+    Python floats), then refused for its datatype as a JSON body would be."""
+    raw, length = body([2 * 1024 * 1024], "FP32", b"\x00" * (8 * 1024 * 1024))
+    decoded = decode_infer(raw, length)
+    data = decoded.request.inputs[0].data
+    assert not isinstance(data, list) and len(data) == 2 * 1024 * 1024
+    with pytest.raises(OIPError) as caught:
+        read_texts(decoded.request, max_inputs=16)
+    assert caught.value.status == 400 and "expected BYTES" in caught.value.message
+    forwarded = orjson.loads(json_request(decoded.request))
+    assert len(forwarded["inputs"][0]["data"]) == 2 * 1024 * 1024

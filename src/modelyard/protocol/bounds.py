@@ -93,8 +93,9 @@ Text = Annotated[str, _chars(MAX_TEXT_CHARS)]
 Name = Annotated[str, _chars(MAX_NAME_CHARS)]
 Word = Annotated[str, _chars(MAX_WORD_CHARS)]
 SpecText = Annotated[str, _chars(MAX_SPEC_CHARS)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD)]
+# Strict: JSON `true`, `"5"` or `5.0` is not a count (pydantic's lax mode would take them).
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID, strict=True)]
+TokenCount = Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD, strict=True)]
 JSONObject = Annotated[dict[str, Any], AfterValidator(bounded_json)]
 EchoedList = Annotated[list[Any], Field(max_length=MAX_ECHOED_ITEMS), AfterValidator(bounded_json)]
 

@@ -26,7 +26,7 @@ class EmbeddingRequest(StrictRequest):
     input: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     model: Name = Field(min_length=1)
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, le=2**16)
+    dimensions: StrictInt | None = Field(None, ge=1, le=2**16)
     user: Name | None = None
 
     @field_validator("input")

@@ -16,6 +16,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictFloat,
     StrictInt,
     StringConstraints,
     field_validator,
@@ -36,9 +38,9 @@ class Hardware(BaseModel):
     gpu_type: str = Field(
         "cpu", max_length=64, description="Accelerator kind; informational on CPU nodes."
     )
-    gpu_count: int = Field(1, ge=1, le=64)
-    min_replicas: int = Field(1, ge=0, le=1000)
-    max_replicas: int = Field(1, ge=1, le=1000)
+    gpu_count: StrictInt = Field(1, ge=1, le=64)
+    min_replicas: StrictInt = Field(1, ge=0, le=1000)
+    max_replicas: StrictInt = Field(1, ge=1, le=1000)
 
     @model_validator(mode="after")
     def _bounds(self) -> Hardware:
@@ -56,18 +58,18 @@ class Scaling(BaseModel):
     metric: Literal["gpu_utilization", "concurrency", "queue_depth", "requests_per_second"] = (
         "concurrency"
     )
-    target_value: float = Field(
+    target_value: StrictFloat = Field(
         70.0, gt=0, le=1_000_000, description="Per replica; gpu_utilization in percent."
     )
-    scale_to_zero: bool = False
-    scale_to_zero_after_idle_seconds: int = Field(300, ge=1, le=30 * 86_400)
-    stable_window_seconds: float = Field(60.0, gt=0, le=3_600)
-    panic_window_seconds: float = Field(6.0, gt=0, le=3_600)
-    panic_threshold: float = Field(
+    scale_to_zero: StrictBool = False
+    scale_to_zero_after_idle_seconds: StrictInt = Field(300, ge=1, le=30 * 86_400)
+    stable_window_seconds: StrictFloat = Field(60.0, gt=0, le=3_600)
+    panic_window_seconds: StrictFloat = Field(6.0, gt=0, le=3_600)
+    panic_threshold: StrictFloat = Field(
         2.0, ge=1.0, le=1_000, description="Panic when the panic window asks for this many "
         "times the current replicas.",
     )  # fmt: skip
-    scale_down_delay_seconds: float = Field(30.0, ge=0, le=86_400)
+    scale_down_delay_seconds: StrictFloat = Field(30.0, ge=0, le=86_400)
 
 
 class SamplingDefaults(BaseModel):
@@ -76,13 +78,13 @@ class SamplingDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=1_000_000)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1, le=1_000_000)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0, le=100.0)
 
 
 # An endpoint's name: parts of letters, digits, '.', '_', '-' (each starting with a letter or
@@ -120,7 +122,7 @@ class DeployRequest(BaseModel):
         default_factory=SamplingDefaults,
         description="Sampling values for chat and completion requests that leave them out.",
     )
-    public: bool = Field(False, description="Visible to every tenant (platform admin only).")
+    public: StrictBool = Field(False, description="Visible to every tenant (platform admin only).")
 
 
 class ReplicaLoadProgress(BaseModel):
@@ -155,35 +157,35 @@ class TenantCeilings(BaseModel):
     """The platform admin's limits on a tenant: its keys' rpm and tpm, work in flight, and
     what it may deploy. Its own admins can only tighten within them."""
 
-    max_rpm: int | None = Field(
+    max_rpm: StrictInt | None = Field(
         None,
         ge=1,
         le=INT32_MAX,
         description="Requests per minute of all the tenant's keys together (and a ceiling on "
         "each key's rpm_limit).",
     )
-    max_tpm: int | None = Field(
+    max_tpm: StrictInt | None = Field(
         None,
         ge=1,
         le=INT32_MAX,
         description="Tokens per minute of all the tenant's keys together (and a ceiling on "
         "each key's tpm_limit).",
     )
-    max_concurrent_requests: int | None = Field(
+    max_concurrent_requests: StrictInt | None = Field(
         None, ge=1, le=INT32_MAX, description="Interactive requests in flight for the whole tenant."
     )
-    max_concurrent_batch_items: int | None = Field(
+    max_concurrent_batch_items: StrictInt | None = Field(
         None, ge=1, le=INT32_MAX, description="Batch items in flight for the whole tenant."
     )
-    max_endpoints: int | None = Field(None, ge=0, le=INT32_MAX, description="Live endpoints.")
-    max_replicas: int | None = Field(
+    max_endpoints: StrictInt | None = Field(None, ge=0, le=INT32_MAX, description="Live endpoints.")
+    max_replicas: StrictInt | None = Field(
         None,
         ge=0,
         le=INT32_MAX,
         description="Sum of the live endpoints' hardware.max_replicas (each endpoint's versions, "
         "canaries included, run within its own).",
     )
-    max_storage_bytes: int | None = Field(
+    max_storage_bytes: StrictInt | None = Field(
         None,
         ge=0,
         le=INT64_MAX,
@@ -196,7 +198,7 @@ class TenantCreate(TenantCeilings):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200)
-    monthly_token_quota: int | None = Field(None, ge=0, le=INT64_MAX)
+    monthly_token_quota: StrictInt | None = Field(None, ge=0, le=INT64_MAX)
     tier: TierName = Field(
         "standard", description="Service tier: under overload, free waits first, priority last."
     )
@@ -205,7 +207,7 @@ class TenantCreate(TenantCeilings):
 class TenantUpdate(TenantCeilings):
     model_config = ConfigDict(extra="forbid")
 
-    monthly_token_quota: int | None = Field(None, ge=0, le=INT64_MAX)
+    monthly_token_quota: StrictInt | None = Field(None, ge=0, le=INT64_MAX)
     tier: TierName | None = Field(None, description="free, standard or priority.")
 
 
@@ -322,7 +324,7 @@ class FileEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    size: int | None = Field(None, ge=0, le=INT64_MAX)
+    size: StrictInt | None = Field(None, ge=0, le=INT64_MAX)
 
 
 # A path inside a model version (`model-00001-of-00030.safetensors`, `tokenizer/vocab.json`).

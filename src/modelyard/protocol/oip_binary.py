@@ -79,12 +79,14 @@ def _attach(request: InferRequest, blob: memoryview) -> None:
         )
 
 
-def _decode(name: str, datatype: str, shape: list[int], chunk: memoryview) -> list[Any]:
+def _decode(name: str, datatype: str, shape: list[int], chunk: memoryview) -> Any:
     if datatype != "BYTES":
         dtype = _NUMPY.get(datatype)
         if dtype is None or len(chunk) % np.dtype(dtype).itemsize:
             raise OIPError(400, f"input '{name}': binary data does not fit datatype {datatype}")
-        return list(np.frombuffer(chunk, dtype=dtype).tolist())
+        # A view, not a list: no model here takes numeric inputs, and megabytes of floats would
+        # become millions of Python objects before `read_texts` refuses the input's name/type.
+        return np.frombuffer(chunk, dtype=dtype)
     # No more elements than the shape says: a body of empty elements cannot make a huge list.
     expected = math.prod(shape) if all(d >= 0 for d in shape) else 0
     out: list[Any] = []

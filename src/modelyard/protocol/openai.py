@@ -18,7 +18,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from modelyard.protocol.bounds import (
@@ -94,9 +103,9 @@ class StrictRequest(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: StrictBool = False
     # Ignored: obfuscation pads events against length side channels; these streams do not pad.
-    include_obfuscation: bool | None = None
+    include_obfuscation: StrictBool | None = None
 
 
 class TextPart(BaseModel):
@@ -181,27 +190,29 @@ class ChatMessage(BaseModel):
 
 class SamplingFields(StructuredFields, StrictRequest):
     model: Name = Field(min_length=1)
-    n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stream: bool = False
+    n: StrictInt = Field(1, ge=1, le=128)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(
         None, description=f"At most {MAX_STOP_SEQUENCES} strings of {MAX_STOP_CHARS} characters."
     )
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     # Accepted, not used for generation (OpenAI uses it for abuse monitoring only).
     user: Name | None = None
     # Beyond OpenAI, as in vLLM.
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_ID)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    top_k: StrictInt | None = Field(None, ge=-1, le=MAX_TOKEN_ID)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0, le=100.0)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    priority: int = Field(0, ge=0, le=9, description="0 interactive (first), higher is later.")
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    priority: StrictInt = Field(
+        0, ge=0, le=9, description="0 interactive (first), higher is later."
+    )
     cache_salt: str | None = Field(
         None,
         min_length=1,
@@ -257,8 +268,8 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     # OpenAI's fields that ask for what this server does not do: refused unless left at the
     # value that asks for nothing (see docs/api.md).
     modalities: Annotated[list[Word], Field(max_length=8)] | None = None
@@ -267,7 +278,7 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
     reasoning_effort: Word | None = None
     verbosity: Word | None = None
     service_tier: Word | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     web_search_options: dict[str, Any] | None = None
     prompt_cache_retention: Word | None = None
@@ -328,9 +339,9 @@ class ChatCompletionRequest(ToolFields, SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: TokenCount | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=128)
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
+    best_of: StrictInt | None = Field(None, ge=1, le=128)
     suffix: Text | None = None
 
     @field_validator("prompt")

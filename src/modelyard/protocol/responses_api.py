@@ -15,7 +15,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from modelyard.protocol.bounds import (
@@ -104,7 +113,7 @@ class FunctionTool(BaseModel):
     name: str = Field(pattern=NAME_PATTERN)
     description: Text | None = None
     parameters: JSONObject | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     @field_validator("parameters")
     @classmethod
@@ -134,7 +143,7 @@ class TextFormatJSONSchema(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: Text | None = None
     schema_: JSONObject = Field(alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     def spec(self) -> JSONSchemaSpec:
         return JSONSchemaSpec(
@@ -197,12 +206,12 @@ class ResponsesRequest(StrictRequest):
     instructions: Text | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     max_output_tokens: TokenCount | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stream: bool = False
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Accepted, no effect on the answer (abuse monitoring, cache routing).
     user: Name | None = None
@@ -211,25 +220,25 @@ class ResponsesRequest(StrictRequest):
     service_tier: Word | None = None
     truncation: Literal["disabled"] | None = None
     # Stateless: refused unless they ask for nothing.
-    store: bool | None = None
+    store: StrictBool | None = None
     previous_response_id: Name | None = None
     conversation: Any = None
-    background: bool | None = None
+    background: StrictBool | None = None
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
     include: Annotated[list[Name], Field(max_length=64)] | None = None
     reasoning: dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    max_tool_calls: int | None = None
-    top_logprobs: int | None = None
+    max_tool_calls: StrictInt | None = None
+    top_logprobs: StrictInt | None = None
     prompt_cache_retention: Word | None = None
     # Beyond OpenAI, as on chat (endpoint sampling defaults arrive as these).
-    top_k: int | None = Field(None, ge=-1, le=MAX_TOKEN_ID)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    priority: int = Field(0, ge=0, le=9)
+    top_k: StrictInt | None = Field(None, ge=-1, le=MAX_TOKEN_ID)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0, le=100.0)
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    priority: StrictInt = Field(0, ge=0, le=9)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @model_validator(mode="before")

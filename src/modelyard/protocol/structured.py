@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from modelyard.protocol.bounds import (
     MAX_GUIDED_CHOICES,
@@ -43,7 +43,7 @@ class JSONSchemaSpec(BaseModel):
     description: Text | None = None
     # `schema` would shadow a BaseModel attribute: schema_ here, `schema` on the wire.
     schema_: JSONObject | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormatJSONSchema(BaseModel):

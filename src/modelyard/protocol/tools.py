@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from modelyard.protocol.bounds import JSONObject, Name, Text
 
@@ -26,7 +26,7 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=NAME_PATTERN)
     description: Text | None = None
     parameters: JSONObject | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     @field_validator("parameters")
     @classmethod
@@ -110,7 +110,7 @@ class ToolFields(BaseModel):
 
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="Deprecated: tools."
     )
