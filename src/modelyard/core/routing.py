@@ -69,12 +69,26 @@ def affinity_bucket(key: str) -> int:
     return int.from_bytes(digest, "big") % 100
 
 
+@dataclass(frozen=True)
+class CapacityReport:
+    """A replica's free capacity in its last health report (its engine's sequence slots and KV
+    tokens no sequence holds), with this process's requests in flight on it at that moment."""
+
+    free_slots: int
+    kv_free_tokens: int
+    outstanding: int
+
+
 @dataclass(eq=False)
 class ReplicaRoute:
     replica_id: str
     url: str
     ready: bool = True
     outstanding: int = 0  # requests this gateway has in flight on it
+    # Of those, batch items: the engine preempts them for interactive requests, so they never
+    # count against an interactive request's admission.
+    batch_outstanding: int = 0
+    report: CapacityReport | None = None  # free capacity (engines that report it)
     # Admission limit from the replica's KV cache capacity; None = unlimited.
     max_concurrency: int | None = None
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
@@ -88,8 +102,23 @@ class ReplicaRoute:
             and (not exclude or self.replica_id not in exclude)
         )
 
-    def has_room(self) -> bool:
-        return self.max_concurrency is None or self.outstanding < self.max_concurrency
+    def has_room(self, batch: bool = False) -> bool:
+        """Below its admission limit: counting every request for a batch item, only the
+        interactive ones for an interactive request."""
+        if self.max_concurrency is None:
+            return True
+        used = self.outstanding if batch else self.outstanding - self.batch_outstanding
+        return used < self.max_concurrency
+
+    def free_capacity(self, kv_per_request: int) -> tuple[int, int] | None:
+        """(free slots, free KV tokens) now, estimated from its last report: each request this
+        process sent since takes a slot and `kv_per_request` tokens, each one finished since
+        gives them back. None: its engine does not report them."""
+        r = self.report
+        if r is None:
+            return None
+        sent = self.outstanding - r.outstanding
+        return r.free_slots - sent, r.kv_free_tokens - sent * kv_per_request
 
 
 @dataclass(eq=False)
@@ -148,9 +177,11 @@ class EndpointRoute:
         self.requests_total += 1
         self.last_request_at = time.monotonic()
 
-    def release(self, replica: ReplicaRoute) -> None:
+    def release(self, replica: ReplicaRoute, batch: bool = False) -> None:
         """A request left `replica`: count it and wake one request waiting for room."""
         replica.outstanding -= 1
+        if batch:
+            replica.batch_outstanding -= 1
         self.notify()
 
     def notify(self) -> None:
@@ -266,6 +297,15 @@ class RoutingTable:
         route.unavailable, route.retry_after_s = reason, retry_after_s
         self._changed(route)
 
+    def set_report(
+        self, route: EndpointRoute, replica: ReplicaRoute, report: CapacityReport | None
+    ) -> None:
+        """The replica's free capacity as its health report gives it (held-back batch items
+        look again)."""
+        replica.report = report
+        if route._changed is not None:
+            route._changed.set()
+
     def set_capacity(self, replica: ReplicaRoute, max_concurrency: int | None) -> None:
         """The replica's admission limit, from its KV cache capacity (its health report)."""
         if replica.max_concurrency != max_concurrency:
@@ -349,6 +389,7 @@ class RoutingTable:
         exclude: set[str] | None = None,
         affinity: str | None = None,
         prefix: PrefixHint | None = None,
+        batch: bool = False,
     ) -> ReplicaRoute | None:
         """The least-loaded replica with room, of the version drawn by weight (see the module's
         docstring), or with a `prefix` hint the one its prompt prefix maps to within bounded load
@@ -368,7 +409,7 @@ class RoutingTable:
                 usable = [r for r in usable if route.weights.get(r.version_id or "", 0) > 0]
                 if usable:
                     route.fallbacks += 1
-        candidates = [r for r in usable if r.has_room()]
+        candidates = [r for r in usable if r.has_room(batch)]
         if not candidates:
             return None
         chosen = prefix_affinity.choose(prefix, candidates, usable) if prefix else None
