@@ -94,6 +94,7 @@ def _preemptions(worker: str) -> dict[int, float]:
     return by
 
 
+@pytest.mark.timeout(600)  # the platform's start (module setup) alone took 180 s on 2 vCPU
 def test_batch_backfills_a_warm_replica_and_only_batch_is_preempted(
     platform: tuple[PlatformProcess, str],
 ) -> None:
