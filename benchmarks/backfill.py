@@ -1,9 +1,10 @@
 """Backfill on one real worker: real-time latency with a saturating batch backlog against none,
 and the batch tokens/s the backlog gets from the slots real-time traffic leaves idle.
 
-Starts `modelyard serve` with its default model (SmolLM2-135M-Instruct), its engine at
-`--slots` sequences, the batch runner allowed that many items in flight (so a backlog can fill
-every slot), then alternates rounds of `--round-s` seconds:
+Starts `modelyard serve` with its default model (SmolLM2-135M-Instruct; `--model tiny`: a
+tiny random Llama from `tests/tiny_models.py`, for a machine too loaded for SmolLM2), its
+engine at `--slots` sequences, the batch runner allowed that many items in flight (so a
+backlog can fill every slot), then alternates rounds of `--round-s` seconds:
 
   none     real-time streaming chat requests arrive open-loop at `--rate` per second;
   backlog  the same arrivals while a batch far larger than the round runs (its items go to the
@@ -33,7 +34,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.platform_harness import PlatformProcess
+from tests.platform_harness import PlatformProcess, deploy
+from tests.tiny_models import build_model
+
+MODEL = "smollm2"
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -48,7 +52,7 @@ def one_request(client: Any, i: int, max_tokens: int) -> tuple[float, list[float
     """(TTFT, inter-token gaps) of one streamed real-time request."""
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
-        model="smollm2",
+        model=MODEL,
         messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
         max_tokens=max_tokens,
         temperature=0,
@@ -66,11 +70,17 @@ def realtime_round(client: Any, seconds: float, rate: float, max_tokens: int) ->
     """Open-loop arrivals at `rate`/s for `seconds`; every request's TTFT and gaps."""
     ttft: list[float] = []
     gaps: list[float] = []
+    failed: list[str] = []
     lock = threading.Lock()
     threads = []
 
     def run(i: int) -> None:
-        first, between = one_request(client, i, max_tokens)
+        try:
+            first, between = one_request(client, i, max_tokens)
+        except Exception as exc:  # counted, not hidden: the report shows how many failed
+            with lock:
+                failed.append(repr(exc))
+            return
         with lock:
             ttft.append(first)
             gaps.extend(between)
@@ -85,7 +95,7 @@ def realtime_round(client: Any, seconds: float, rate: float, max_tokens: int) ->
         i += 1
     for t in threads:
         t.join()
-    return {"ttft": ttft, "gaps": gaps}
+    return {"ttft": ttft, "gaps": gaps, "failed": failed}
 
 
 def start_backlog(client: Any, items: int, max_tokens: int) -> str:
@@ -95,7 +105,7 @@ def start_backlog(client: Any, items: int, max_tokens: int) -> str:
             "method": "POST",
             "url": "/v1/chat/completions",
             "body": {
-                "model": "smollm2",
+                "model": MODEL,
                 "messages": [{"role": "user", "content": f"Write about topic {i}."}],
                 "max_tokens": max_tokens,
                 "temperature": 0,
@@ -147,8 +157,11 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8, help="engine max_num_seqs")
     ap.add_argument("--reserved-slots", type=int, default=0, help="backfill_reserved_slots")
     ap.add_argument("--batch-max-tokens", type=int, default=64)
+    ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    global MODEL
+    MODEL = args.model
 
     env = {
         "MODELYARD_WORKER_ENGINE": json.dumps({"max_num_seqs": args.slots}),
@@ -157,8 +170,13 @@ def main() -> None:
         "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
     }
     work = Path(tempfile.mkdtemp(prefix="backfill-bench-"))
-    platform = PlatformProcess(work / "data", env, default_models=True).start(timeout=900)
-    modes: dict[str, dict[str, list]] = {m: {"ttft": [], "gaps": []} for m in ("none", "backlog")}
+    tiny = args.model == "tiny"
+    platform = PlatformProcess(work / "data", env, default_models=not tiny).start(timeout=900)
+    if tiny:
+        deploy(platform.api(), "tiny", str(build_model(work / "tiny", "llama")), public=True)
+    modes: dict[str, dict[str, list]] = {
+        m: {"ttft": [], "gaps": [], "failed": []} for m in ("none", "backlog")
+    }
     gained_tokens, gained_s = 0, 0.0
     try:
         client = platform.openai()
@@ -185,6 +203,7 @@ def main() -> None:
     for mode, got in modes.items():
         report[mode] = {
             "requests": len(got["ttft"]),
+            "failed": len(got["failed"]),
             "ttft_p50_ms": round(statistics.median(got["ttft"]) * 1000, 1),
             "ttft_p99_ms": round(pct(got["ttft"], 0.99), 1),
             "itl_p99_ms": round(pct(got["gaps"], 0.99), 1),

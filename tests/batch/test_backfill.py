@@ -58,7 +58,7 @@ def platform(
         "MODELYARD_ADMISSION_TOKENS_PER_REQUEST": "64",
         "MODELYARD_CLUSTER_SECRET": SECRET,  # the replicas' /metrics demands its token
     }
-    p = PlatformProcess(tmp_path_factory.mktemp("data"), {**env, **platform_env}).start()
+    p = PlatformProcess(tmp_path_factory.mktemp("data"), {**env, **platform_env}).start(500)
     try:
         endpoint = deploy(p.api(), "tiny", str(tiny), public=True)
         yield p, endpoint
@@ -94,7 +94,7 @@ def _preemptions(worker: str) -> dict[int, float]:
     return by
 
 
-@pytest.mark.timeout(600)  # the platform's start (module setup) alone took 180 s on 2 vCPU
+@pytest.mark.timeout(900)  # the platform start (module setup) took over 180 s on a shared 2 vCPU
 def test_batch_backfills_a_warm_replica_and_only_batch_is_preempted(
     platform: tuple[PlatformProcess, str],
 ) -> None:

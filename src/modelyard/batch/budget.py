@@ -32,11 +32,11 @@ def backfill_room(replica: ReplicaRoute, kv_per_item: int, reserved_slots: int =
     """The replica may take one more batch item (see the module docstring)."""
     if not replica.has_room(batch=True):
         return False
-    free = replica.free_capacity(kv_per_item)
-    if free is None:  # an engine that does not report it: the admission limit alone
+    report, free = replica.report, replica.free_capacity(kv_per_item)
+    if report is None or free is None:  # an engine that does not report it: the limit alone
         return True
     slots, kv = free
-    return slots > reserved_slots and kv >= kv_per_item
+    return slots > reserved_slots and kv >= min(kv_per_item, report.kv_capacity_tokens)
 
 
 def endpoint_busy(route: EndpointRoute, kv_per_item: int = 1, reserved_slots: int = 0) -> bool:

@@ -37,7 +37,11 @@ def capacity_report(replica: Replica) -> CapacityReport | None:
     slots, kv = load.get("free_slots"), load.get("kv_free_tokens")
     if route is None or not isinstance(slots, int) or not isinstance(kv, int):
         return None
-    return CapacityReport(min(max(slots, 0), 1 << 20), min(max(kv, 0), 1 << 40), route.outstanding)
+    total = load.get("kv_cache_capacity_tokens")
+    total = min(max(total, 0), 1 << 40) if isinstance(total, int) else 1 << 40
+    return CapacityReport(
+        min(max(slots, 0), 1 << 20), min(max(kv, 0), total), route.outstanding, total
+    )
 
 
 class ReplicaHealth:

@@ -17,6 +17,7 @@ class CapacityReport:
     free_slots: int
     kv_free_tokens: int
     outstanding: int
+    kv_capacity_tokens: int = 1 << 40  # the whole cache (a request never needs more)
 
 
 @dataclass(eq=False)
@@ -58,4 +59,5 @@ class ReplicaRoute:
         if r is None:
             return None
         sent = self.outstanding - r.outstanding
+        kv_per_request = min(kv_per_request, r.kv_capacity_tokens)
         return r.free_slots - sent, r.kv_free_tokens - sent * kv_per_request
