@@ -37,7 +37,7 @@ from modelyard.batch.validation import BatchFileInvalid, validate_file
 from modelyard.batch.webhook_policy import WebhookPolicy
 from modelyard.config import PlatformSettings
 from modelyard.core.identity import Limits, Principal
-from modelyard.core.routing import EndpointRoute, ReplicaRoute, RoutingTable
+from modelyard.core.routing import CapacityReport, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import ItemUsage
 from modelyard.gateway.metering import UsageEvent
 from modelyard.store import repository as repo
@@ -675,6 +675,61 @@ async def test_batch_items_wait_while_interactive_requests_fill_the_endpoint(
     finally:
         await r.runner.stop()
     assert len(r.gateway.sent) == 4
+
+
+async def test_batch_items_go_only_where_the_replica_reports_free_slots_and_kv(
+    tmp_path: Path,
+) -> None:
+    r = Runner(tmp_path, backfill_reserved_slots=1, admission_tokens_per_request=100)
+    who = r.tenant("t")
+    replica = ReplicaRoute("r1", "http://127.0.0.1:1", max_concurrency=8)
+    route = EndpointRoute(
+        endpoint_id="ep-1", tenant_id=who.tenant_id, model_name="tiny", public=False,
+        version_id=None, max_tokens_cap=64, replicas=[replica],
+    )  # fmt: skip
+    r.routing.publish(route)
+    # Only the reserved slot is free: nothing goes.
+    r.routing.set_report(route, replica, CapacityReport(1, 10_000, 0))
+    batch = r.batch(who, 4)
+    r.runner.start()
+    try:
+        await r.until([batch], {"in_progress"})
+        await r.after("looks")
+        assert r.gateway.sent == []
+        # Slots, but not the KV one item needs: nothing goes either.
+        r.routing.set_report(route, replica, CapacityReport(4, 99, 0))
+        await r.after("looks")
+        assert r.gateway.sent == []
+        # Both, but this process sent three requests there since the report: one slot left,
+        # and it is the reserved one.
+        replica.outstanding = 3
+        r.routing.set_report(route, replica, CapacityReport(4, 10_000, 0))
+        await r.after("looks")
+        assert r.gateway.sent == [] and r.runner.budget.held_back > 0
+        replica.outstanding = 0  # they finished: the batch runs
+        route.notify()
+        await r.until([batch], {"completed"})
+    finally:
+        await r.runner.stop()
+    assert len(r.gateway.sent) == 4
+
+
+def test_batch_items_in_flight_never_hold_an_interactive_request_back() -> None:
+    replica = ReplicaRoute("r1", "http://127.0.0.1:1", max_concurrency=2)
+    route = EndpointRoute(
+        endpoint_id="ep-1", tenant_id="t", model_name="tiny", public=False,
+        version_id=None, max_tokens_cap=64, replicas=[replica],
+    )  # fmt: skip
+    replica.outstanding = replica.batch_outstanding = 2  # full of batch items
+    assert RoutingTable.pick(route, batch=True) is None  # no more batch
+    assert RoutingTable.pick(route) is replica  # an interactive request goes (the engine
+    replica.outstanding += 1  # preempts a batch item for it)
+    assert RoutingTable.pick(route) is replica
+    replica.outstanding += 1  # two interactive: the admission limit, as without batch
+    assert RoutingTable.pick(route) is None
+    route.release(replica, batch=True)
+    assert (replica.outstanding, replica.batch_outstanding) == (3, 1)
+    assert RoutingTable.pick(route) is None
 
 
 async def test_a_failing_pass_never_sends_an_item_twice(

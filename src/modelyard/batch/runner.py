@@ -73,7 +73,12 @@ class BatchRunner:
         self.routing = routing
         self.owner = owner or runner_identity(settings.data_dir)
         self.leases = ItemLeases(db, self.owner, settings.batch_lease_s)
-        self.budget = BatchBudget(settings.batch_concurrency, settings.batch_max_concurrency)
+        self.budget = BatchBudget(
+            settings.batch_concurrency,
+            settings.batch_max_concurrency,
+            settings.admission_tokens_per_request,
+            settings.backfill_reserved_slots,
+        )
         self.items = ItemRunner(settings, db, sender, self.owner)
         self.notifier = Notifier(settings, db, WebhookPolicy(settings.batch_webhook_hosts))
         self._tasks: dict[str, asyncio.Task[None]] = {}

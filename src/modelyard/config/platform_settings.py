@@ -328,6 +328,14 @@ class PlatformSettings(AccessSettings):
     batch_max_concurrency: int = Field(
         32, ge=1, description="Batch items in flight across all tenants of this gateway."
     )
+    backfill_reserved_slots: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="Sequence slots of each replica that batch items leave free for interactive "
+        "bursts (backfill: a batch item goes to a warm replica only while its engine reports more "
+        "free slots than this, and admission_tokens_per_request free KV tokens).",
+    )
     batch_item_attempts: int = Field(4, ge=1, description="Tries of an item on transient errors.")
     batch_discount: float = Field(0.5, ge=0.0, le=1.0, description="Price cut on batch tokens.")
     batch_poll_interval_s: float = Field(0.5, gt=0, description="How often new batches are seen.")

@@ -20,7 +20,7 @@ import httpx
 from modelyard.config import PlatformSettings
 from modelyard.control.backends.base import Backend
 from modelyard.control.state import EndpointState, Replica
-from modelyard.core.routing import RoutingTable
+from modelyard.core.routing import CapacityReport, RoutingTable
 from modelyard.core.status import ReplicaState
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,20 @@ log = logging.getLogger(__name__)
 # A replica being replaced for failing its probes gets this long to exit on SIGTERM before
 # SIGKILL: it is broken or hung, there is nothing to drain.
 _BROKEN_STOP_TIMEOUT_S = 1.0
+
+
+def capacity_report(replica: Replica) -> CapacityReport | None:
+    """The free slots and KV tokens of the replica's load report, bounded by what an engine
+    can hold (None where its engine does not report them)."""
+    load, route = replica.load or {}, replica.route
+    slots, kv = load.get("free_slots"), load.get("kv_free_tokens")
+    if route is None or not isinstance(slots, int) or not isinstance(kv, int):
+        return None
+    total = load.get("kv_cache_capacity_tokens")
+    total = min(max(total, 0), 1 << 40) if isinstance(total, int) else 1 << 40
+    return CapacityReport(
+        min(max(slots, 0), 1 << 20), min(max(kv, 0), total), route.outstanding, total
+    )
 
 
 class ReplicaHealth:
@@ -45,7 +59,7 @@ class ReplicaHealth:
         self.routing = routing
         self._http = http
 
-    async def probe(self, replica: Replica) -> str | None:
+    async def probe(self, replica: Replica, state: EndpointState | None = None) -> str | None:
         """Health check; keeps the replica's load report and sets its admission limit. None if
         healthy, else what failed (for the endpoint's status; no addresses in it)."""
         assert replica.handle is not None
@@ -72,6 +86,8 @@ class ReplicaHealth:
             limit = max(1, capacity // per_request)
             slots = int(replica.load.get("max_concurrency") or 0)
             self.routing.set_capacity(replica.route, min(limit, slots) if slots else limit)
+        if replica.route is not None and state is not None:
+            self.routing.set_report(state.route, replica.route, capacity_report(replica))
         return None
 
     async def check(self, state: EndpointState) -> list[Replica]:
@@ -90,7 +106,7 @@ class ReplicaHealth:
                 await self._replace(state, replica, f"exited with code {code}")
                 replaced.append(replica)
                 continue
-            problem = await self.probe(replica)
+            problem = await self.probe(replica, state)
             if problem is None:
                 # Also re-admits a replica the gateway benched after failing to connect to it.
                 replica.health_failures = 0

@@ -292,7 +292,7 @@ class ReplicaController:
         replica.route = ReplicaRoute(
             replica.replica_id, replica.handle.url, version_id=replica.version_id
         )
-        await self.health.probe(replica)  # its load report and admission limit, before traffic
+        await self.health.probe(replica, state)  # its load report and limits, before traffic
         self.routing.add_replica(state.route, replica.route)
         good = current and replica.version_id != state.row.good_version_id
         return ReplicaOutcome(served=True, version_good=good)

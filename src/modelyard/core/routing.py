@@ -31,8 +31,19 @@ from typing import Any, Protocol
 from modelyard.core import prefix_affinity
 from modelyard.core.adapter_routes import AdapterIndex, AdapterMap, drop_from
 from modelyard.core.admission_queue import AdmissionQueue
-from modelyard.core.breaker import CircuitBreaker
 from modelyard.core.prefix_affinity import PrefixHint
+from modelyard.core.replica_route import CapacityReport, ReplicaRoute
+
+__all__ = [
+    "Activate",
+    "CapacityReport",
+    "EndpointRoute",
+    "ReadVersionStats",
+    "ReplicaRoute",
+    "RoutingTable",
+    "VersionWindow",
+    "affinity_bucket",
+]
 
 
 class Activate(Protocol):
@@ -67,29 +78,6 @@ def affinity_bucket(key: str) -> int:
     """A stable bucket 0..99 for an affinity key (a request's `user` or session id)."""
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % 100
-
-
-@dataclass(eq=False)
-class ReplicaRoute:
-    replica_id: str
-    url: str
-    ready: bool = True
-    outstanding: int = 0  # requests this gateway has in flight on it
-    # Admission limit from the replica's KV cache capacity; None = unlimited.
-    max_concurrency: int | None = None
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    version_id: str | None = None  # the registry version it serves
-
-    def usable(self, now: float, exclude: set[str] | None) -> bool:
-        """In routing, its breaker lets requests through, and this request has not tried it."""
-        return (
-            self.ready
-            and self.breaker.available(now)
-            and (not exclude or self.replica_id not in exclude)
-        )
-
-    def has_room(self) -> bool:
-        return self.max_concurrency is None or self.outstanding < self.max_concurrency
 
 
 @dataclass(eq=False)
@@ -148,9 +136,11 @@ class EndpointRoute:
         self.requests_total += 1
         self.last_request_at = time.monotonic()
 
-    def release(self, replica: ReplicaRoute) -> None:
+    def release(self, replica: ReplicaRoute, batch: bool = False) -> None:
         """A request left `replica`: count it and wake one request waiting for room."""
         replica.outstanding -= 1
+        if batch:
+            replica.batch_outstanding -= 1
         self.notify()
 
     def notify(self) -> None:
@@ -266,6 +256,15 @@ class RoutingTable:
         route.unavailable, route.retry_after_s = reason, retry_after_s
         self._changed(route)
 
+    def set_report(
+        self, route: EndpointRoute, replica: ReplicaRoute, report: CapacityReport | None
+    ) -> None:
+        """The replica's free capacity as its health report gives it (held-back batch items
+        look again)."""
+        replica.report = report
+        if route._changed is not None:
+            route._changed.set()
+
     def set_capacity(self, replica: ReplicaRoute, max_concurrency: int | None) -> None:
         """The replica's admission limit, from its KV cache capacity (its health report)."""
         if replica.max_concurrency != max_concurrency:
@@ -349,6 +348,7 @@ class RoutingTable:
         exclude: set[str] | None = None,
         affinity: str | None = None,
         prefix: PrefixHint | None = None,
+        batch: bool = False,
     ) -> ReplicaRoute | None:
         """The least-loaded replica with room, of the version drawn by weight (see the module's
         docstring), or with a `prefix` hint the one its prompt prefix maps to within bounded load
@@ -368,7 +368,7 @@ class RoutingTable:
                 usable = [r for r in usable if route.weights.get(r.version_id or "", 0) > 0]
                 if usable:
                     route.fallbacks += 1
-        candidates = [r for r in usable if r.has_room()]
+        candidates = [r for r in usable if r.has_room(batch)]
         if not candidates:
             return None
         chosen = prefix_affinity.choose(prefix, candidates, usable) if prefix else None

@@ -96,6 +96,7 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
+    max_num_seqs: int = 0  # sequence slots of the running batch (0: not reported)
 
 
 class EngineClient(Protocol):
@@ -356,4 +357,5 @@ class LocalEngineClient:
             spec_draft_tokens=e.spec_stats.draft_tokens,
             spec_accepted_tokens=e.spec_stats.accepted_tokens,
             spec_emitted_tokens=e.spec_stats.emitted_tokens,
+            max_num_seqs=e.scheduler.max_num_seqs,
         )

@@ -143,7 +143,7 @@ class Relay:
 
         async def unstarted() -> None:
             response.close()
-            call.route.release(replica)
+            call.route.release(replica, call.batch)
             await self.accounting.close(call, served=False)
 
         return GuardedStream(
@@ -257,7 +257,7 @@ class Relay:
             else:
                 # Closing the connection is what tells the worker to abort the generation.
                 response.close()
-            call.route.release(replica)
+            call.route.release(replica, call.batch)
             replica.breaker.record(ok=call.status != "error")
             self.upstream.stats.record(
                 call.route.endpoint_id, replica.version_id, call.status != "error", call.ttft
@@ -274,7 +274,7 @@ async def _read_refusal(
         return await response.read()
     finally:
         response.release()
-        call.route.release(replica)
+        call.route.release(replica, call.batch)
 
 
 def _stamp(call: Call, event: bytes) -> bytes:

@@ -138,7 +138,9 @@ class Upstream:
         try:
             while True:
                 if route.queue.may_take(rank, waiter):
-                    replica = self.routing.pick(route, tried, call.affinity, call.prefix)
+                    replica = self.routing.pick(
+                        route, tried, call.affinity, call.prefix, batch=call.batch
+                    )
                     if replica is not None:
                         return replica
                 if not route.ready_replicas:
@@ -210,6 +212,7 @@ class Upstream:
                 break
             tried.add(replica.replica_id)
             replica.outstanding += 1
+            replica.batch_outstanding += call.batch
             call.version_id = replica.version_id
             try:
                 # With tracing on: a span until the answer starts, whose traceparent the worker
@@ -231,7 +234,7 @@ class Upstream:
                     )
                 return response, replica
             except _RETRYABLE as exc:
-                call.route.release(replica)
+                call.route.release(replica, call.batch)
                 replica.breaker.record(ok=False)
                 if isinstance(exc, aiohttp.ClientConnectorError):
                     # Nobody listens there: bench it until the control plane's next health
@@ -247,7 +250,7 @@ class Upstream:
                     self.metrics.retries.inc()
                 log.warning("replica %s unreachable (%r); trying another", replica.url, exc)
             except BaseException:
-                call.route.release(replica)
+                call.route.release(replica, call.batch)
                 raise
         # The replicas' addresses stay in the log: they are the platform's, not the tenant's.
         log.warning(
@@ -289,7 +292,7 @@ class Upstream:
             failed = f"the model server failed: {exc!r}"
             raise UpstreamFailed(failed, code="upstream_error") from exc
         finally:
-            call.route.release(replica)
+            call.route.release(replica, call.batch)
             response.release()
         if response.status != 200:
             unready = not_serving(call.route, response.status, content)

@@ -102,6 +102,10 @@ def create_app(
             "waiting": s.waiting,
             "kv_cache_usage": round(s.kv_cache_usage, 4),
             "kv_cache_capacity_tokens": s.kv_cache_capacity_tokens,
+            # Free capacity, for backfill: slots no sequence holds or waits for, and KV tokens
+            # no sequence holds (the batch runner sends its items only while both are left).
+            "free_slots": max(0, s.max_num_seqs - s.running - s.waiting),
+            "kv_free_tokens": int(s.kv_cache_capacity_tokens * (1.0 - s.kv_cache_usage)),
             "max_model_len": engine.max_model_len,
             "busy_seconds": round(s.busy_seconds, 3),
             "failed_steps": s.failed_steps,
