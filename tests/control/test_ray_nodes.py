@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,6 @@ from tests.platform_harness import (
     deploy,
     jsonl,
     read_jsonl,
-    wait_batch,
     wait_status,
     wait_usage,
 )
@@ -90,14 +88,22 @@ def alive(node_id: str) -> bool:
 class Cloud:
     """The cloud behind Ray's autoscaler: a node of a class is started when the standing
     request asks for more CPUs of that class than its live nodes have (as an autoscaler bin-packs
-    the request onto node types), for the classes it has capacity of (`classes`)."""
+    the request onto node types), for the classes it has capacity of (`classes`). Stepped from
+    the test's main thread (`cluster_utils` starts nodes only there), inside its waits."""
 
     def __init__(self, cluster: Cluster, cpus: int = 2) -> None:
         self.cluster, self.cpus = cluster, cpus
         self.classes = set(NodeClass)
         self.added: list[tuple[NodeClass, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def until(self, predicate: Callable[[], bool]) -> Callable[[], bool]:
+        """`predicate`, with the cloud answering the autoscaler's request before each look."""
+
+        def stepped() -> bool:
+            self.step()
+            return predicate()
+
+        return stepped
 
     def step(self) -> None:
         asks = requested()
@@ -108,18 +114,6 @@ class Cloud:
             have = sum(n["Resources"].get("CPU", 0.0) for n in live if key in n["Resources"])
             if want > have:
                 self.added.append((node_class, add(self.cluster, node_class, self.cpus)))
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            self.step()
-
-    def __enter__(self) -> Cloud:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +160,11 @@ def test_a_node_is_requested_when_placement_fails_and_released_when_empty(
             starting = asyncio.create_task(backend.start(spec("el-b")))
             await async_wait_until(lambda: len(requested()) == 2, "a request for a node", 60)
             assert [t.replica_id for t in provider.waiting()] == ["el-b"]
-            with Cloud(cluster, cpus=1) as cloud:
-                b = await starting
+            cloud = Cloud(cluster, cpus=1)
+            await async_wait_until(
+                cloud.until(starting.done), "the replica on a new node", 120, 0.2
+            )
+            b = starting.result()
             (node_class, new), *more = cloud.added
             assert (node_class, more) == (ON_DEMAND, [])
             assert node_of("el-b") == new.node_id and provider.waiting() == []
@@ -255,18 +252,22 @@ def test_a_spot_node_removed_under_load_loses_no_batch_item_and_its_real_time_re
             return done is not None and done.completed >= 2 and busy
 
         wait_until(under_load, "the batch running on the spot replica", 180, 0.1)
-        with cloud:
-            cluster.remove_node(spot)  # reclaimed without notice
+        cluster.remove_node(spot)  # reclaimed without notice
 
-            def rt_moved() -> bool:
-                now = [r for r in replicas(api, rt) if r["state"] == "ready"]
-                return len(now) == 1 and now[0]["id"] != rt_before["id"]
+        def rt_moved() -> bool:
+            now = [r for r in replicas(api, rt) if r["state"] == "ready"]
+            return len(now) == 1 and now[0]["id"] != rt_before["id"]
 
-            wait_until(rt_moved, "the real-time replica's replacement", 240, 0.5)
-            (rt_after,) = [r for r in replicas(api, rt) if r["state"] == "ready"]
-            assert class_of(node_of(rt_after["id"])) is ON_DEMAND
-            cloud.classes = {ON_DEMAND, SPOT}  # spot capacity back: the batch replica may have it
-            done = wait_batch(client, batch.id, {"completed", "failed"}, timeout=400)
+        wait_until(cloud.until(rt_moved), "the real-time replica's replacement", 240, 0.5)
+        (rt_after,) = [r for r in replicas(api, rt) if r["state"] == "ready"]
+        assert class_of(node_of(rt_after["id"])) is ON_DEMAND
+        cloud.classes.add(SPOT)  # spot capacity back: the batch replica may have it
+
+        def ended() -> bool:
+            return client.batches.retrieve(batch.id).status in {"completed", "failed"}
+
+        wait_until(cloud.until(ended), "the batch to end", 400, 0.5)
+        done = client.batches.retrieve(batch.id)
         out = read_jsonl(client, done.output_file_id)
         ids = [o["custom_id"] for o in out]
         assert done.status == "completed" and done.request_counts.failed == 0, done
