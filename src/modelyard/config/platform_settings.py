@@ -367,6 +367,22 @@ class PlatformSettings(AccessSettings):
         description="The Ray cluster the ray backend joins, e.g. 10.0.0.5:6379 or auto (a "
         "cluster started on this machine); unset: a local Ray instance started by the platform.",
     )
+    node_provider: Literal["static", "ray"] = Field(
+        "static",
+        description="Where nodes come from: static (the nodes there are) or ray (with the ray "
+        "backend: nodes carry a modelyard.node_class.on-demand or .spot resource; a replica no "
+        "node has room for asks Ray's autoscaler for one, and a node that held nothing for "
+        "node_idle_release_s is drained; docs/scaling.md).",
+    )
+    node_idle_release_s: float = Field(
+        300.0, gt=0, le=86_400, description="ray nodes: one that held nothing this long goes."
+    )
+    spot_policy: Literal["batch", "overflow", "never"] = Field(
+        "batch",
+        description="node_provider ray: which replicas may run on spot nodes: batch (those of "
+        "endpoints with hardware.workload batch, spot first), overflow (real-time ones too, "
+        "once on-demand nodes are full) or never.",
+    )
 
     @field_validator(
         "max_body_bytes",

@@ -206,6 +206,7 @@ class ReplicaController:
             served_model_name=state.row.model_name,
             engine_env=env,
             version_id=replica.version_id,
+            workload=str(state.row.hardware.get("workload", "real-time")),
             **placed_devices(self.placement, replica.replica_id),
             **runtimes.spec_fields(
                 self.settings,

@@ -151,6 +151,7 @@ def _spec(state: EndpointState, record: dict[str, Any]) -> ReplicaSpec:
         endpoint_id=state.row.id,
         model_path=state.model_path,
         served_model_name=state.row.model_name,
+        workload=str(state.row.hardware.get("workload", "real-time")),
     )
 
 

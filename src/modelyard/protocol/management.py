@@ -41,6 +41,11 @@ class Hardware(BaseModel):
     gpu_count: StrictInt = Field(1, ge=1, le=64)
     min_replicas: StrictInt = Field(1, ge=0, le=1000)
     max_replicas: StrictInt = Field(1, ge=1, le=1000)
+    workload: Literal["real-time", "batch"] = Field(
+        "real-time",
+        description="batch: the endpoint serves batch work, so its replicas may run on spot "
+        "nodes (node_provider ray; docs/scaling.md).",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> Hardware:

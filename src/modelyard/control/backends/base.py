@@ -33,6 +33,7 @@ class ReplicaSpec:
     device_kind: str = "cpu"
     device_count: int = 1
     device_bytes: int = 0
+    workload: str = "real-time"  # real-time | batch: which node classes it may use (ray nodes)
 
 
 @dataclass

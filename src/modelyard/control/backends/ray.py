@@ -37,7 +37,15 @@ from modelyard.control.backends.base import (
     Waiting,
 )
 from modelyard.control.backends.ray_host import ReplicaHost, Started
-from modelyard.control.backends.ray_room import no_room
+from modelyard.control.backends.ray_nodes import RayNodeProvider, tick_forever
+from modelyard.control.backends.ray_request import RayRequest, ray_request, request_bundles
+from modelyard.control.backends.ray_room import needs, no_room
+from modelyard.control.node_provider import (
+    NodeProvider,
+    StaticNodeProvider,
+    Workload,
+    preference,
+)
 from modelyard.control.registry import Registry, ResolvedVersion
 from modelyard.core.cluster_auth import WORKER_TOKEN_ENV, replica_token
 from modelyard.core.owner_watch import OWNER_TIMEOUT_ENV, owner_timeout_s
@@ -54,30 +62,6 @@ _ROOM_POLL_S = 1.0
 
 def actor_name(replica_id: str) -> str:
     return f"replica-{replica_id}"
-
-
-@dataclass(frozen=True)
-class RayRequest:
-    """What to ask Ray for one replica: the host actor's options, and for a tensor-parallel
-    replica the placement group's bundles (the host takes bundle 0, rank holders the rest)."""
-
-    actor: dict[str, Any]
-    bundles: list[dict[str, float]] = field(default_factory=list)
-
-
-def ray_request(spec: ReplicaSpec) -> RayRequest:
-    """Ray resources for the devices placement reserved for `spec`."""
-    per_rank: dict[str, float] = {"CPU": 1.0}
-    if spec.device_kind == "cuda":
-        per_rank["GPU"] = 1.0
-    elif spec.device_bytes > 0:  # a CPU "device" is a memory budget
-        per_rank["memory"] = float(spec.device_bytes)
-    actor = {"num_cpus": 1, "num_gpus": per_rank.get("GPU", 0)}
-    if "memory" in per_rank:
-        actor["memory"] = int(per_rank["memory"])
-    if spec.device_count <= 1:
-        return RayRequest(actor)
-    return RayRequest(actor, [dict(per_rank) for _ in range(spec.device_count)])
 
 
 class RankHolder:
@@ -116,6 +100,12 @@ class RayBackend:
         self._handles: dict[str, ReplicaHandle] = {}  # started or adopted, not stopped
         self._remote: tuple[Any, Any] | None = None  # ray.remote(ReplicaHost), (RankHolder)
         self._connecting = threading.Lock()
+        # Where nodes come from (`control/node_provider.py`); the elastic one is ticked while
+        # this backend runs replicas.
+        self.nodes: NodeProvider = (
+            RayNodeProvider(settings) if settings.node_provider == "ray" else StaticNodeProvider()
+        )
+        self._ticker: asyncio.Task[None] | None = None
         log_dir.mkdir(parents=True, exist_ok=True)
 
     # -- Ray ----------------------------------------------------------------------------------
@@ -184,7 +174,15 @@ class RayBackend:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         host_cls, holder_cls = await asyncio.to_thread(self._connect)
+        self._start_ticking()
         request = ray_request(spec)
+        choice = await asyncio.to_thread(
+            self.nodes.choose, Workload(spec.workload), needs(request.actor, request.bundles)
+        )
+        request = ray_request(spec, choice.node_class)
+        bundles = request_bundles(request)
+        if not choice.room:  # no node of its class has room: ask for one
+            await asyncio.to_thread(self.nodes.request, spec.replica_id, bundles, choice.node_class)
         lifetime = "detached" if self.detached else None
         running = _Running(host=None)
         name = actor_name(spec.replica_id)
@@ -214,6 +212,7 @@ class RayBackend:
             create = host_cls.options(**options, **request.actor).remote
             running.host = await asyncio.to_thread(create)
             await self._placed(running.host.placed.remote(), request, deadline, waiting)
+            await asyncio.to_thread(self.nodes.held, spec.replica_id, bundles)
             version = None
             if spec.version_id is not None:
                 version = await asyncio.to_thread(self._version, spec.version_id)
@@ -225,6 +224,7 @@ class RayBackend:
             )
         except BaseException as exc:
             await asyncio.shield(self._release(running))
+            await asyncio.shield(asyncio.to_thread(self.nodes.forget, spec.replica_id))
             if isinstance(exc, TimeoutError):
                 why = f"Ray found no node with room for {request.actor} within {timeout:g}s"
                 raise ReplicaStartError(why) from exc
@@ -285,6 +285,7 @@ class RayBackend:
             why = _first_line(exc) if "node" not in str(exc) else "its Ray node died"
             self._note(log_path, f"replica lost: {why}")
             log.warning("replica %s lost: %s", replica_id, why)
+        await asyncio.to_thread(self.nodes.forget, replica_id)  # its room is gone either way
 
     @staticmethod
     def _note(log_path: Path, line: str) -> None:
@@ -300,6 +301,11 @@ class RayBackend:
         self._running[spec.replica_id] = running
         log_path = self.log_dir / f"{spec.replica_id}.log"
         if running.host is not None:
+            self._start_ticking()
+            # Held in the class its workload prefers first (the one it most likely runs on).
+            first = preference(Workload(spec.workload), self.settings.spot_policy)[0]
+            bundles = request_bundles(ray_request(spec, first))
+            await asyncio.to_thread(self.nodes.held, spec.replica_id, bundles)
             running.watch = asyncio.get_running_loop().create_task(
                 self._watch(spec.replica_id, running, log_path)
             )
@@ -337,6 +343,7 @@ class RayBackend:
         its placement group): also for a replica whose worker already exited."""
         self._handles.pop(handle.spec.replica_id, None)
         running = self._running.pop(handle.spec.replica_id, None)
+        await asyncio.to_thread(self.nodes.forget, handle.spec.replica_id)
         if running is None:
             return
         if running.host is not None and running.exit is None:
@@ -350,7 +357,15 @@ class RayBackend:
             running.watch.cancel()
         await asyncio.to_thread(_kill, running)
 
+    def _start_ticking(self) -> None:
+        """The elastic provider's release loop, once (it lives as long as this backend)."""
+        if isinstance(self.nodes, RayNodeProvider) and self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(tick_forever(self.nodes))
+
     async def stop_all(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
         running = list(self._running.values())
         self._running.clear()
         self._handles.clear()

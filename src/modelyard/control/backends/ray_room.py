@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def _per_node() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+def per_node() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """(free, total) resources of every alive node, as this Ray driver sees them."""
     from ray._private import state
 
@@ -65,7 +65,7 @@ def explain(
 def no_room(actor: dict[str, Any], bundles: list[dict[str, float]]) -> str | None:
     """Why Ray cannot place this replica now (None: it can, or the figures are unreadable)."""
     try:
-        free, total = _per_node()
+        free, total = per_node()
     except Exception:  # an older or newer Ray without these figures: no reason, no harm
         return None
     return explain(needs(actor, bundles), free, total)
