@@ -19,6 +19,7 @@ from tests.tiny_gguf import build_gguf
 # Builds a GGUF and starts two workers: minutes on a busy 2 vCPU machine.
 pytestmark = pytest.mark.timeout(900)
 
+NAME = ("--served-model-name", "tiny")
 ENV = {"MODELYARD_KV_CACHE_MEMORY": "16MiB", "MODELYARD_MAX_TOKENS_CAP": "64"}
 
 
@@ -31,8 +32,8 @@ def tiny_q8(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def workers(tiny_q8: Path, cache_dir: Path) -> Iterator[dict[str, WorkerProcess]]:
     to_hf_folder(tiny_q8, cache_dir)  # converted once, before two workers read it
     started = {
-        "default": WorkerProcess(str(tiny_q8), ENV, "--log-level", "info"),
-        "none": WorkerProcess(str(tiny_q8), {**ENV, "MODELYARD_QUANTIZATION": "none"}),
+        "default": WorkerProcess(str(tiny_q8), ENV, *NAME, "--log-level", "info"),
+        "none": WorkerProcess(str(tiny_q8), {**ENV, "MODELYARD_QUANTIZATION": "none"}, *NAME),
     }
     try:
         for worker in started.values():
@@ -51,7 +52,7 @@ def numerics(worker: WorkerProcess) -> dict[str, str]:
 def complete(worker: WorkerProcess) -> str:
     r = httpx.post(
         f"{worker.url}/v1/completions",
-        json={"model": "x", "prompt": "Hello world", "max_tokens": 8, "temperature": 0,
+        json={"model": "tiny", "prompt": "Hello world", "max_tokens": 8, "temperature": 0,
               "ignore_eos": True},
         timeout=60,
     )  # fmt: skip
