@@ -510,8 +510,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--quantization",
-        choices=("int8", "w8a8"),
-        help="--against-llama-cpp: the modelyard worker's quantization (default: none)",
+        choices=("auto", "none", "int8", "w8a8"),
+        help="--against-llama-cpp: the modelyard worker's quantization (default: the engine's "
+        "own default, auto: a quantized GGUF is served int8, see engine/defaults.py)",
     )
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="stop at EOS")

@@ -156,7 +156,10 @@ def platform(
 ) -> Iterator[PlatformProcess]:
     env = {
         **platform_env,
-        "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
+        # Float32 weights: the references below are transformers' float32 merged models.
+        "MODELYARD_WORKER_ENGINE": json.dumps(
+            {"kv_cache_memory": "64MiB", "dtype": "float32", "quantization": "none"}
+        ),
         "MODELYARD_BUNDLED_MAX_LORAS": str(SLOTS),
     }
     p = PlatformProcess(tmp_path_factory.mktemp("data"), env, default_models=True)

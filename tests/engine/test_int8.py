@@ -162,7 +162,7 @@ def test_auto_dtype_serves_w8a8_in_float32() -> None:
 
     assert resolve_dtype("auto", torch.device("cpu"), "w8a8") == torch.float32
     assert resolve_dtype("auto", torch.device("cuda"), "int8") == torch.bfloat16
-    assert resolve_dtype("bfloat16", torch.device("cpu"), None) == torch.bfloat16
+    assert resolve_dtype("bfloat16", torch.device("cpu"), "none") == torch.bfloat16
 
 
 def test_weight_memory_at_most_30_percent_of_fp32(tiny_tied: Path) -> None:

@@ -22,9 +22,11 @@ class EngineSettings(SettingsBase):
     device: str = Field("auto", description="torch device for the engine: auto, cpu, cuda, cuda:N.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="Element type of the KV cache; auto = the model's dtype. bfloat16 under a "
-        "float32 model halves the cache's memory and the bytes decode attention reads (as "
-        "llama.cpp's default f16 cache does), at bfloat16's rounding of keys and values.",
+        description="Element type of the KV cache; auto = the model's dtype, except under int8 "
+        "weights on a CPU where a bfloat16 cache measured faster than a float32 one "
+        "(engine/defaults.py). bfloat16 under a float32 model halves the cache's memory and "
+        "the bytes decode attention reads (as llama.cpp's default f16 cache does), at "
+        "bfloat16's rounding of keys and values.",
     )
     kv_cache_memory: int = Field(
         parse_size("1GiB"), description="Memory budget for the paged KV cache (e.g. 1GiB)."
@@ -82,12 +84,15 @@ class EngineSettings(SettingsBase):
         description="Ranks (devices) one replica's model is split over; each rank gets "
         "kv_cache_memory for its share of the KV heads.",
     )
-    quantization: Literal["int8", "w8a8"] | None = Field(
-        None,
+    quantization: Literal["auto", "none", "int8", "w8a8"] = Field(
+        "auto",
         description="Quantization of the linear layers and embedding: int8 = weight-only "
         "per-output-channel int8 (~26 % of float32 weight memory); w8a8 = int8 weights and "
         "per-token int8 activations after SmoothQuant calibration (FBGEMM; x86 CPUs, float32; "
-        "1.7-3.5x float32's tokens/s on AVX2, less accurate, ~56 % of float32 memory).",
+        "1.7-3.5x float32's tokens/s on AVX2, less accurate, ~56 % of float32 memory); none = "
+        "the file's weights dequantized to the model's dtype; auto = the fastest int8 mode this "
+        "CPU runs for a quantized GGUF file, none for float files (engine/defaults.py). "
+        "Python's None means none.",
     )
     max_loras: int = Field(
         0, ge=0, description="LoRA adapter slots held at once (LRU); 0 = no LoRA serving."
@@ -132,6 +137,11 @@ class EngineSettings(SettingsBase):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
         return self
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _none_is_unquantized(cls, value: Any) -> Any:
+        return "none" if value is None else value
 
     @field_validator("kv_cache_memory", "kv_swap_memory", mode="before")
     @classmethod

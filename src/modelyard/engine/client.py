@@ -5,7 +5,8 @@ The worker imports this module and nothing else of `modelyard.engine` (`tests/te
 holds it to that). As vLLM's `EngineClient`, it is a handful of names:
 
 - its life: `start`, `shutdown`, `on_failure`, `healthy`, `error`;
-- the model it serves: `model_name`, `model_type`, `max_model_len`, `tokenizer`;
+- the model it serves: `model_name`, `model_type`, `max_model_len`, `tokenizer`, `numerics`
+  (quantization, dtypes, and why they were chosen);
 - a request checked at the edge, before anything is queued: `default_max_tokens`,
   `check_request` (`RequestRejected` naming the field), `compile_grammar` (`ValueError`);
 - requests: `generate`, one async stream of `RequestOutput`s each; leaving the stream early
@@ -30,6 +31,7 @@ from typing import Any, Protocol
 from modelyard.config import EngineSettings
 from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
 from modelyard.engine.cores import usable_cores
+from modelyard.engine.defaults import Numerics
 from modelyard.engine.faults import RequestFailed, RequestInvalid
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.loading import resolve_device
@@ -49,6 +51,7 @@ __all__ = [
     "EngineDeadError",
     "EngineSnapshot",
     "LocalEngineClient",
+    "Numerics",
     "RequestFailed",
     "RequestInvalid",
     "RequestOutput",
@@ -138,6 +141,11 @@ class EngineClient(Protocol):
 
     @property
     def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def numerics(self) -> Numerics | None:
+        """The quantization and dtypes it loaded with, and why (None: not loaded from settings)."""
+        ...
 
     # ----- a request at the edge -----------------------------------------------------------
 
@@ -290,6 +298,10 @@ class LocalEngineClient:
     @property
     def tokenizer(self) -> Tokenizer:
         return self._core.tokenizer
+
+    @property
+    def numerics(self) -> Numerics | None:
+        return self._core.numerics
 
     # ----- a request at the edge -----------------------------------------------------------
 

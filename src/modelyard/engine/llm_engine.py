@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelyard.config import EngineSettings
+from modelyard.engine.defaults import Numerics
 from modelyard.engine.faults import RequestFailed, RequestInvalid, is_fatal
 from modelyard.engine.grammar import GrammarCompiler, GrammarViolation
 from modelyard.engine.kv_cache_manager import KVCacheManager
@@ -57,12 +58,14 @@ class LLMEngine:
         max_model_len: int,
         num_blocks: int,
         model_name: str = "model",
+        numerics: Numerics | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.settings = settings
         self.max_model_len = max_model_len
         self.model_name = model_name
+        self.numerics = numerics  # how `from_settings` loaded it (None: built from parts)
         self.model_config: ModelConfig = runner.config
         self.kv = KVCacheManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.preemptor = make_preemptor(
@@ -102,6 +105,7 @@ class LLMEngine:
             parts.max_model_len,
             parts.num_blocks,
             parts.model_name,
+            parts.numerics,
         )
 
     def close(self) -> None:

@@ -14,9 +14,11 @@ import torch
 from modelyard.config import EngineSettings
 from modelyard.engine.cores import threads_per_rank
 from modelyard.engine.cpu_kernels import kernels_for
+from modelyard.engine.defaults import Numerics, choose_defaults, cpu_features, describe_model_file
 from modelyard.engine.lora.manager import LoRAManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import DTYPES, ModelRunner
+from modelyard.engine.models.bundled import resolve_model_path
 from modelyard.engine.models.loader import load_model, read_model_config, to_hf_folder
 from modelyard.engine.models.moe import check_moe_features
 from modelyard.engine.models.sharding import check_tensor_parallel
@@ -34,6 +36,11 @@ class LoadedEngine:
     max_model_len: int
     num_blocks: int
     model_name: str
+    numerics: Numerics
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -51,7 +58,7 @@ def cpu_has_native_bfloat16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device, quantization: str | None) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantization: str) -> torch.dtype:
     if name == "auto":
         if quantization == "w8a8":  # FBGEMM's int8 matmuls take and give float32
             return torch.float32
@@ -73,15 +80,23 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
             num_threads = threads_per_rank(tp)
     if num_threads:
         torch.set_num_threads(num_threads)
-    dtype = resolve_dtype(settings.dtype, device, settings.quantization)
-    kv_dtype = dtype if settings.kv_cache_dtype == "auto" else DTYPES[settings.kv_cache_dtype]
+    source = resolve_model_path(model)
+    folder = to_hf_folder(source, settings.cache_dir)
+    choice = choose_defaults(
+        describe_model_file(source, folder), cpu_features(), settings, device.type
+    )
+    quantization = choice.quantization
+    dtype = resolve_dtype(settings.dtype, device, quantization)
+    kv_dtype = dtype if choice.kv_cache_dtype == "auto" else DTYPES[choice.kv_cache_dtype]
+    numerics = Numerics.of(choice, _name(dtype), _name(kv_dtype))
+    log.info("%s", numerics.reason)
     if device.type == "cpu":
         keep_freed_memory_for_reuse()
-    folder = to_hf_folder(model, settings.cache_dir)
     cfg = read_model_config(folder)
-    check_moe_features(cfg, tp, settings.quantization, settings.max_loras)
+    quantized = None if quantization == "none" else quantization
+    check_moe_features(cfg, tp, quantized, settings.max_loras)
     check_tensor_parallel(cfg, tp)
-    if tp > 1 and (settings.quantization or settings.max_loras):
+    if tp > 1 and (quantized or settings.max_loras):
         raise ValueError(
             "quantization and max_loras are not supported with tensor_parallel_size > 1"
         )
@@ -115,8 +130,8 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
     if tp > 1:
         spec = HelperSpec(
             folder=str(folder),
-            dtype=str(dtype).removeprefix("torch."),
-            kv_dtype=str(kv_dtype).removeprefix("torch."),
+            dtype=_name(dtype),
+            kv_dtype=_name(kv_dtype),
             device=str(device),
             max_model_len=max_model_len,
             num_blocks=num_blocks,
@@ -136,7 +151,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
             max_model_len,
             tp_rank=0,
             tp_size=tp,
-            quantization=settings.quantization,
+            quantization=quantized,
         )
         runner = ModelRunner(
             loaded.model,
@@ -175,4 +190,4 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
         max_model_len,
     )
     name = Path(str(model)).name if Path(str(model)).exists() else str(model)
-    return LoadedEngine(runner, tokenizer, max_model_len, num_blocks, name)
+    return LoadedEngine(runner, tokenizer, max_model_len, num_blocks, name, numerics)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -110,6 +111,8 @@ def create_app(
             "busy_seconds": round(s.busy_seconds, 3),
             "failed_steps": s.failed_steps,
         }
+        if engine.numerics is not None:  # quantization and dtypes, and why (chosen at load)
+            body["numerics"] = dataclasses.asdict(engine.numerics)
         if s.lora_loaded:  # the platform's adapter listing counts the replicas holding each
             body["lora_loaded"] = list(s.lora_loaded)
         if engine.error is not None:

@@ -2,7 +2,8 @@
 
 Dequantizing GGUF tensors and rebuilding its tokenizer takes seconds; the converted folder is
 cached under `cache_dir/converted/<sha256 of the file>` and written atomically, so later loads
-are a safetensors mmap and a tokenizer.json read.
+are a safetensors mmap and a tokenizer.json read. Its `source.json` names the file and the GGUF
+types its weights were stored in (`gguf_weight_type`: what `engine/defaults.py` decides by).
 """
 
 from __future__ import annotations
@@ -144,6 +145,32 @@ def _chat_template(reader: Any) -> str | None:
     return str(template) if template else None
 
 
+def _weight_types(reader: Any) -> dict[str, int]:
+    """Elements of the file's matrices (2-D and up) per GGUF tensor type, e.g. {"Q4_1": ...}."""
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        if len(t.shape) >= 2:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    return counts
+
+
+def gguf_weight_type(gguf_path: Path, folder: Path) -> str:
+    """The GGUF type most of `gguf_path`'s weights are stored in ("Q4_1", "F16", ...), as its
+    conversion `folder` recorded it (a folder converted before that was recorded is given it)."""
+    source = folder / "source.json"
+    record = json.loads(source.read_text()) if source.exists() else {}
+    counts = record.get("weight_types")
+    if not isinstance(counts, dict) or not counts:
+        import gguf
+
+        counts = _weight_types(gguf.GGUFReader(str(gguf_path)))
+        record = {"gguf": str(gguf_path.resolve()), **record, "weight_types": counts}
+        tmp = folder / f".source.json.{os.getpid()}"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, source)
+    return str(max(counts, key=lambda name: counts[name])) if counts else "F32"
+
+
 def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     """Return a HF folder equivalent to `gguf_path`, converting it on first use."""
     gguf_path = gguf_path.resolve()
@@ -167,7 +194,8 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
             tokenizer.chat_template = template
         tokenizer.save_pretrained(str(tmp))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+        source = {"gguf": str(gguf_path), "weight_types": _weight_types(reader)}
+        (tmp / "source.json").write_text(json.dumps(source))
         try:
             os.rename(tmp, target)
         except OSError:
