@@ -124,6 +124,8 @@ def tenant_load(
                     if not line.startswith("data: {"):
                         continue
                     chunk = json.loads(line.removeprefix("data: "))
+                    if "error" in chunk:  # the stream's error event
+                        raise RuntimeError(f"{model}: {chunk['error']}")
                     if first is None and chunk.get("choices"):  # a token (its text may be
                         # empty: a random prompt's first token can be part of a character)
                         first = time.perf_counter()
