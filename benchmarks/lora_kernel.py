@@ -70,6 +70,17 @@ def main() -> None:
             layers.append((lin, xs[n_in], base(xs[n_in])))
     batch.set(list(range(1, args.adapters + 1)), torch.device("cpu"))
     assert batch.groups is not None
+    kernel_args = {
+        id(lin): kernels.lora_args(
+            lin.lora_a,
+            lin._b_pointers,
+            lin.slot_weights.stride(0),
+            lin._part_sizes,
+            lin._part_rank,
+            lin.max_rank,
+        )
+        for lin, _, _ in layers
+    }
     base_s, lora_s = [], []
     for _ in range(args.reps):
         t = time.thread_time()
@@ -78,10 +89,7 @@ def main() -> None:
         base_s.append(time.thread_time() - t)
         t = time.thread_time()
         for lin, x, y in layers:
-            kernels.lora_add(
-                x, y, batch.groups, lin.lora_a, lin._b_pointers, lin.slot_weights.stride(0),
-                lin._part_sizes, lin._part_rank, lin.max_rank,
-            )  # fmt: skip
+            kernels.lora_add(x, y, batch.groups, kernel_args[id(lin)])
         lora_s.append(time.thread_time() - t)
     b, lo = statistics.median(base_s), statistics.median(lora_s)
     stored = layers[0][0].slot_weights

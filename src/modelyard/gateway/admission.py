@@ -66,6 +66,15 @@ def validate(kind: str, payload: dict[str, Any]) -> Any:
         raise Invalid(message, param=param, code=code) from exc
 
 
+def folder_adapter(route: EndpointRoute, model: str, adapter: AdapterTarget | None) -> str | None:
+    """`model` when it names an adapter of the endpoint's engine's own `lora_dir`
+    (`<model>:<name>`: neither the base nor the tenant's registry `adapter`), else None. Only
+    the worker knows that folder: its 404 for such a name is the client's (`upstream.py`)."""
+    if adapter is not None or model in (route.model_name, route.endpoint_id):
+        return None
+    return model
+
+
 def shape_for_worker(
     payload: dict[str, Any],
     route: EndpointRoute,
@@ -83,7 +92,7 @@ def shape_for_worker(
     adapter = target_for(route, principal.tenant_id, model)
     if adapter is not None:
         payload["model"] = f"{upstream}:{adapter.internal}"
-    elif model not in (route.model_name, route.endpoint_id):  # `<model>:<adapter>`: `lora_dir`
+    elif folder_adapter(route, model, adapter) is not None:
         payload["model"] = f"{upstream}:{model.rpartition(':')[2]}"
     elif route.upstream_model:
         payload["model"] = route.upstream_model

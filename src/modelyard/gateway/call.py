@@ -66,6 +66,9 @@ class Call:
     prefix: PrefixHint | None = None  # where its prompt prefix is likely cached (several replicas)
     budget: BudgetHold | None = None  # spend held on its budgets since admission
     adapter: AdapterTarget | None = None  # the tenant's registry LoRA adapter it names
+    # The client's `<model>:<name>` when it names an adapter of the engine's `lora_dir`
+    # (`admission.folder_adapter`): a replica without that folder answers the client's 404.
+    folder_model: str | None = None
     local: int = 0  # admitted on this gateway's shares while Redis was away: their generation
 
 

@@ -26,6 +26,7 @@ from modelyard.gateway.accounting import Accounting
 from modelyard.gateway.admission import (
     BATCH_PRIORITY_BASE,
     Admission,
+    folder_adapter,
     parse,
     shape_for_worker,
     validate,
@@ -138,6 +139,7 @@ class Gateway:
                 payload, route, kind, principal, self.settings.prefix_cache_scope,
                 principal.tier.rank,
             )  # fmt: skip
+            call.folder_model = folder_adapter(route, req.model, call.adapter)
             call.prefix = self._prefix(payload, route, call.adapter)
             route.arrive()
             cold = not route.ready_replicas and self.upstream.activate is not None
@@ -182,6 +184,7 @@ class Gateway:
             BATCH_PRIORITY_BASE + principal.tier.rank,
         )  # fmt: skip
         call = Call(principal, route, kind, request_id, 0, NO_LIMITS, batch=True, adapter=adapter)
+        call.folder_model = folder_adapter(route, req.model, adapter)
         call.prefix = self._prefix(body, route, adapter)
         if principal.monthly_token_quota is not None:
             # Held while the item runs, so that concurrent items see each other's share, and

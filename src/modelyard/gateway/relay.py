@@ -130,7 +130,7 @@ class Relay:
         tag_version(call.version_id, headers)
         if response.status != 200:
             content = await _read_refusal(call, response, replica)
-            unready = not_serving(call.route, response.status, content)
+            unready = not_serving(call, response.status, content)
             if unready is not None:
                 raise unready
             replica.breaker.record(ok=response.status < 500)
@@ -194,7 +194,7 @@ class Relay:
             if response.status != 200:
                 content = await _read_refusal(call, response, replica)
                 await refund()
-                unready = not_serving(call.route, response.status, content)
+                unready = not_serving(call, response.status, content)
                 yield sse_raw(content) if unready is None else sse_data(body_of(unready))
                 yield DONE
                 return

@@ -19,7 +19,13 @@ from modelyard.config import PlatformSettings
 from modelyard.core import tracing
 from modelyard.core.admission_queue import AdmissionRefused, Waiter, admission_rank
 from modelyard.core.cluster_auth import replica_headers
-from modelyard.core.errors import RateLimited, Unavailable, UpstreamFailed
+from modelyard.core.errors import (
+    DomainError,
+    RateLimited,
+    Unavailable,
+    UpstreamFailed,
+    model_not_found,
+)
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.call import Call
 from modelyard.gateway.metrics import GatewayMetrics
@@ -55,10 +61,12 @@ def unavailable(route: EndpointRoute) -> Unavailable:
     )
 
 
-def not_serving(route: EndpointRoute, status: int, content: bytes) -> Unavailable | None:
+def not_serving(call: Call, status: int, content: bytes) -> DomainError | None:
     """A replica's `404 model_not_found`: the gateway resolved the model, so the replica does
     not serve it yet or any more (an encoder host being restarted or taken over, a replica
-    being renamed): the endpoint is only unavailable, a retryable 503, never the client's 404."""
+    being renamed): the endpoint is only unavailable, a retryable 503, never the client's 404.
+    Except for a name of the engine's own `lora_dir` (`Call.folder_model`), which only the
+    worker can look up: no such adapter is the client's 404, as for any unknown model."""
     if status != 404:
         return None
     try:
@@ -67,8 +75,10 @@ def not_serving(route: EndpointRoute, status: int, content: bytes) -> Unavailabl
         return None
     if not isinstance(error, dict) or error.get("code") != "model_not_found":
         return None
+    if call.folder_model is not None:
+        return model_not_found(call.folder_model)
     return Unavailable(
-        f"`{route.model_name}` is not ready on its replica right now (it is being started or "
+        f"`{call.route.model_name}` is not ready on its replica right now (it is being started or "
         f"taken over). Please retry in {_NOT_SERVING_RETRY_S}s.",
         code="model_not_ready",
         retry_after_s=_NOT_SERVING_RETRY_S,
@@ -295,7 +305,7 @@ class Upstream:
             call.route.release(replica, call.batch)
             response.release()
         if response.status != 200:
-            unready = not_serving(call.route, response.status, content)
+            unready = not_serving(call, response.status, content)
             if unready is not None:
                 raise unready
             # A refusal reports the prompt tokens the engine worked on before it failed (a

@@ -7,6 +7,7 @@ passes.
 
 from __future__ import annotations
 
+from modelyard.core.errors import model_not_found
 from modelyard.engine.client import (
     MAX_N,
     EngineClient,
@@ -61,6 +62,8 @@ def admit(
     try:
         engine.check_request(prompt, params, req.priority, prompt_param)
     except RequestRejected as exc:
+        if exc.code == "model_not_found":  # no such adapter here: as for any unknown model
+            raise APIError.from_domain(model_not_found(req.model)) from exc
         # The completions API names its top-logprob count `logprobs`.
         renames = {"top_logprobs": "logprobs"} if prompt_param == "prompt" else None
         raise rejected(exc, renames) from exc

@@ -4,7 +4,7 @@ LoRA layers, which call the kernels."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,8 +17,19 @@ class LoRAGroups:
     rows: torch.Tensor  # int64, the adapter rows, grouped
     starts: torch.Tensor  # int64 [groups + 1]: group g is rows[starts[g]:starts[g + 1]]
     slots: torch.Tensor  # int64 [groups]
+    # What every `lora_add` call of the step passes, read once.
+    rows_ptr: int = field(init=False)
+    starts_ptr: int = field(init=False)
+    slots_ptr: int = field(init=False)
+    n_groups: int = field(init=False)
 
     GROUP_ROWS = 4  # csrc/lora.c's GROUP
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows_ptr", self.rows.data_ptr())
+        object.__setattr__(self, "starts_ptr", self.starts.data_ptr())
+        object.__setattr__(self, "slots_ptr", self.slots.data_ptr())
+        object.__setattr__(self, "n_groups", self.slots.shape[0])
 
     @classmethod
     def of(cls, by_slot: dict[int, list[int]]) -> LoRAGroups:

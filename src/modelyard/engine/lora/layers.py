@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,38 +40,49 @@ from modelyard.engine.lora.groups import LoRAGroups
 
 @dataclass
 class LoRABatch:
-    """The current step's rows per slot; shared by every wrapped projection."""
+    """The current step's rows per slot; shared by every wrapped projection. On a CPU the C
+    kernel reads `groups` alone; PyTorch's forms' row tensors are made the first time a
+    projection asks for them in a step (`torch_rows`), so a step on the C kernel builds none."""
 
     active: bool = False
+    groups: LoRAGroups | None = None  # the rows for the C kernel (CPU)
     rows: torch.Tensor | None = None  # flat-batch rows using an adapter
     row_slots: torch.Tensor | None = None  # their slot indices (gathered mode)
     segments: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, rows)
     gathered: bool = False
     all_rows: bool = False  # every row uses an adapter: no row selection, add in place
-    groups: LoRAGroups | None = None  # the rows for the C kernel (CPU)
+    _by_slot: dict[int, list[int]] = field(default_factory=dict)
+    _device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
-        rows = [i for i, s in enumerate(token_slots) if s]
-        self.active = bool(rows)
-        if not rows:
-            self.rows = self.row_slots = self.groups = None
-            self.segments = []
-            return
+        self.rows = self.row_slots = self.groups = None
+        self.segments = []
         by_slot: dict[int, list[int]] = {}
-        for i in rows:
-            by_slot.setdefault(token_slots[i], []).append(i)
+        for i, s in enumerate(token_slots):
+            if s:
+                by_slot.setdefault(s, []).append(i)
+        self._by_slot, self._device = by_slot, device
+        self.active = bool(by_slot)
+        if not by_slot:
+            return
+        n_rows = sum(len(r) for r in by_slot.values())
         self.groups = LoRAGroups.of(by_slot) if device.type == "cpu" else None
-        self.all_rows = len(rows) == len(token_slots)
+        self.all_rows = n_rows == len(token_slots)
         # Few adapters with many rows each: a matmul pair per adapter beats gathering A and B
         # per row; one row each (decode with many adapters): one bmm over gathered weights.
-        self.gathered = len(rows) < 4 * len(by_slot)
-        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
-        self.row_slots = torch.tensor(
-            [token_slots[i] for i in rows], dtype=torch.long, device=device
-        )
-        self.segments = [
-            (s, torch.tensor(r, dtype=torch.long, device=device)) for s, r in by_slot.items()
-        ]
+        self.gathered = n_rows < 4 * len(by_slot)
+
+    def torch_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rows` and `row_slots` (and `segments`), made once per step."""
+        if self.rows is None or self.row_slots is None:
+            device, by_slot = self._device, self._by_slot
+            pairs = sorted((i, s) for s, rows in by_slot.items() for i in rows)
+            self.rows = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=device)
+            self.row_slots = torch.tensor([s for _, s in pairs], dtype=torch.long, device=device)
+            self.segments = [
+                (s, torch.tensor(r, dtype=torch.long, device=device)) for s, r in by_slot.items()
+            ]
+        return self.rows, self.row_slots
 
     def clear(self) -> None:
         self.set([], torch.device("cpu"))
@@ -126,6 +138,7 @@ class LoRALinear(nn.Module):
         self._part_sizes = torch.tensor(parts, dtype=torch.long)
         self._part_rank = torch.zeros(slots + 1, len(parts), dtype=torch.int32)  # 0: none
         self._b_pointers = (ctypes.c_void_p * len(parts))(*(b.data_ptr() for b in self.lora_b))
+        self._kernel_args: Any = None  # the C kernel's view of these weights (`lora_args`)
         self._kernel_dtypes = stored in (torch.float32, torch.bfloat16, torch.float16) and (
             device.type == "cpu"
         )
@@ -151,32 +164,31 @@ class LoRALinear(nn.Module):
         if not batch.active or not self.used_slots:  # no loaded adapter targets this one
             return y
         if self.kernels is not None and batch.groups is not None and self._kernel_fits(x, y):
-            self.kernels.lora_add(
-                x,
-                y,
-                batch.groups,
-                self.lora_a,
-                self._b_pointers,
-                self.slot_weights.stride(0),
-                self._part_sizes,
-                self._part_rank,
-                self.max_rank,
-            )
+            if self._kernel_args is None:
+                self._kernel_args = self.kernels.lora_args(
+                    self.lora_a,
+                    self._b_pointers,
+                    self.slot_weights.stride(0),
+                    self._part_sizes,
+                    self._part_rank,
+                    self.max_rank,
+                )
+            self.kernels.lora_add(x, y, batch.groups, self._kernel_args)
             return y
-        assert batch.rows is not None and batch.row_slots is not None
+        rows, row_slots = batch.torch_rows()
         if batch.gathered:
-            xs = (x if batch.all_rows else x[batch.rows]).unsqueeze(1)  # [n, 1, in]
-            a = self.lora_a[batch.row_slots].to(self.dtype)
+            xs = (x if batch.all_rows else x[rows]).unsqueeze(1)  # [n, 1, in]
+            a = self.lora_a[row_slots].to(self.dtype)
             h = torch.bmm(xs.to(self.dtype), a.transpose(1, 2))
             deltas = [
-                torch.bmm(self._part(h, p), b[batch.row_slots].to(self.dtype)).squeeze(1)
+                torch.bmm(self._part(h, p), b[row_slots].to(self.dtype)).squeeze(1)
                 for p, b in enumerate(self.lora_b)
             ]
-            return self._add(y, batch.rows, deltas, batch.all_rows)
-        for slot, rows in batch.segments:
-            h = x[rows].to(self.dtype) @ self.lora_a[slot].to(self.dtype).T
+            return self._add(y, rows, deltas, batch.all_rows)
+        for slot, seg in batch.segments:
+            h = x[seg].to(self.dtype) @ self.lora_a[slot].to(self.dtype).T
             deltas = [self._part(h, p) @ b[slot].to(self.dtype) for p, b in enumerate(self.lora_b)]
-            self._add(y, rows, deltas)
+            self._add(y, seg, deltas)
         return y
 
     def _kernel_fits(self, x: torch.Tensor, y: torch.Tensor) -> bool:
