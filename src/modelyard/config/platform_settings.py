@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from modelyard.config.access_settings import AccessSettings
+from modelyard.config.capacity_settings import CapacitySettings
 from modelyard.config.sources import parse_size
 
 
@@ -37,7 +37,7 @@ class RedisOutage(enum.StrEnum):
     FAIL_CLOSED = "fail_closed"  # every request whose limits live in Redis gets a 503
 
 
-class PlatformSettings(AccessSettings):
+class PlatformSettings(CapacitySettings):
     """Knobs of `modelyard serve`: the gateway, the control plane and their state (single
     sign-on's: `sso_settings.py`)."""
 
@@ -328,14 +328,6 @@ class PlatformSettings(AccessSettings):
     batch_max_concurrency: int = Field(
         32, ge=1, description="Batch items in flight across all tenants of this gateway."
     )
-    backfill_reserved_slots: int = Field(
-        0,
-        ge=0,
-        le=4096,
-        description="Sequence slots of each replica that batch items leave free for interactive "
-        "bursts (backfill: a batch item goes to a warm replica only while its engine reports more "
-        "free slots than this, and admission_tokens_per_request free KV tokens).",
-    )
     batch_item_attempts: int = Field(4, ge=1, description="Tries of an item on transient errors.")
     batch_discount: float = Field(0.5, ge=0.0, le=1.0, description="Price cut on batch tokens.")
     batch_poll_interval_s: float = Field(0.5, gt=0, description="How often new batches are seen.")
@@ -366,22 +358,6 @@ class PlatformSettings(AccessSettings):
         None,
         description="The Ray cluster the ray backend joins, e.g. 10.0.0.5:6379 or auto (a "
         "cluster started on this machine); unset: a local Ray instance started by the platform.",
-    )
-    node_provider: Literal["static", "ray"] = Field(
-        "static",
-        description="Where nodes come from: static (the nodes there are) or ray (with the ray "
-        "backend: nodes carry a modelyard.node_class.on-demand or .spot resource; a replica no "
-        "node has room for asks Ray's autoscaler for one, and a node that held nothing for "
-        "node_idle_release_s is drained; docs/scaling.md).",
-    )
-    node_idle_release_s: float = Field(
-        300.0, gt=0, le=86_400, description="ray nodes: one that held nothing this long goes."
-    )
-    spot_policy: Literal["batch", "overflow", "never"] = Field(
-        "batch",
-        description="node_provider ray: which replicas may run on spot nodes: batch (those of "
-        "endpoints with hardware.workload batch, spot first), overflow (real-time ones too, "
-        "once on-demand nodes are full) or never.",
     )
 
     @field_validator(
