@@ -28,11 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelyard.core import prefix_affinity
+from modelyard.core.adapter_affinity import AdapterHint
 from modelyard.core.adapter_routes import AdapterIndex, AdapterMap, drop_from
 from modelyard.core.admission_queue import AdmissionQueue
 from modelyard.core.breaker import CircuitBreaker
-from modelyard.core.prefix_affinity import PrefixHint
+from modelyard.core.cache_routing import CacheHint, ReplicaCache
 
 
 class Activate(Protocol):
@@ -79,6 +79,7 @@ class ReplicaRoute:
     max_concurrency: int | None = None
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     version_id: str | None = None  # the registry version it serves
+    cache: ReplicaCache = field(default_factory=ReplicaCache)  # what its prefix cache holds
 
     def usable(self, now: float, exclude: set[str] | None) -> bool:
         """In routing, its breaker lets requests through, and this request has not tried it."""
@@ -348,12 +349,13 @@ class RoutingTable:
         route: EndpointRoute,
         exclude: set[str] | None = None,
         affinity: str | None = None,
-        prefix: PrefixHint | None = None,
+        prefix: CacheHint | AdapterHint | None = None,
     ) -> ReplicaRoute | None:
         """The least-loaded replica with room, of the version drawn by weight (see the module's
-        docstring), or with a `prefix` hint the one its prompt prefix maps to within bounded load
-        (`core/prefix_affinity.py`); None while none has room (the caller waits) or every one
-        was tried."""
+        docstring), or with a `prefix` hint the one holding the longest cached prefix of the
+        prompt (`core/cache_routing.py`) or the request's adapter (`core/adapter_affinity.py`),
+        within bounded load; None while none has room (the caller waits) or every one was
+        tried."""
         now = time.monotonic()
         usable = [r for r in route.replicas if r.usable(now, exclude)]
         if len(route.weights) > 1 or (
@@ -371,9 +373,11 @@ class RoutingTable:
         candidates = [r for r in usable if r.has_room()]
         if not candidates:
             return None
-        chosen = prefix_affinity.choose(prefix, candidates, usable) if prefix else None
+        chosen = prefix.choose(candidates, usable) if prefix else None
         if chosen is None:
             chosen = min(candidates, key=lambda r: r.outstanding)
+        if prefix:
+            prefix.sent(chosen)
         chosen.breaker.on_send(now)
         return chosen
 

@@ -10,7 +10,9 @@ holds it to that). As vLLM's `EngineClient`, it is a handful of names:
   `check_request` (`RequestRejected` naming the field), `compile_grammar` (`ValueError`);
 - requests: `generate`, one async stream of `RequestOutput`s each; leaving the stream early
   aborts the request (its blocks are freed at the next step);
-- its load: `snapshot` (`EngineSnapshot`, the gauges and counters of /health and /metrics).
+- its load: `snapshot` (`EngineSnapshot`, the gauges and counters of /health and /metrics);
+- its prefix cache, for cache-aware routing: `note_prefix` (a request's gateway prefix keys),
+  `prefix_digest` (those its cache holds: `engine/prefix_digest.py`).
 
 `LocalEngineClient` is the one implementation: an `AsyncEngine` (the engine loop in a thread of
 this process), built from settings by `LocalEngineClient.load`.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +36,9 @@ from modelyard.engine.faults import RequestFailed, RequestInvalid
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.loading import resolve_device
 from modelyard.engine.lora.engine_hooks import check_adapter
+from modelyard.engine.kv_cache_manager import salt_bytes
 from modelyard.engine.models.bundled import resolve_model_path
+from modelyard.engine.prefix_digest import PrefixDigest
 from modelyard.engine.request_checks import RequestRejected
 from modelyard.engine.requests import RequestOutput, SequenceDelta
 from modelyard.engine.sampling_params import MAX_N, SamplingParams
@@ -178,6 +182,22 @@ class EngineClient(Protocol):
 
     def snapshot(self) -> EngineSnapshot: ...
 
+    # ----- its prefix cache ----------------------------------------------------------------
+
+    def note_prefix(
+        self,
+        prompt_token_ids: list[int],
+        cache_salt: str | None,
+        keys: Sequence[bytes],
+        ends: Sequence[int],
+    ) -> None:
+        """The gateway's prefix keys of a request (key i spans its first `ends[i]` tokens)."""
+        ...
+
+    def prefix_digest(self, limit: int) -> tuple[int, list[bytes]]:
+        """(generation, up to `limit` noted keys whose KV blocks the prefix cache holds)."""
+        ...
+
 
 def _lora_loaded(lora: Any) -> tuple[str, ...]:
     """The adapters in slots, read from another thread than the engine's (a step that loads
@@ -239,6 +259,8 @@ class LocalEngineClient:
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._core = engine.engine
+        kv = self._core.kv
+        self._digest = PrefixDigest(kv, max(4096, kv.num_blocks))
 
     @classmethod
     def load(cls, model: str | Path, settings: EngineSettings) -> LocalEngineClient:
@@ -357,3 +379,17 @@ class LocalEngineClient:
             spec_accepted_tokens=e.spec_stats.accepted_tokens,
             spec_emitted_tokens=e.spec_stats.emitted_tokens,
         )
+
+    # ----- its prefix cache ----------------------------------------------------------------
+
+    def note_prefix(
+        self,
+        prompt_token_ids: list[int],
+        cache_salt: str | None,
+        keys: Sequence[bytes],
+        ends: Sequence[int],
+    ) -> None:
+        self._digest.note(prompt_token_ids, salt_bytes(cache_salt), keys, ends)
+
+    def prefix_digest(self, limit: int) -> tuple[int, list[bytes]]:
+        return self._digest.notes, self._digest.held(limit)

@@ -23,6 +23,7 @@ from modelyard.protocol.responses_api import ResponsesRequest
 from modelyard.protocol.route_warmup import warm_routes
 from modelyard.worker.auth import install_token_check
 from modelyard.worker.metrics import WorkerMetrics
+from modelyard.worker import prefix_notes
 from modelyard.worker.openai_serving import OpenAIServing
 from modelyard.worker.owner import install_owner_watch
 from modelyard.worker.request_context import WorkerRequestContext, traced
@@ -105,6 +106,8 @@ def create_app(
             "max_model_len": engine.max_model_len,
             "busy_seconds": round(s.busy_seconds, 3),
             "failed_steps": s.failed_steps,
+            # Which gateway prefix keys its prefix cache holds (cache-aware routing).
+            "prefix_digest": prefix_notes.digest(engine),
         }
         if s.lora_loaded:  # the platform's adapter listing counts the replicas holding each
             body["lora_loaded"] = list(s.lora_loaded)
