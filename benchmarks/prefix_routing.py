@@ -47,7 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import Outcome, _bundled_gguf, _words, one_request, pct
 
-from tests.platform_harness import PlatformProcess, create_key, create_tenant, deploy
+from tests.platform_harness import (
+    PlatformProcess,
+    create_key,
+    create_tenant,
+    deploy,
+    wait_status,
+)
 
 
 def workload(args: argparse.Namespace) -> list[tuple[float, int, str]]:
@@ -102,7 +108,9 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> list[Outcome]:
         stack.callback(serve.stop)
         admin = serve.api()
         hardware = {"min_replicas": 2, "max_replicas": 2}
-        deploy(admin, "smol", str(_bundled_gguf()), public=True, hardware=hardware)
+        gguf = str(_bundled_gguf())
+        endpoint = deploy(admin, "smol", gguf, False, public=True, hardware=hardware)
+        wait_status(admin, endpoint, "ready", timeout=900)  # a shared machine loads slowly
         rng = random.Random(args.seed + 1)
         systems = [
             f"You are the assistant of company {k}. " + _words(rng, args.prefix_words)
