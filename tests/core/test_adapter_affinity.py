@@ -42,7 +42,7 @@ def test_same_adapter_same_replica_and_adapters_spread() -> None:
     for t in range(200):
         h = hint(f"tn-{t}.adapter")
         first = pick(route, h)
-        for q in range(3):  # later questions of the same tenant: the same replica
+        for _ in range(3):  # later requests for the same adapter: the same replica
             assert pick(route, hint(f"tn-{t}.adapter")) is first
         homes[t] = first.replica_id
     spread = Counter(homes.values())

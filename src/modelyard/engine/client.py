@@ -33,10 +33,10 @@ from modelyard.config import EngineSettings
 from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
 from modelyard.engine.cores import usable_cores
 from modelyard.engine.faults import RequestFailed, RequestInvalid
+from modelyard.engine.kv_cache_manager import salt_bytes
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.loading import resolve_device
 from modelyard.engine.lora.engine_hooks import check_adapter
-from modelyard.engine.kv_cache_manager import salt_bytes
 from modelyard.engine.models.bundled import resolve_model_path
 from modelyard.engine.prefix_digest import PrefixDigest
 from modelyard.engine.request_checks import RequestRejected

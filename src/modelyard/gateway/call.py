@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from modelyard.core.adapter_routes import AdapterTarget
-from modelyard.core.identity import Principal
 from modelyard.core.adapter_affinity import AdapterHint
+from modelyard.core.adapter_routes import AdapterTarget
 from modelyard.core.cache_routing import CacheHint
+from modelyard.core.identity import Principal
 from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.rate_decision import Decision
 from modelyard.protocol.errors import GRAMMAR_FAILED

@@ -18,10 +18,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from modelyard.config import PlatformSettings
-from modelyard.core.adapter_routes import AdapterTarget
-from modelyard.core.identity import Principal
 from modelyard.core.adapter_affinity import AdapterHint, adapter_hint
+from modelyard.core.adapter_routes import AdapterTarget
 from modelyard.core.cache_routing import CacheHint
+from modelyard.core.identity import Principal
 from modelyard.core.prefix_keys import prefix_keys
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import Accounting

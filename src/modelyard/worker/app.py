@@ -21,9 +21,9 @@ from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 from modelyard.protocol.responses import JSONResponse
 from modelyard.protocol.responses_api import ResponsesRequest
 from modelyard.protocol.route_warmup import warm_routes
+from modelyard.worker import prefix_notes
 from modelyard.worker.auth import install_token_check
 from modelyard.worker.metrics import WorkerMetrics
-from modelyard.worker import prefix_notes
 from modelyard.worker.openai_serving import OpenAIServing
 from modelyard.worker.owner import install_owner_watch
 from modelyard.worker.request_context import WorkerRequestContext, traced

@@ -39,10 +39,10 @@ from modelyard.protocol.openai import (
     SamplingFields,
 )
 from modelyard.protocol.responses import JSONResponse
+from modelyard.worker import prefix_notes
 from modelyard.worker.checked_params import admit, check_choices
 from modelyard.worker.fanout import FanOut, Usage, streaming_response, wants_stamps
 from modelyard.worker.logprobs import chat_logprobs, completion_logprobs
-from modelyard.worker import prefix_notes
 from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.prompt_bounds import PromptBudget
 from modelyard.worker.reasoning import ReasoningSplitter, Thinking, reasoning_format
