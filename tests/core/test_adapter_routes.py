@@ -5,8 +5,8 @@ load."""
 
 from __future__ import annotations
 
+from modelyard.core.adapter_affinity import adapter_hint
 from modelyard.core.adapter_routes import internal_name, is_internal, target_for
-from modelyard.core.prefix_affinity import adapter_hint
 from modelyard.core.routing import EndpointRoute, ReplicaRoute, RoutingTable
 
 

@@ -160,22 +160,23 @@ class PlatformSettings(CapacitySettings):
     )
     prefix_aware_routing: bool = Field(
         True,
-        description="With several replicas, send a request to the replica its prompt prefix "
-        "(model, cache namespace, tools, leading system messages) hashes to, within bounded "
-        "load; off: always the least-loaded replica.",
+        description="With several replicas, send a request to the replica whose prefix cache "
+        "holds the longest prefix of its prompt (each replica reports what it holds), within "
+        "bounded load; off: always the least-loaded replica.",
+    )
+    cache_routing_load_factor: float = Field(
+        1.0,
+        ge=1.0,
+        description="Cache-aware routing: a replica keeps its affinity only while its requests "
+        "in flight stay below this factor of the fair share (the mean over the replicas, "
+        "counting the request, rounded up); else the least-loaded replica takes the request.",
     )
     prefix_routing_load_factor: float = Field(
         1.25,
         ge=1.0,
-        description="Prefix-aware routing: a replica takes a request only while its requests in "
-        "flight stay within this factor of the fair share (the mean over the replicas); "
-        "else the next replica for the prefix, then the least-loaded.",
-    )
-    prefix_routing_chars: int = Field(
-        2048,
-        ge=16,
-        description="Prefix-aware routing: characters of the rendered leading prompt hashed into "
-        "its key (about 4 per token).",
+        description="Adapter routing: a replica takes a registry adapter's request only while "
+        "its requests in flight stay within this factor of the fair share (the mean over the "
+        "replicas); else the adapter's next replica, then the least-loaded.",
     )
     local_artifact_roots: list[Path] = Field(
         default_factory=list,

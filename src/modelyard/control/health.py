@@ -20,6 +20,7 @@ import httpx
 from modelyard.config import PlatformSettings
 from modelyard.control.backends.base import Backend
 from modelyard.control.state import EndpointState, Replica
+from modelyard.core.prefix_keys import decode_digest
 from modelyard.core.routing import CapacityReport, RoutingTable
 from modelyard.core.status import ReplicaState
 
@@ -78,6 +79,13 @@ class ReplicaHealth:
                 error = None
             return f"health check answered {r.status_code}" + (f": {error}" if error else "")
         replica.load = r.json()
+        report = replica.load.pop("prefix_digest", None)
+        if replica.route is not None and isinstance(report, dict):
+            # What its prefix cache holds, for cache-aware routing (`core/cache_routing.py`).
+            held = decode_digest(report.get("keys"))
+            generation = report.get("generation")
+            if held is not None and isinstance(generation, int):
+                replica.route.cache.update(held, generation)
         capacity = int(replica.load.get("kv_cache_capacity_tokens") or 0)
         if replica.route is not None and capacity:
             # The spec's admission formula: KV memory / the KV one request needs on average,

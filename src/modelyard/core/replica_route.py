@@ -1,12 +1,14 @@
 """One replica as the gateway routes to it: its address, whether it takes requests, what this
 process has in flight on it (batch items counted apart), its admission limit, its circuit
-breaker, and the free capacity its last health report gave (backfill reads it)."""
+breaker, the free capacity its last health report gave (backfill reads it) and the prefix
+blocks it holds (cache-aware routing reads them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from modelyard.core.breaker import CircuitBreaker
+from modelyard.core.cache_routing import ReplicaCache
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class ReplicaRoute:
     max_concurrency: int | None = None
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     version_id: str | None = None  # the registry version it serves
+    cache: ReplicaCache = field(default_factory=ReplicaCache)  # what its prefix cache holds
 
     def usable(self, now: float, exclude: set[str] | None) -> bool:
         """In routing, its breaker lets requests through, and this request has not tried it."""

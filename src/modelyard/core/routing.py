@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from modelyard.core import prefix_affinity
+from modelyard.core.adapter_affinity import AdapterHint
 from modelyard.core.adapter_routes import AdapterIndex, AdapterMap, drop_from
 from modelyard.core.admission_queue import AdmissionQueue
-from modelyard.core.prefix_affinity import PrefixHint
+from modelyard.core.cache_routing import CacheHint
 from modelyard.core.replica_route import CapacityReport, ReplicaRoute
 
 __all__ = [
@@ -347,13 +347,14 @@ class RoutingTable:
         route: EndpointRoute,
         exclude: set[str] | None = None,
         affinity: str | None = None,
-        prefix: PrefixHint | None = None,
+        prefix: CacheHint | AdapterHint | None = None,
         batch: bool = False,
     ) -> ReplicaRoute | None:
         """The least-loaded replica with room, of the version drawn by weight (see the module's
-        docstring), or with a `prefix` hint the one its prompt prefix maps to within bounded load
-        (`core/prefix_affinity.py`); None while none has room (the caller waits) or every one
-        was tried."""
+        docstring), or with a `prefix` hint the one holding the longest cached prefix of the
+        prompt (`core/cache_routing.py`) or the request's adapter (`core/adapter_affinity.py`),
+        within bounded load; None while none has room (the caller waits) or every one was
+        tried."""
         now = time.monotonic()
         usable = [r for r in route.replicas if r.usable(now, exclude)]
         if len(route.weights) > 1 or (
@@ -371,9 +372,11 @@ class RoutingTable:
         candidates = [r for r in usable if r.has_room(batch)]
         if not candidates:
             return None
-        chosen = prefix_affinity.choose(prefix, candidates, usable) if prefix else None
+        chosen = prefix.choose(candidates, usable) if prefix else None
         if chosen is None:
             chosen = min(candidates, key=lambda r: r.outstanding)
+        if prefix:
+            prefix.sent(chosen)
         chosen.breaker.on_send(now)
         return chosen
 

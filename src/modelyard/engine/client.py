@@ -11,7 +11,9 @@ holds it to that). As vLLM's `EngineClient`, it is a handful of names:
   `check_request` (`RequestRejected` naming the field), `compile_grammar` (`ValueError`);
 - requests: `generate`, one async stream of `RequestOutput`s each; leaving the stream early
   aborts the request (its blocks are freed at the next step);
-- its load: `snapshot` (`EngineSnapshot`, the gauges and counters of /health and /metrics).
+- its load: `snapshot` (`EngineSnapshot`, the gauges and counters of /health and /metrics);
+- its prefix cache, for cache-aware routing: `note_prefix` (a request's gateway prefix keys),
+  `prefix_digest` (those its cache holds: `engine/prefix_digest.py`).
 
 `LocalEngineClient` is the one implementation: an `AsyncEngine` (the engine loop in a thread of
 this process), built from settings by `LocalEngineClient.load`.
@@ -21,9 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import threading
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,10 +33,13 @@ from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestT
 from modelyard.engine.cores import usable_cores
 from modelyard.engine.defaults import Numerics
 from modelyard.engine.faults import RequestFailed, RequestInvalid
+from modelyard.engine.grammar_threads import grammar_executor
+from modelyard.engine.kv_cache_manager import salt_bytes
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.loading import resolve_device
 from modelyard.engine.lora.engine_hooks import check_adapter
 from modelyard.engine.models.bundled import resolve_model_path
+from modelyard.engine.prefix_digest import PrefixDigest
 from modelyard.engine.request_checks import RequestRejected
 from modelyard.engine.requests import RequestOutput, SequenceDelta
 from modelyard.engine.sampling_params import MAX_N, SamplingParams
@@ -187,6 +190,22 @@ class EngineClient(Protocol):
 
     def snapshot(self) -> EngineSnapshot: ...
 
+    # ----- its prefix cache ----------------------------------------------------------------
+
+    def note_prefix(
+        self,
+        prompt_token_ids: list[int],
+        cache_salt: str | None,
+        keys: Sequence[bytes],
+        ends: Sequence[int],
+    ) -> None:
+        """The gateway's prefix keys of a request (key i spans its first `ends[i]` tokens)."""
+        ...
+
+    def prefix_digest(self, limit: int) -> tuple[int, list[bytes]]:
+        """(generation, up to `limit` noted keys whose KV blocks the prefix cache holds)."""
+        ...
+
 
 def _lora_loaded(lora: Any) -> tuple[str, ...]:
     """The adapters in slots, read from another thread than the engine's (a step that loads
@@ -211,43 +230,14 @@ def served_settings(settings: EngineSettings) -> EngineSettings:
     return settings
 
 
-GRAMMAR_THREADS = 2
-GRAMMAR_STACK_BYTES = 256 * 1024 * 1024  # address space; only what is used is committed
-_executor: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
-
-
-def _grammar_executor() -> ThreadPoolExecutor:
-    """The grammar threads (created once, each with a large stack). Compiling a grammar and
-    probing a request's fresh matcher on its first mask run here, never on the engine's thread
-    or an event loop: llguidance compiles a grammar's chain of rules recursively, and a 48 kB
-    Lark grammar of 2,800 chained rules overflows a default 8 MiB thread stack (the whole
-    worker dies of SIGSEGV); the worker's spec bound (64 KiB) allows ~5,500 such rules, ~16 MiB
-    of stack. Two threads: hostile grammars queue behind each other instead of taking every core
-    from the engine."""
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            previous = threading.stack_size(GRAMMAR_STACK_BYTES)
-            try:
-                _executor = ThreadPoolExecutor(GRAMMAR_THREADS, "modelyard-grammar")
-                # Threads start on submit, one per task that finds none idle: start them all
-                # now, while the size is set (each task waits until every thread runs one).
-                started = threading.Barrier(GRAMMAR_THREADS)
-                futures = [_executor.submit(started.wait) for _ in range(GRAMMAR_THREADS)]
-                for future in futures:
-                    future.result()
-            finally:
-                threading.stack_size(previous)
-        return _executor
-
-
 class LocalEngineClient:
     """`EngineClient` over an `AsyncEngine` in this process."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._core = engine.engine
+        kv = self._core.kv
+        self._digest = PrefixDigest(kv, max(4096, kv.num_blocks))
 
     @classmethod
     def load(cls, model: str | Path, settings: EngineSettings) -> LocalEngineClient:
@@ -323,7 +313,7 @@ class LocalEngineClient:
         context = contextvars.copy_context()
         loop = asyncio.get_running_loop()
         prepared = await loop.run_in_executor(
-            _grammar_executor(), context.run, self._core.grammars.prepare, structured
+            grammar_executor(), context.run, self._core.grammars.prepare, structured
         )
         return StructuredOutput(structured.kind, structured.spec, prepared)
 
@@ -371,3 +361,17 @@ class LocalEngineClient:
             spec_emitted_tokens=e.spec_stats.emitted_tokens,
             max_num_seqs=e.scheduler.max_num_seqs,
         )
+
+    # ----- its prefix cache ----------------------------------------------------------------
+
+    def note_prefix(
+        self,
+        prompt_token_ids: list[int],
+        cache_salt: str | None,
+        keys: Sequence[bytes],
+        ends: Sequence[int],
+    ) -> None:
+        self._digest.note(prompt_token_ids, salt_bytes(cache_salt), keys, ends)
+
+    def prefix_digest(self, limit: int) -> tuple[int, list[bytes]]:
+        return self._digest.notes, self._digest.held(limit)

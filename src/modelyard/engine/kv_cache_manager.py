@@ -33,6 +33,11 @@ def salt_root(salt: bytes) -> bytes:
     return hashlib.blake2b(salt, digest_size=16, person=b"modelyard-salt").digest()
 
 
+def salt_bytes(cache_salt: str | None) -> bytes:
+    """A request's cache salt as the engine chains it (an adapter's requests add its own)."""
+    return cache_salt.encode("utf-8") if cache_salt else b""
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 

@@ -17,7 +17,7 @@ from modelyard.config import EngineSettings
 from modelyard.engine.defaults import Numerics
 from modelyard.engine.faults import RequestFailed, RequestInvalid, is_fatal
 from modelyard.engine.grammar import GrammarCompiler, GrammarViolation
-from modelyard.engine.kv_cache_manager import KVCacheManager
+from modelyard.engine.kv_cache_manager import KVCacheManager, salt_bytes
 from modelyard.engine.loading import load
 from modelyard.engine.lora.engine_hooks import AdapterWaitlist, adapter_namespace
 from modelyard.engine.model_runner import ModelRunner
@@ -165,7 +165,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         arrival = time.monotonic() if arrival is None else arrival
-        salt = cache_salt.encode("utf-8") if cache_salt else b""
+        salt = salt_bytes(cache_salt)
         lora = lora if lora is not None else params.lora
         if lora is not None:
             salt += b"\0lora\0" + adapter_namespace(self.runner, lora)

@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from modelyard.core.adapter_affinity import AdapterHint
 from modelyard.core.adapter_routes import AdapterTarget
+from modelyard.core.cache_routing import CacheHint
 from modelyard.core.identity import Principal
-from modelyard.core.prefix_affinity import PrefixHint
 from modelyard.core.routing import EndpointRoute
 from modelyard.gateway.rate_decision import Decision
 from modelyard.protocol.errors import GRAMMAR_FAILED
@@ -63,7 +64,8 @@ class Call:
     # keeps a user or session on one version while the weights stay (its `user`, x-session-id).
     version_id: str | None = None
     affinity: str | None = None
-    prefix: PrefixHint | None = None  # where its prompt prefix is likely cached (several replicas)
+    # Its prompt's prefix keys (the replica holding the longest cached prefix), or its adapter.
+    prefix: CacheHint | AdapterHint | None = None
     budget: BudgetHold | None = None  # spend held on its budgets since admission
     adapter: AdapterTarget | None = None  # the tenant's registry LoRA adapter it names
     # The client's `<model>:<name>` when it names an adapter of the engine's `lora_dir`

@@ -18,9 +18,11 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from modelyard.config import PlatformSettings
+from modelyard.core.adapter_affinity import AdapterHint, adapter_hint
 from modelyard.core.adapter_routes import AdapterTarget
+from modelyard.core.cache_routing import CacheHint
 from modelyard.core.identity import Principal
-from modelyard.core.prefix_affinity import PrefixHint, adapter_hint, prefix_hint
+from modelyard.core.prefix_keys import prefix_keys
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import Accounting
 from modelyard.gateway.admission import (
@@ -109,17 +111,20 @@ class Gateway:
 
     def _prefix(
         self, payload: dict[str, Any], route: EndpointRoute, adapter: AdapterTarget | None
-    ) -> PrefixHint | None:
-        """The request's prefix key, when there is a choice of replica to make with it; for a
-        registry adapter, its name: its requests go where it is loaded (bounded load)."""
+    ) -> CacheHint | AdapterHint | None:
+        """For a registry adapter, its name: its requests go where it is loaded (bounded load);
+        else the prompt's prefix keys (`core/prefix_keys.py`): the replica holding the longest
+        cached prefix takes it (`core/cache_routing.py`). Keyed with one replica too, so that
+        its cache is known when a second one comes."""
         s = self.settings
-        if len(route.replicas) < 2:
-            return None
         if adapter is not None:
+            if len(route.replicas) < 2:
+                return None
             return adapter_hint(adapter.internal, s.prefix_routing_load_factor)
         if not s.prefix_aware_routing:
             return None
-        return prefix_hint(payload, s.prefix_routing_chars, s.prefix_routing_load_factor)
+        keys = prefix_keys(payload)
+        return CacheHint(keys, s.cache_routing_load_factor) if keys is not None else None
 
     async def _replica(self, call: Call, tried: set[str]) -> ReplicaRoute | None:
         """The replica choice alone (the admission queue's tests drive it directly)."""

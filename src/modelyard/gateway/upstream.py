@@ -18,6 +18,7 @@ import orjson
 from modelyard.config import PlatformSettings
 from modelyard.core import tracing
 from modelyard.core.admission_queue import AdmissionRefused, Waiter, admission_rank
+from modelyard.core.cache_routing import CacheHint
 from modelyard.core.cluster_auth import replica_headers
 from modelyard.core.errors import (
     DomainError,
@@ -26,6 +27,7 @@ from modelyard.core.errors import (
     UpstreamFailed,
     model_not_found,
 )
+from modelyard.core.prefix_keys import HEADER as PREFIX_KEYS_HEADER
 from modelyard.core.routing import Activate, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.call import Call
 from modelyard.gateway.metrics import GatewayMetrics
@@ -239,6 +241,7 @@ class Upstream:
                             # Each streamed event's token count, to bill what the client got.
                             **_STAMPS,
                             **tracing.outbound_headers(),
+                            **_prefix_header(call),
                         },
                         timeout=self._stream_timeout if stream else self._unary_timeout,
                     )
@@ -316,6 +319,13 @@ class Upstream:
         self.stats.record(call.route.endpoint_id, replica.version_id, ok, latency)
         call.status_code = response.status
         return response.status, content
+
+
+def _prefix_header(call: Call) -> dict[str, str]:
+    """The request's prefix keys, for the replica to tie to its KV blocks (cache routing)."""
+    if isinstance(call.prefix, CacheHint):
+        return {PREFIX_KEYS_HEADER: call.prefix.header()}
+    return {}
 
 
 def _reported_tokens(value: str | None) -> int:

@@ -22,6 +22,7 @@ from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 from modelyard.protocol.responses import JSONResponse
 from modelyard.protocol.responses_api import ResponsesRequest
 from modelyard.protocol.route_warmup import warm_routes
+from modelyard.worker import prefix_notes
 from modelyard.worker.auth import install_token_check
 from modelyard.worker.metrics import WorkerMetrics
 from modelyard.worker.openai_serving import OpenAIServing
@@ -110,6 +111,8 @@ def create_app(
             "max_model_len": engine.max_model_len,
             "busy_seconds": round(s.busy_seconds, 3),
             "failed_steps": s.failed_steps,
+            # Which gateway prefix keys its prefix cache holds (cache-aware routing).
+            "prefix_digest": prefix_notes.digest(engine),
         }
         if engine.numerics is not None:  # quantization and dtypes, and why (chosen at load)
             body["numerics"] = dataclasses.asdict(engine.numerics)

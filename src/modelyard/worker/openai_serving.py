@@ -39,6 +39,7 @@ from modelyard.protocol.openai import (
     SamplingFields,
 )
 from modelyard.protocol.responses import JSONResponse
+from modelyard.worker import prefix_notes
 from modelyard.worker.checked_params import admit, check_choices
 from modelyard.worker.fanout import FanOut, Usage, streaming_response, wants_stamps
 from modelyard.worker.logprobs import chat_logprobs, completion_logprobs
@@ -186,6 +187,7 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Any:
         job = await self.prepare_chat(req)
+        prefix_notes.note(self.engine, request.headers, job.prompt, req.cache_salt, job.params)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         created = int(time.time())
         base = {
@@ -322,6 +324,8 @@ class OpenAIServing:
             (p, admit(engine, req, p, req.max_tokens, req.logprobs, "prompt", structured, lora))
             for p in prompts
         ]
+        if len(jobs) == 1:
+            prefix_notes.note(engine, request.headers, jobs[0][0], req.cache_salt, jobs[0][1])
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         created = int(time.time())
         response_id = f"cmpl-{request_id}"
