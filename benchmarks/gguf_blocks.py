@@ -82,7 +82,8 @@ def main() -> None:
     isa = {0: "plain C", 2: "AVX2", 3: "AVX-512 VNNI"}[kernels.gguf_matmul_isa] if kernels else "-"
     print(
         f"model {args.model}; {platform.machine()}, {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads; gguf matmul: {isa}"
+        f"{torch.__version__}, {torch.get_num_threads()} threads; gguf matmul: {isa}",
+        flush=True,
     )
     rates: dict[str | None, list[float]] = {mode: [] for mode in MODES}
     for r in range(args.rounds + 1):  # round 0 warms up, not counted
@@ -90,6 +91,7 @@ def main() -> None:
             rate = decode_tok_s(engine, args.tokens, f"{mode}-{r}")
             if r:
                 rates[mode].append(rate)
+            print(f"round {r} {mode or 'float32'}: {rate:.1f} tok/s", flush=True)
     base = statistics.median(rates[None])
     print(f"\n{'mode':<8} {'tok/s':>7} {'x fp32':>7} {'MB/token':>9} {'rounds'}")
     for mode in MODES:

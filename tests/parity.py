@@ -112,4 +112,3 @@ def portable_kernel_builds() -> dict[str, cpu_kernels.CpuKernels]:
         assert portable is not None, "the kernels build natively but not in portable C"
         builds["portable-c"] = portable
     return builds
-

@@ -56,9 +56,8 @@ def random_blocks(rows: int, cols: int, ggml_type: int, gen: np.random.Generator
 
 
 def dequantized(blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
-    from gguf.quants import dequantize
-
     import gguf
+    from gguf.quants import dequantize
 
     kind = gguf.GGMLQuantizationType(ggml_type)
     return torch.from_numpy(np.asarray(dequantize(blocks, kind), dtype=np.float32).copy())

@@ -87,9 +87,9 @@ class EngineSettings(SettingsBase):
         description="Quantization of the linear layers and embedding: int8 = weight-only "
         "per-output-channel int8 (~26 % of float32 weight memory); w8a8 = int8 weights and "
         "per-token int8 activations after SmoothQuant calibration (FBGEMM; x86 CPUs, float32; "
-        "1.7-3.5x float32's tokens/s on AVX2, less accurate, ~56 % of float32 memory); gguf = a GGUF "
-        "file's Q4_0/Q4_1/Q8_0 blocks kept as they are, read in place by the C matmul against "
-        "int8 activations (its other matrices stay float; CPU, float32).",
+        "1.7-3.5x float32's tokens/s on AVX2, less accurate, ~56 % of float32 memory); "
+        "gguf = a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as they are, read in place by the C "
+        "matmul against int8 activations (its other matrices stay float; CPU, float32).",
     )
     max_loras: int = Field(
         0, ge=0, description="LoRA adapter slots held at once (LRU); 0 = no LoRA serving."

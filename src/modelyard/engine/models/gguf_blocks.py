@@ -87,7 +87,9 @@ def keep_gguf_blocks(model: LlamaForCausalLM, gguf_path: Path, dtype: torch.dtyp
     embedding = file.rows("token_embd.weight")
     if embedding is not None:
         data, ggml_type, dim = embedding
-        model.model.embed_tokens = GGUFEmbedding(torch.from_numpy(data.copy()), ggml_type, dim, dtype)
+        model.model.embed_tokens = GGUFEmbedding(
+            torch.from_numpy(data.copy()), ggml_type, dim, dtype
+        )
         swapped += 1
     if model.lm_head is not None:
         swap(model, "lm_head", [("output.weight", None)])
