@@ -35,7 +35,7 @@ from modelyard.engine.gguf_linear import (
 )
 from modelyard.engine.models.loader import load_model
 from tests.parity import PORTABLE_FLAGS, portable_kernel_builds
-from tests.tiny_gguf import HIDDEN, KV_HEADS, LAYERS, VOCAB, build_gguf, hf_folder
+from tests.tiny_gguf_blocks import HIDDEN, KV_HEADS, LAYERS, VOCAB, build_gguf, hf_folder
 
 pytestmark = pytest.mark.skipif(
     load_kernels(EngineSettings().cache_dir) is None, reason="no C compiler here"
