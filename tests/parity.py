@@ -97,3 +97,18 @@ def kernel_builds() -> dict[str, cpu_kernels.CpuKernels]:
         assert plain is not None, "the kernels build natively but not without AVX-512"
         builds["plain-c"] = plain
     return builds
+
+
+PORTABLE_FLAGS = ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")
+
+
+@functools.cache
+def portable_kernel_builds() -> dict[str, cpu_kernels.CpuKernels]:
+    """`kernel_builds`, and (x86) the portable C form, built without AVX2, FMA and F16C too (the
+    kernels whose vector forms start at AVX2 take their plain-C forms only there)."""
+    builds = dict(kernel_builds())
+    if builds and platform.machine() in ("x86_64", "AMD64"):
+        portable = cpu_kernels.build_kernels(EngineSettings().cache_dir, PORTABLE_FLAGS)
+        assert portable is not None, "the kernels build natively but not in portable C"
+        builds["portable-c"] = portable
+    return builds

@@ -7,8 +7,6 @@ engine steps with batched per-row LoRA.
 
 from __future__ import annotations
 
-import functools
-import platform
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,15 +19,13 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from modelyard.config import EngineSettings
-from modelyard.engine.cpu_kernels import CpuKernels, build_kernels
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.lora.layers import LoRABatch, LoRALinear
 from modelyard.engine.lora.manager import LoRASlotsBusy
 from modelyard.engine.request_checks import RequestRejected
 from modelyard.engine.sampling_params import SamplingParams
 from tests.conftest import WorkerProcess
-from tests.parity import hf_greedy, kernel_builds, make_engine
+from tests.parity import hf_greedy, kernel_builds, make_engine, portable_kernel_builds
 from tests.tiny_models import build_model
 
 peft = pytest.importorskip("peft")
@@ -134,18 +130,6 @@ def test_mixed_batch_equals_peft_merged(tiny: tuple[Path, dict[str, Path]], kern
     assert len({tuple(got[n]) for n in ("base", "a1", "a2", "a3")}) == 4  # adapters matter
 
 
-@functools.cache
-def lora_kernel_builds() -> dict[str, CpuKernels]:
-    """`kernel_builds`, and (x86) the portable C form, built without AVX2, FMA and F16C too."""
-    builds = dict(kernel_builds())
-    if builds and platform.machine() in ("x86_64", "AMD64"):
-        flags = ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")
-        portable = build_kernels(EngineSettings().cache_dir, flags)
-        assert portable is not None, "the kernels build natively but not in portable C"
-        builds["portable-c"] = portable
-    return builds
-
-
 @pytest.mark.skipif(not kernel_builds(), reason="no C compiler here")
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(
@@ -176,7 +160,7 @@ def test_c_kernel_adds_each_rows_own_update(
     widths, weights in float32, bfloat16 and float16, activations in float32 and bfloat16;
     against the same arithmetic in float64; the native build, the one without AVX-512 (AVX2
     where the CPU has it) and portable C."""
-    kernels = lora_kernel_builds().get(build)
+    kernels = portable_kernel_builds().get(build)
     if kernels is None:
         return  # not x86: only the native build
     gen = torch.Generator().manual_seed(seed)

@@ -47,6 +47,7 @@ HEADER = kernel_header.read()  # csrc/kernels.h: the interface, and the types be
 Attention = HEADER.struct("my_attention")
 RopeKV = HEADER.struct("my_rope_kv")
 Linear = HEADER.struct("my_linear")
+GGUFLinear = HEADER.struct("my_gguf_linear")
 LoRA = HEADER.struct("my_lora")
 # the weights' dtypes `lora_add` reads: `my_lora.w_dtype`
 LORA_WEIGHTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -65,6 +66,10 @@ class CpuKernels:
         self._rope_write_kv = c["my_rope_write_kv"]
         self._smooth_rows = c["my_smooth_rows"]
         self._int8_matmul = c["my_int8_matmul"]
+        self._gguf_matmul = c["my_gguf_matmul"]
+        self.gguf_block_bytes = c["my_gguf_block_bytes"]
+        # The GGUF matmul's form in this build: 0 plain C, 2 AVX2, 3 AVX-512 VNNI.
+        self.gguf_matmul_isa = int(c["my_gguf_matmul_isa"]())
         self._decode_step = c["my_decode_step"]
         self._lora_add = c["my_lora_add"]
         self._decode_step_scratch = c["my_decode_step_scratch"]
@@ -200,6 +205,39 @@ class CpuKernels:
             row_scales.data_ptr(),
             self.matmul_threads,
         )
+        return out
+
+    def gguf_matmul(
+        self,
+        x: torch.Tensor,  # [rows, K] float32, contiguous; K a multiple of 32
+        blocks: torch.Tensor,  # [N, K / 32 * block bytes] uint8, contiguous
+        ggml_type: int,  # 2 Q4_0, 3 Q4_1, 8 Q8_0
+        bias: torch.Tensor | None,  # [N] float32
+    ) -> torch.Tensor:
+        """`quantize(x) @ W^T (+ bias)` with W in GGUF blocks (`csrc/gguf_matmul.c`), x
+        quantized to int8 per block of 32; on `matmul_threads` threads."""
+        rows, cols = x.shape
+        out = torch.empty(rows, blocks.shape[0])
+        quantized = torch.empty(rows, cols, dtype=torch.int8)
+        scales = torch.empty(2 * rows * (cols // 32))
+        linear = GGUFLinear(
+            blocks=blocks.data_ptr(),
+            bias=data_ptr(bias),
+            out_features=blocks.shape[0],
+            in_features=cols,
+            type=ggml_type,
+        )
+        failed = self._gguf_matmul(
+            x.data_ptr(),
+            rows,
+            ctypes.byref(linear),
+            out.data_ptr(),
+            quantized.data_ptr(),
+            scales.data_ptr(),
+            self.matmul_threads,
+        )
+        if failed:
+            raise ValueError(f"GGUF matmul: GGML type {ggml_type} with {cols} inputs not taken")
         return out
 
     def lora_args(

@@ -19,7 +19,12 @@ from modelyard.engine.lora.manager import LoRAManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import DTYPES, ModelRunner
 from modelyard.engine.models.bundled import resolve_model_path
-from modelyard.engine.models.loader import load_model, read_model_config, to_hf_folder
+from modelyard.engine.models.loader import (
+    gguf_file,
+    load_model,
+    read_model_config,
+    to_hf_folder,
+)
 from modelyard.engine.models.moe import check_moe_features
 from modelyard.engine.models.sharding import check_tensor_parallel
 from modelyard.engine.tensor_parallel.leader import TensorParallelLeader
@@ -60,7 +65,7 @@ def cpu_has_native_bfloat16() -> bool:
 
 def resolve_dtype(name: str, device: torch.device, quantization: str) -> torch.dtype:
     if name == "auto":
-        if quantization == "w8a8":  # FBGEMM's int8 matmuls take and give float32
+        if quantization in ("w8a8", "gguf"):  # their int8 matmuls take and give float32
             return torch.float32
         if device.type == "cuda" or cpu_has_native_bfloat16():
             return torch.bfloat16
@@ -152,6 +157,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
             tp_rank=0,
             tp_size=tp,
             quantization=quantized,
+            gguf_path=gguf_file(model) if quantized == "gguf" else None,
         )
         runner = ModelRunner(
             loaded.model,

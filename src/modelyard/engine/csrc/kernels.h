@@ -77,6 +77,28 @@ MY_API void my_int8_matmul(const float *x, int64_t rows, const my_linear *w, flo
 /* Whether this build has the vector product (where not, PyTorch's int8 matmul is faster). */
 MY_API int my_int8_matmul_vectorized(void);
 
+/* ----- gguf_matmul.c ---------------------------------------------------------------------- */
+
+/* A linear layer's weights as a GGUF file's quantized blocks, row after row. */
+typedef struct {
+    const uint8_t *blocks; /* [out_features, in_features / 32 blocks] */
+    const float *bias;     /* [out_features] or NULL */
+    int64_t out_features, in_features; /* in_features a multiple of 32 */
+    int type;                          /* GGML's type: 2 Q4_0, 3 Q4_1, 8 Q8_0 */
+} my_gguf_linear;
+
+/* out[rows, out_features] = quantize(x) . W^T (+ bias), x [rows, in_features] quantized to int8
+ * in blocks of 32; xq: rows * in_features bytes and xscale: 2 * rows * in_features / 32 floats
+ * of scratch. Returns 0, or -1 (nothing written) for a type or in_features it does not take. */
+MY_API int my_gguf_matmul(const float *x, int64_t rows, const my_gguf_linear *w, float *out,
+                          int8_t *xq, float *xscale, int n_threads);
+
+/* Bytes of one block of 32 weights of GGML type `type`; 0 for a type the matmul does not take. */
+MY_API int my_gguf_block_bytes(int type);
+
+/* The matmul's form in this build: 0 plain C, 2 AVX2, 3 AVX-512 VNNI. */
+MY_API int my_gguf_matmul_isa(void);
+
 /* ----- lora.c ----------------------------------------------------------------------------- */
 
 /* Each adapter row's y[row] += x[row] @ A[slot] @ B[slot], rows grouped by slot. */

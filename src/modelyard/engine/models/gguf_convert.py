@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 # llama.cpp's converter interleaves the rotary halves of Q and K for these architectures only.
-_PERMUTED_QK_ARCHS = {"llama", "mistral"}
+PERMUTED_QK_ARCHS = {"llama", "mistral"}
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -56,7 +56,7 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return default
@@ -64,12 +64,12 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def _hf_config(reader: Any) -> dict[str, Any]:
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch not in _ARCH_TO_MODEL_TYPE:
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported")
 
     def get(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return field(reader, f"{arch}.{key}", default)
 
     if get("expert_count"):  # Mixtral's GGUF says "llama": its experts are not converted
         raise UnsupportedModelError(
@@ -78,7 +78,7 @@ def _hf_config(reader: Any) -> dict[str, Any]:
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    vocab = get("vocab_size") or len(field(reader, "tokenizer.ggml.tokens"))
     cfg: dict[str, Any] = {
         "architectures": [f"{arch.capitalize()}ForCausalLM"],
         "model_type": _ARCH_TO_MODEL_TYPE[arch],
@@ -95,8 +95,8 @@ def _hf_config(reader: Any) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "hidden_act": "silu",
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
     if arch in ("qwen2", "qwen3"):
@@ -104,13 +104,13 @@ def _hf_config(reader: Any) -> dict[str, Any]:
     return cfg
 
 
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation back to Hugging Face's rotate-half layout."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str) -> str | None:
     base, _, kind = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
@@ -123,25 +123,25 @@ def _hf_tensor_name(gguf_name: str) -> str | None:
 def _state_dict(reader: Any, cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = _hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name)
         if name is None:
             log.info("skipping GGUF tensor %s", t.name)
             continue
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])
-        if arch in _PERMUTED_QK_ARCHS and name.endswith("q_proj.weight"):
-            w = _unpermute(w, cfg["num_attention_heads"])
-        elif arch in _PERMUTED_QK_ARCHS and name.endswith("k_proj.weight"):
-            w = _unpermute(w, cfg["num_key_value_heads"])
+        if arch in PERMUTED_QK_ARCHS and name.endswith("q_proj.weight"):
+            w = unpermute(w, cfg["num_attention_heads"])
+        elif arch in PERMUTED_QK_ARCHS and name.endswith("k_proj.weight"):
+            w = unpermute(w, cfg["num_key_value_heads"])
         tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
     return tensors
 
 
 def _chat_template(reader: Any) -> str | None:
-    template = _field(reader, "tokenizer.chat_template")
+    template = field(reader, "tokenizer.chat_template")
     return str(template) if template else None
 
 

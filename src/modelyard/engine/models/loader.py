@@ -13,6 +13,7 @@ import torch
 
 from modelyard.engine.models.bundled import ModelNotFoundError, resolve_model_path
 from modelyard.engine.models.config import ModelConfig
+from modelyard.engine.models.gguf_blocks import keep_gguf_blocks
 from modelyard.engine.models.gguf_convert import convert_gguf
 from modelyard.engine.models.llama import LlamaForCausalLM
 from modelyard.engine.models.moe import check_moe_features, checkpoint_name
@@ -31,6 +32,12 @@ def to_hf_folder(ref: str | Path, cache_dir: Path) -> Path:
     if path.is_file():
         raise ModelNotFoundError(f"{path}: expected a .gguf file or a Hugging Face model folder")
     return path
+
+
+def gguf_file(ref: str | Path) -> Path | None:
+    """The GGUF file a model reference names, or None where it names a folder."""
+    path = resolve_model_path(ref)
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def read_model_config(folder: Path) -> ModelConfig:
@@ -94,9 +101,12 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     quantization: str | None = None,
+    gguf_path: Path | None = None,
 ) -> LoadedModel:
     """Load the model, or with `tp_size > 1` rank `tp_rank`'s shard of it (see `sharding`);
-    `quantization`: "int8" (weight-only) or "w8a8" linears (see `engine.quantization`)."""
+    `quantization`: "int8" (weight-only) or "w8a8" linears (see `engine.quantization`), or
+    "gguf": the blocks of `gguf_path`, the file `folder` was converted from, kept as they are
+    (see `models.gguf_blocks`)."""
     cfg = read_model_config(folder)
     check_moe_features(cfg, tp_size, quantization)
     check_tensor_parallel(cfg, tp_size)
@@ -121,8 +131,18 @@ def load_model(
     model = model.to(device).eval()
     if quantization in QUANTIZATIONS:
         quantize_model(model, dtype, quantization)
+        return LoadedModel(model=model, config=cfg, folder=folder)
+    if quantization == "gguf":
+        if gguf_path is None:
+            raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks: {folder} is no GGUF")
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(
+                f"quantization 'gguf' runs on CPUs with float32 activations, not {device} {dtype}"
+            )
+        keep_gguf_blocks(model, gguf_path, dtype)  # the other matrices stay float, packed below
     elif quantization is not None:
-        raise ValueError(f"unknown quantization {quantization!r}; supported: {QUANTIZATIONS}")
-    elif pack_cpu_linears and packing_available(device, dtype):
+        supported = (*QUANTIZATIONS, "gguf")
+        raise ValueError(f"unknown quantization {quantization!r}; supported: {supported}")
+    if pack_cpu_linears and packing_available(device, dtype):
         model.pack_for_cpu()
     return LoadedModel(model=model, config=cfg, folder=folder)
