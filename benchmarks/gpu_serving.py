@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import _free_port, _stop, _wait_ready, make_prompts, run_load, summarize  # noqa: E402
-from serving import parse_args as serving_args  # noqa: E402
+from serving import _free_port, _stop, _wait_ready, make_prompts, run_load, summarize
+from serving import parse_args as serving_args
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2**30, iters: int = 20) -> float:
@@ -75,7 +75,9 @@ def model_bytes(folder: Path, itemsize: int) -> tuple[int, int]:
     return params * itemsize, cfg.kv_bytes_per_token(itemsize)
 
 
-def launch(args: argparse.Namespace, folder: Path, port: int, slots: int) -> subprocess.Popen[bytes]:
+def launch(
+    args: argparse.Namespace, folder: Path, port: int, slots: int
+) -> subprocess.Popen[bytes]:
     if args.server == "vllm":
         from modelyard.control.runtimes import vllm
 

@@ -17,7 +17,6 @@ from modelyard.engine import cpu_kernels
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.sampling_params import SamplingParams
 
-
 # The device engine tests run on: MODELYARD_TEST_DEVICE (cuda, cuda:1, cpu) when set, as
 # benchmarks/gpu.sh sets it; unset, the engine's own default (the `device` setting).
 TEST_DEVICE = os.environ.get("MODELYARD_TEST_DEVICE") or None

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from modelyard.engine.async_engine import AsyncEngine
-from modelyard.engine.draft_model import DraftModelDrafter, DraftMismatch
+from modelyard.engine.draft_model import DraftMismatch, DraftModelDrafter
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.sequence import Sequence
@@ -26,7 +26,9 @@ from tests.tiny_models import build_model
 @pytest.fixture(scope="module")
 def other_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-layer random model of the same tokenizer: it mostly disagrees with the target."""
-    return build_model(tmp_path_factory.mktemp("draft") / "llama", "llama", seed=7, num_hidden_layers=1)
+    return build_model(
+        tmp_path_factory.mktemp("draft") / "llama", "llama", seed=7, num_hidden_layers=1
+    )
 
 
 def draft_engine(target: Path, draft: Path, **kw: object) -> LLMEngine:
@@ -118,7 +120,7 @@ CHI2_DF5_P001 = 20.52  # chi-square critical value, 5 degrees of freedom, p = 0.
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_rejection_sampling_preserves_the_distribution(drafter: str) -> None:
     """Synthetic p (the target's rows) and q (the draft's): draft tokens drawn from q (or a fixed
-    token: prompt lookup's one-hot q); over 6000 seeds the first emitted token follows p's row 0
+    token: prompt lookup's one-hot q); over 2500 seeds the first emitted token follows p's row 0
     and, when the first draft token was accepted, the second follows p's row 1 (chi-square at
     p = 0.001 over 6 tokens, and total variation)."""
     logits = torch.tensor(
@@ -131,30 +133,29 @@ def test_rejection_sampling_preserves_the_distribution(drafter: str) -> None:
     p = logits.softmax(dim=1)
     first = torch.zeros(6)
     second = torch.zeros(6)
-    for s in range(6000):
+    for s in range(2500):
         seq = _seq(params, s)
         if drafter == "model":
             g = torch.Generator().manual_seed(10_000 + s)
             draft = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
             seq.draft_probs = q
         else:
-            draft = [3, 1]  # p(3) is small: mostly rejected
+            draft = [2, 3]  # p(2) ~ 0.5, p(3) small: rejected often at each position
         out = verify(logits, seq, draft)
         first[out[0]] += 1
-        if len(out) > 2 or (len(out) == 2 and out[0] == draft[0] and len(draft) >= 1):
-            if out[0] == draft[0] and len(out) >= 2:
-                second[out[1]] += 1
+        if len(out) >= 2:  # the first draft token was accepted: the second was verified
+            second[out[1]] += 1
     for counts, row in ((first, p[0]), (second, p[1])):
         assert counts.sum() > 300
         assert _chi2(counts, row) < CHI2_DF5_P001, (counts, row)
-        assert 0.5 * (counts / counts.sum() - row).abs().sum() < 0.04
+        assert 0.5 * (counts / counts.sum() - row).abs().sum() < 0.05
 
 
 def test_draft_model_sampling_matches_the_target(
     tiny_llama: Path, other_draft: Path, plain: LLMEngine
 ) -> None:
     """On the tiny models: the real drafter samples k tokens from the draft model's q for each
-    seed, the target's verifying step gives p, and the first emitted token over 3000 seeds
+    seed, the target's verifying step gives p, and the first emitted token over 800 seeds
     follows the target's softmax (temperature 0.7) as closely as the plain sampler's draws."""
     engine = draft_engine(tiny_llama, other_draft)
     drafter = drafter_of(engine)
@@ -169,7 +170,7 @@ def test_draft_model_sampling_matches_the_target(
     assert engine.kv.allocate(seq, len(prompt) - 1)
     engine.runner.execute(engine.runner.prepare([(seq, len(prompt) - 1)]))
     seq.num_computed_tokens = len(prompt) - 1
-    n = 3000
+    n = 800
     spec_counts = torch.zeros_like(target)
     plain_counts = torch.zeros_like(target)
     rejected = 0
@@ -186,7 +187,7 @@ def test_draft_model_sampling_matches_the_target(
         spec_counts[out[0]] += 1
         plain_counts[plain.sampler(want.unsqueeze(0), [_seq(params, s)])[0][0]] += 1
         engine.kv.trim(seq)
-    assert rejected > 100  # the other model's drafts are often rejected: the residual is drawn
+    assert rejected > 20  # the other model's drafts are often rejected: the residual is drawn
     tv_spec = 0.5 * (spec_counts / n - target).abs().sum()
     tv_plain = 0.5 * (plain_counts / n - target).abs().sum()
     assert tv_spec < 1.5 * tv_plain + 0.02, (tv_spec, tv_plain)
@@ -197,11 +198,11 @@ def test_draft_model_sampling_matches_the_target(
 def test_sampled_requests_run_to_the_end(tiny_llama: Path, other_draft: Path) -> None:
     """Sampled requests with drafts (seeded: the same output twice), with n=2 and top-p."""
     spec = draft_engine(tiny_llama, other_draft)
-    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=3, n=2, ignore_eos=True)
-    a = run_all(spec, PROMPTS, params)
-    b = run_all(spec, PROMPTS, params)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, n=2, ignore_eos=True)
+    a = run_all(spec, PROMPTS[:2], params)
+    b = run_all(spec, PROMPTS[:2], params)
     assert a == b
-    assert all(len(c["tokens"]) == 60 for c in a.values())
+    assert all(len(c["tokens"]) == 24 for c in a.values())
     assert spec.spec_stats.draft_tokens > 0
     drafter = drafter_of(spec)
     assert drafter.kv.pool.num_free == drafter.kv.num_blocks
@@ -215,7 +216,7 @@ def test_metrics(tiny_llama: Path) -> None:
     run_all(spec, [REPETITIVE], greedy(40))
     s = spec.spec_stats
     text = WorkerMetrics(LocalEngineClient(AsyncEngine(spec)), "tiny").render().decode()
-    assert f'modelyard_spec_decode_acceptance_rate{{model="tiny"}} 1.0' in text
+    assert 'modelyard_spec_decode_acceptance_rate{model="tiny"} 1.0' in text
     rate = s.emitted_tokens / s.spec_steps
     assert rate > 1.0
     assert f'modelyard_spec_decode_tokens_per_step{{model="tiny"}} {rate}' in text

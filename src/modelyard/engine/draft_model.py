@@ -31,7 +31,9 @@ from modelyard.engine.sequence import Sequence
 from modelyard.engine.spec_decode import speculable
 
 # Text both tokenizers must split into the same ids (a draft of another tokenizer is refused).
-_PROBE = "The quick brown fox jumps over the lazy dog. 1234 + 5678 = 6912; ¿Qué tal? 東京\n\tdef f(x):"
+_PROBE = (
+    "The quick brown fox jumps over the lazy dog. 1234 + 5678 = 6912; ¿Qué tal? 東京\n\tdef f(x):"
+)
 
 
 class DraftMismatch(ValueError):
@@ -110,7 +112,10 @@ class DraftModelDrafter:
         shadow = self._level(seq)
         draft: list[int] = []
         rows: list[torch.Tensor] = []
-        n = shadow.num_tokens - shadow.num_computed_tokens  # at least the last token
+        n = shadow.num_tokens - shadow.num_computed_tokens
+        if n == 0:  # it drafted these very tokens last time: compute the last one again
+            shadow.num_computed_tokens -= 1
+            n = 1
         for _ in range(k):
             if not self.kv.allocate(shadow, n):
                 self.release(seq)  # the cache is full: this sequence decodes plainly for now

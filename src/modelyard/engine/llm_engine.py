@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelyard.config import EngineSettings
+from modelyard.engine.draft_model import DraftModelDrafter, load_draft
 from modelyard.engine.faults import RequestFailed, RequestInvalid, is_fatal
 from modelyard.engine.grammar import GrammarCompiler, GrammarViolation
 from modelyard.engine.kv_cache_manager import KVCacheManager
-from modelyard.engine.draft_model import DraftModelDrafter, load_draft
 from modelyard.engine.loading import LoadedEngine, load
 from modelyard.engine.lora.engine_hooks import AdapterWaitlist, adapter_namespace
 from modelyard.engine.model_runner import ModelRunner

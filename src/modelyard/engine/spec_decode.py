@@ -164,9 +164,9 @@ def _verify_against(
     rows = torch.arange(len(draft), device=p.device)
     p_t = p[rows, index].tolist()
     q_t = q[rows, index.to(q.device)].tolist()
-    for i, token in enumerate(draft):
+    for i in range(len(draft)):
         if q_t[i] <= 0.0 or _uniform(seq, p.device) * q_t[i] < p_t[i]:
-            continue  # q(t) = 0 cannot be drawn; u < p/q without dividing
+            continue  # u < p/q without dividing (q(t) = 0: min(1, p/0) = 1)
         residual = (p[i] - q[i].to(p.device)).clamp_(min=0.0)
         if not bool((residual > 0).any()):  # p == q up to rounding: nothing to resample
             continue
