@@ -20,7 +20,6 @@ from modelyard.core.model_file_limits import (
     bounded_json,
     read_exact,
 )
-from modelyard.engine.models.bundled import BUNDLED_MODELS, resolve_model_path
 
 FIELD = "engine.speculative_model"
 
@@ -86,6 +85,8 @@ def vocab_of_version(registry: Registry, version: ResolvedVersion) -> int | None
 def draft_path(settings: PlatformSettings, principal: Principal, raw: Any) -> Path:
     """Where the draft model lies: a bundled model, or an absolute path that exists (under
     `local_artifact_roots` unless the caller is the platform admin)."""
+    from modelyard.engine.models.bundled import BUNDLED_MODELS, resolve_model_path  # torch-free
+
     name = str(raw)
     if name.lower() in BUNDLED_MODELS:
         try:
