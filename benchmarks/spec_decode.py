@@ -1,17 +1,22 @@
-"""Speculative decoding by prompt lookup (`speculative: ngram`) against plain decoding.
+"""Speculative decoding (`speculative`: ngram, and draft with a draft model) vs plain decoding.
 
 One engine per mode on SmolLM2-135M-Instruct (the GGUF the tests use, converted), concurrency 1,
-greedy: each mode summarises documents whose summary copies spans of the input (a
+greedy. With `--draft-layers N` a third mode drafts with a truncated copy of the same model: its
+embedding, first N decoder layers, final norm and head (the same tokenizer, N/30 of the layers'
+compute but the whole 28M-parameter vocabulary projection); `--draft PATH` names another draft
+model instead. Each mode summarises documents whose summary copies spans of the input (a
 "rewrite the notes" prompt) and answers a prompt with no such overlap; rounds alternate between
 the modes so drift in a shared machine's load hits both. Prints decode tokens/s per round, their
 medians, the acceptance rate and tokens per verifying step, and checks that the outputs match.
 
     python benchmarks/spec_decode.py --rounds 3 --max-tokens 128
+    python benchmarks/spec_decode.py --rounds 2 --max-tokens 96 --draft-layers 4
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -62,21 +67,55 @@ def time_request(
     return (len(tokens) - 1) / (last - first), tokens
 
 
+def truncated_copy(folder: Path, layers: int, out: Path) -> Path:
+    """`folder`'s model cut to its first `layers` decoder layers (a draft, same vocabulary)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in folder.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config))
+    kept = {}
+    for f in folder.glob("*.safetensors"):
+        for name, t in load_file(str(f)).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= layers:
+                continue
+            kept[name] = t
+    save_file(kept, str(out / "model.safetensors"))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--draft-layers", type=int, default=0, help="also: a truncated-layer draft")
+    ap.add_argument("--draft", default=None, help="also: this draft model (speculative=draft)")
     args = ap.parse_args()
-    folder = to_hf_folder("smollm2", Path(tempfile.mkdtemp(prefix="modelyard-bench-")))
+    tmp = Path(tempfile.mkdtemp(prefix="modelyard-bench-"))
+    folder = to_hf_folder("smollm2", tmp)
+    draft = args.draft
+    if args.draft_layers:
+        draft = str(truncated_copy(folder, args.draft_layers, tmp / "draft"))
+    modes = ["off", "ngram"] + (["draft"] if draft else [])
     engines = {
         mode: LLMEngine.from_settings(
             folder,
             EngineSettings(
-                speculative=mode, num_speculative_tokens=args.k, enable_prefix_caching=False
+                speculative=mode,
+                speculative_model=draft if mode == "draft" else None,
+                num_speculative_tokens=args.k,
+                enable_prefix_caching=False,
             ),
         )
-        for mode in ("off", "ngram")
+        for mode in modes
     }
     tok = engines["off"].tokenizer
     prompts = {
@@ -91,7 +130,7 @@ def main() -> None:
     outputs: dict[tuple[str, str], list[int]] = {}
     for r in range(args.rounds):
         for name, prompt in prompts.items():
-            order = ("off", "ngram") if r % 2 == 0 else ("ngram", "off")
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]  # each mode first in turn
             for mode in order:
                 engine = engines[mode]
                 before = (engine.spec_stats.draft_tokens, engine.spec_stats.accepted_tokens)
@@ -101,26 +140,28 @@ def main() -> None:
                 outputs[(name, mode)] = tokens
                 drafted = engine.spec_stats.draft_tokens - before[0]
                 accepted = engine.spec_stats.accepted_tokens - before[1]
-                extra = f" accepted {accepted}/{drafted}" if mode == "ngram" else ""
+                extra = f" accepted {accepted}/{drafted}" if mode != "off" else ""
                 print(
                     f"round {r} {name:8s} {mode:5s} {len(tokens)} tokens {rate:6.1f} tok/s{extra}"
                 )
     print(f"load after {os.getloadavg()}")
-    s = engines["ngram"].spec_stats
     for name in prompts:
         print(f"{name}: {tok.decode(outputs[(name, 'ngram')])[:160]!r}")
     for name in prompts:
         off = statistics.median(rates[(name, "off")])
-        on = statistics.median(rates[(name, "ngram")])
-        same = outputs[(name, "off")] == outputs[(name, "ngram")]
-        print(
-            f"{name:8s} off {off:6.1f} tok/s  ngram {on:6.1f} tok/s  x{on / off:.2f}  same={same}"
-        )
+        line = f"{name:8s} off {off:6.1f} tok/s"
+        for mode in modes[1:]:
+            on = statistics.median(rates[(name, mode)])
+            same = outputs[(name, "off")] == outputs[(name, mode)]
+            line += f"  {mode} {on:6.1f} tok/s x{on / off:.2f} same={same}"
+        print(line)
     print("(same=False is expected for the sampled row: its draws differ, not its distribution)")
-    print(
-        f"overall acceptance {s.accepted_tokens / max(s.draft_tokens, 1):.2f}, "
-        f"tokens per verifying step {s.emitted_tokens / max(s.spec_steps, 1):.2f}"
-    )
+    for mode in modes[1:]:
+        s = engines[mode].spec_stats
+        print(
+            f"{mode}: overall acceptance {s.accepted_tokens / max(s.draft_tokens, 1):.2f}, "
+            f"tokens per verifying step {s.emitted_tokens / max(s.spec_steps, 1):.2f}"
+        )
 
 
 if __name__ == "__main__":

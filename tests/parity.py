@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,9 +17,15 @@ from modelyard.engine import cpu_kernels
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.sampling_params import SamplingParams
 
+# The device engine tests run on: MODELYARD_TEST_DEVICE (cuda, cuda:1, cpu) when set, as
+# benchmarks/gpu.sh sets it; unset, the engine's own default (the `device` setting).
+TEST_DEVICE = os.environ.get("MODELYARD_TEST_DEVICE") or None
+
 
 def make_engine(folder: Path | str, **settings: Any) -> LLMEngine:
     defaults: dict[str, Any] = {"kv_cache_memory": 64 * 2**20, "block_size": 16, "dtype": "float32"}
+    if TEST_DEVICE:
+        defaults["device"] = TEST_DEVICE
     defaults.update(settings)
     return LLMEngine.from_settings(folder, EngineSettings(**defaults))
 

@@ -100,13 +100,22 @@ class EngineSettings(SettingsBase):
         0, ge=0, description="LoRA adapter slots held at once (LRU); 0 = no LoRA serving."
     )
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank a slot takes.")
-    speculative: Literal["off", "ngram"] = Field(
+    speculative: Literal["off", "ngram", "draft"] = Field(
         "off",
         description="Speculative decoding: ngram = prompt lookup: a decoding sequence whose "
-        "last tokens occurred earlier in its prompt or output drafts the tokens that followed, "
-        "verified in one step (greedy output unchanged, sampling distribution preserved); not "
-        "for requests with penalties, logprobs or structured output. Off by default: it pays "
-        "on output that copies its input (summaries, edits, code), and costs a little elsewhere.",
+        "last tokens occurred earlier in its prompt or output drafts the tokens that followed; "
+        "draft = a smaller model of the same tokenizer (speculative_model), loaded in the same "
+        "worker with its own KV cache, drafts them. Either way the drafts are verified in one "
+        "step (greedy output unchanged, sampling distribution preserved); not for requests "
+        "with penalties, logprobs or structured output. Off by default: ngram pays on output "
+        "that copies its input (summaries, edits, code) and costs a little elsewhere; draft "
+        "pays only where the draft is much cheaper than the model and agrees with it often "
+        "(BENCHMARKS.md).",
+    )
+    speculative_model: str | None = Field(
+        None,
+        description="The draft model of speculative=draft: a Hugging Face folder, a .gguf "
+        "file or a bundled name (smollm2), with the model's vocabulary and tokenizer.",
     )
     num_speculative_tokens: int = Field(
         4, ge=1, le=16, description="Most draft tokens verified per sequence and step."
@@ -138,6 +147,10 @@ class EngineSettings(SettingsBase):
     def _lookup_range(self) -> EngineSettings:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValueError("speculative=draft needs speculative_model (the draft model)")
+        if self.speculative_model and self.speculative != "draft":
+            raise ValueError("speculative_model is used only with speculative=draft")
         return self
 
     @field_validator("quantization", mode="before")

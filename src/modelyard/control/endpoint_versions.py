@@ -19,6 +19,7 @@ from modelyard.control import deploy as validation
 from modelyard.control import endpoint_config
 from modelyard.control.autoscaler import Autoscaler
 from modelyard.control.canary import SloPolicy
+from modelyard.control.draft_check import check_draft_model
 from modelyard.control.endpoint_status import EndpointStatuses, StatusChange
 from modelyard.control.model_kind import LLM
 from modelyard.control.reconcile import Reconciler
@@ -110,6 +111,9 @@ class VersionVerbs:
         policy = SloPolicy.from_request(self.settings, slo, steps)
         version = await asyncio.to_thread(self.registry.resolve, principal.tenant_id, artifact)
         assert version is not None
+        await asyncio.to_thread(
+            check_draft_model, self.settings, principal, engine, self.registry, None, version
+        )
         await self.versions.add(state, version, weight, replicas, engine, policy)
         self.reconciler.poke(state)
         return self.versions.view(state)

@@ -25,6 +25,7 @@ from modelyard.control import adapters, endpoint_config
 from modelyard.control import deploy as validation
 from modelyard.control.audit import AuditLog
 from modelyard.control.backends.base import Backend
+from modelyard.control.draft_check import check_draft_model
 from modelyard.control.encoder_pool import EncoderPool
 from modelyard.control.endpoint_provision import Provisioner
 from modelyard.control.endpoint_status import EndpointStatuses
@@ -159,6 +160,9 @@ class EndpointManager:
         )
         path, version = await asyncio.to_thread(
             validation.resolve_artifact, self.settings, self.registry, principal, req.model_artifact
+        )
+        await asyncio.to_thread(
+            check_draft_model, self.settings, principal, req.engine, self.registry, path, version
         )
         row = validation.new_row(principal, req, version)
 

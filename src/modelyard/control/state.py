@@ -125,7 +125,8 @@ def engine_env(options: dict[str, Any]) -> tuple[dict[str, str], EngineSettings]
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
-        raise Invalid(f"engine.{where}: {first['msg']}", param=f"engine.{where}") from exc
+        param = f"engine.{where}" if where else "engine"
+        raise Invalid(f"{param}: {first['msg']}", param=param) from exc
     env = {f"MODELYARD_{k.upper()}": str(v) for k, v in options.items()}
     for name, value in env.items():  # an environment string has limits of its own (execve)
         if len(value) > ENGINE_OPTION_CHARS:

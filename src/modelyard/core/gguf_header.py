@@ -108,9 +108,13 @@ def check_gguf(reader: Reader, size: int, path: str) -> None:
 _INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
 
 
+TOKENS_COUNT = "tokenizer.ggml.tokens.count"  # gguf_ints' key for the vocabulary's size
+
+
 def gguf_ints(reader: Reader, path: str) -> dict[str, int]:
-    """The integer metadata of a GGUF file (`llama.embedding_length`, …), read within the same
-    limits as `check_gguf` (a file pushed already passed it)."""
+    """The integer metadata of a GGUF file (`llama.embedding_length`, …), and the length of its
+    token list as `TOKENS_COUNT`, read within the same limits as `check_gguf` (a file pushed
+    already passed it)."""
     s = _Stream(reader, path)
     if s.take(4) != b"GGUF" or s.u32() not in (2, 3):
         raise ModelFileError(path, "not a GGUF file of version 2 or 3")
@@ -127,6 +131,11 @@ def gguf_ints(reader: Reader, path: str) -> dict[str, int]:
             out[key.decode("utf-8", "replace")] = int(
                 struct.unpack(fmt, s.take(struct.calcsize(fmt)))[0]
             )
+        elif kind == _ARRAY:
+            inner, count = s.u32(), s.u64()
+            if key == b"tokenizer.ggml.tokens":
+                out[TOKENS_COUNT] = count
+            _skip_array(s, inner, count, key)
         else:
             _skip_value(s, kind, key)
     return out
@@ -139,17 +148,19 @@ def _skip_value(s: _Stream, kind: int, key: bytes) -> None:
     elif kind == _STRING:
         s.string(MAX_STRING, f"string {name!r}")
     elif kind == _ARRAY:
-        inner, count = s.u32(), s.u64()
-        if count > MAX_ARRAY:
-            raise ModelFileError(
-                s.path, f"GGUF array {name!r} of {count} items (limit {MAX_ARRAY})"
-            )
-        if inner in _FIXED:
-            s.take(_FIXED[inner] * count)
-        elif inner == _STRING:
-            for _ in range(count):
-                s.string(MAX_STRING, f"string in {name!r}")
-        else:
-            raise ModelFileError(s.path, f"GGUF array {name!r} of type {inner} (no nested arrays)")
+        _skip_array(s, s.u32(), s.u64(), key)
     else:
         raise ModelFileError(s.path, f"GGUF key {name!r} has unknown value type {kind}")
+
+
+def _skip_array(s: _Stream, inner: int, count: int, key: bytes) -> None:
+    name = key[:80].decode("utf-8", "replace")
+    if count > MAX_ARRAY:
+        raise ModelFileError(s.path, f"GGUF array {name!r} of {count} items (limit {MAX_ARRAY})")
+    if inner in _FIXED:
+        s.take(_FIXED[inner] * count)
+    elif inner == _STRING:
+        for _ in range(count):
+            s.string(MAX_STRING, f"string in {name!r}")
+    else:
+        raise ModelFileError(s.path, f"GGUF array {name!r} of type {inner} (no nested arrays)")

@@ -15,10 +15,11 @@ from pathlib import Path
 
 from modelyard.config import EngineSettings
 from modelyard.engine.defaults import Numerics
+from modelyard.engine.draft_model import DraftModelDrafter, load_draft
 from modelyard.engine.faults import RequestFailed, RequestInvalid, is_fatal
 from modelyard.engine.grammar import GrammarCompiler, GrammarViolation
 from modelyard.engine.kv_cache_manager import KVCacheManager, salt_bytes
-from modelyard.engine.loading import load
+from modelyard.engine.loading import LoadedEngine, load
 from modelyard.engine.lora.engine_hooks import AdapterWaitlist, adapter_namespace
 from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.config import ModelConfig
@@ -59,7 +60,9 @@ class LLMEngine:
         num_blocks: int,
         model_name: str = "model",
         numerics: Numerics | None = None,
+        draft: LoadedEngine | None = None,
     ) -> None:
+        """`draft`: the draft model's parts when `settings.speculative` is `draft`."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.settings = settings
@@ -89,6 +92,15 @@ class LLMEngine:
                 settings.prompt_lookup_max,
                 max_model_len,
             )
+        elif settings.speculative == "draft":
+            if draft is None:
+                raise ValueError("speculative=draft needs the draft model (speculative_model)")
+            self.scheduler.drafter = DraftModelDrafter(
+                draft.runner,
+                draft.num_blocks,
+                settings.num_speculative_tokens,
+                min(max_model_len, draft.max_model_len),
+            )
         self._requests: dict[str, EngineRequest] = {}
         self._next_seq_id = 0
         self.lora_waiting = AdapterWaitlist()  # requests whose adapter waits for a slot
@@ -98,6 +110,11 @@ class LLMEngine:
         """Load the model and build the engine. With `tensor_parallel_size` N > 1 this process
         becomes rank 0 and starts N-1 helper rank processes (stopped by `close()`)."""
         parts = load(model, settings)
+        try:
+            draft = load_draft(settings, parts) if settings.speculative == "draft" else None
+        except BaseException:
+            parts.runner.close()
+            raise
         return cls(
             parts.runner,
             parts.tokenizer,
@@ -106,6 +123,7 @@ class LLMEngine:
             parts.num_blocks,
             parts.model_name,
             parts.numerics,
+            draft,
         )
 
     def close(self) -> None:
@@ -239,6 +257,7 @@ class LLMEngine:
         for seq, n in plan.scheduled:
             if seq.request_id in failed:
                 seq.draft = []
+                seq.draft_probs = None
                 continue
             if seq.prefilling:
                 self.stats.prompt_tokens += min(n, seq.prompt_len - seq.num_computed_tokens)

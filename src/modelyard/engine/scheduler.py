@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from modelyard.engine.kv_cache_manager import KVCacheManager
 from modelyard.engine.preemption import Preemptor
 from modelyard.engine.sequence import Sequence, SequenceStatus
-
-# (sequence, token budget left) -> the draft its decode verifies this step ([] for none)
-Drafter = Callable[[Sequence, int], list[int]]
+from modelyard.engine.spec_decode import Drafter
 
 
 @dataclass
@@ -69,6 +66,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         self.preemptor.discard(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
         seq.status = SequenceStatus.FINISHED
 
     def _urgent_priority(self) -> int | None:
@@ -95,10 +94,12 @@ class Scheduler:
         """Give a decoding sequence its draft and the blocks for it, if it has one and they fit
         without preempting anybody (else it decodes one token as usual)."""
         seq.draft = []
+        seq.draft_probs = None
         if self.drafter is None or seq.prefilling or budget <= 0:
             return False
         draft = self.drafter(seq, budget)
         if not draft or not self.kv.allocate(seq, 1 + len(draft)):
+            seq.draft_probs = None
             return False
         seq.draft = draft
         return True

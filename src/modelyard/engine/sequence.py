@@ -61,6 +61,9 @@ class Sequence:
     cache_salt: bytes = b""  # a prefix-cache namespace (per tenant): only equal salts share blocks
     grammar: GrammarState | None = None  # the output's matcher when it is constrained
     draft: list[int] = field(default_factory=list)  # speculative tokens this step verifies
+    # a draft model's distribution q over each draft token's position (`[len(draft), vocab]`)
+    # when the draft was sampled; None: drafted greedily or by prompt lookup (q one-hot)
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup: n-gram drafts verified in one batched target step.
+"""Speculative decoding: drafts verified in one batched target step; prompt-lookup drafts.
 
 A decoding sequence whose last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)
 occurred earlier in its prompt or output gets the tokens that followed that occurrence as a
@@ -8,10 +8,15 @@ prefix of the draft the target model agrees with and adds one token of the targe
 
 - greedy: a draft token is accepted when it is the target's argmax, so the output is exactly
   the non-speculative one;
-- sampling: rejection sampling with a point-mass draft: draft token t is accepted with
-  probability p(t) (p: the target's distribution after temperature, top-k/p, min-p and logit
-  bias); on rejection a token is drawn from p with t removed and renormalised. Each emitted
-  token is distributed exactly as p.
+- sampling: rejection sampling. A prompt-lookup draft is a point mass (q one-hot): draft token
+  t is accepted with probability p(t) (p: the target's distribution after temperature,
+  top-k/p, min-p and logit bias); on rejection a token is drawn from p with t removed and
+  renormalised. A draft model's token t, drawn from its own q (`Sequence.draft_probs`), is
+  accepted with probability min(1, p(t) / q(t)); on rejection a token is drawn from
+  max(0, p - q) renormalised. Either way each emitted token is distributed exactly as p.
+
+A draft model proposes through `draft_model.DraftModelDrafter`, prompt lookup through
+`NgramDrafter` below; both are the scheduler's `Drafter`.
 
 Rows with penalties, logprobs or a grammar are never speculated (they decode one token a step).
 The KV of rejected positions is rolled back by the engine: `num_computed_tokens` advances only
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -58,6 +64,18 @@ def speculable(seq: Sequence) -> bool:
     return not p.has_penalties and p.logprobs is None and seq.grammar is None
 
 
+class Drafter(Protocol):
+    """Proposes a decoding sequence's draft for the scheduler."""
+
+    def __call__(self, seq: Sequence, budget: int) -> list[int]:
+        """The draft for `seq`'s next step, of at most `budget` tokens ([] for none)."""
+        ...
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence left the scheduler (finished or aborted): drop what is kept for it."""
+        ...
+
+
 @dataclass
 class NgramDrafter:
     """Proposes a decoding sequence's draft for the scheduler, within its limits."""
@@ -79,6 +97,9 @@ class NgramDrafter:
             self.max_model_len - seq.num_tokens - 1,
         )
         return propose_ngram(seq.token_ids, self.prompt_lookup_min, self.prompt_lookup_max, k)
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing is kept per sequence."""
 
 
 @dataclass
@@ -118,6 +139,8 @@ def verify(logits: torch.Tensor, seq: Sequence, draft: list[int]) -> list[int]:
             accepted += 1
         return [*draft[:accepted], target[accepted]]
     filtered = _filter(logits, rows)
+    if seq.draft_probs is not None:
+        return _verify_against(filtered, seq, draft, seq.draft_probs)
     probs = filtered.softmax(dim=1)
     chosen = probs[torch.arange(len(draft)), torch.tensor(draft, dtype=torch.long)].tolist()
     for i, token in enumerate(draft):
@@ -128,6 +151,26 @@ def verify(logits: torch.Tensor, seq: Sequence, draft: list[int]) -> list[int]:
         if not bool(torch.isfinite(residual).any()):  # p(token) was 1 up to rounding
             continue
         return [*draft[:i], int(_draw(residual.unsqueeze(0), [seq])[0])]
+    return [*draft, int(_draw(filtered[-1:], [seq])[0])]
+
+
+def _verify_against(
+    filtered: torch.Tensor, seq: Sequence, draft: list[int], q: torch.Tensor
+) -> list[int]:
+    """Rejection sampling of a sampled draft: token t of row i is accepted with probability
+    min(1, p(t) / q(t)); the first rejected one is replaced by a draw from max(0, p - q)."""
+    p = filtered.softmax(dim=1)
+    index = torch.tensor(draft, dtype=torch.long, device=p.device)
+    rows = torch.arange(len(draft), device=p.device)
+    p_t = p[rows, index].tolist()
+    q_t = q[rows, index.to(q.device)].tolist()
+    for i in range(len(draft)):
+        if q_t[i] <= 0.0 or _uniform(seq, p.device) * q_t[i] < p_t[i]:
+            continue  # u < p/q without dividing (q(t) = 0: min(1, p/0) = 1)
+        residual = (p[i] - q[i].to(p.device)).clamp_(min=0.0)
+        if not bool((residual > 0).any()):  # p == q up to rounding: nothing to resample
+            continue
+        return [*draft[:i], int(_draw(residual.log().unsqueeze(0), [seq])[0])]
     return [*draft, int(_draw(filtered[-1:], [seq])[0])]
 
 
