@@ -178,10 +178,12 @@ class WorkerProcess:
 
 @pytest.fixture(scope="session")
 def smollm2_worker(smollm2_folder: Path) -> Iterator[WorkerProcess]:
-    """A real worker process serving SmolLM2 (converted weights come from the shared cache)."""
-    worker = WorkerProcess(
-        "smollm2", {"MODELYARD_MAX_TOKENS_CAP": "512", "MODELYARD_KV_CACHE_MEMORY": "512MiB"}
-    )
+    """A real worker process serving SmolLM2 (converted weights come from the shared cache),
+    dequantized: the tests on it check answers float32 gives (e.g. "Paris" for France's capital,
+    a 0.08 logit margin that int8 activations flip); the default numerics (`quantization:
+    auto`, w8a8 on this file) are tested in `tests/worker/test_fast_default.py`."""
+    env = {"MODELYARD_MAX_TOKENS_CAP": "512", "MODELYARD_KV_CACHE_MEMORY": "512MiB"}
+    worker = WorkerProcess("smollm2", {**env, "MODELYARD_QUANTIZATION": "none"})
     try:
         worker.wait_ready()
         yield worker

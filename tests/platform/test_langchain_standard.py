@@ -65,7 +65,8 @@ MODEL_QUALITY: dict[str, str] = {
 @pytest.fixture(scope="module", autouse=True)
 def serve(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Iterator[PlatformProcess]:
     """One `modelyard serve` with its default (bundled) models for both suites."""
-    env = {"MODELYARD_WORKER_ENGINE": '{"kv_cache_memory": "128MiB"}'}
+    # dequantized SmolLM2 (the standard suite's tool calls were written against float32 answers)
+    env = {"MODELYARD_WORKER_ENGINE": '{"kv_cache_memory": "128MiB", "quantization": "none"}'}
     p = PlatformProcess(tmp_path_factory.mktemp("data"), env, default_models=True)
     try:
         p.start(timeout=300)
