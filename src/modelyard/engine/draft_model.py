@@ -28,7 +28,7 @@ from modelyard.engine.model_runner import ModelRunner
 from modelyard.engine.models.loader import read_model_config, to_hf_folder
 from modelyard.engine.sampler import _apply_logit_bias, _draw, _filter
 from modelyard.engine.sequence import Sequence
-from modelyard.engine.spec_decode import speculable
+from modelyard.engine.spec_decode import draft_length, speculable
 
 # Text both tokenizers must split into the same ids (a draft of another tokenizer is refused).
 _PROBE = (
@@ -101,12 +101,7 @@ class DraftModelDrafter:
         seq.draft_probs = None
         if not speculable(seq):
             return []
-        k = min(
-            self.num_speculative_tokens,
-            budget,
-            seq.params.max_tokens - seq.num_output_tokens - 1,
-            self.max_model_len - seq.num_tokens - 1,
-        )
+        k = draft_length(seq, self.num_speculative_tokens, budget, self.max_model_len)
         if k <= 0:
             return []
         shadow = self._level(seq)

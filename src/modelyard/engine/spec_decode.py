@@ -89,13 +89,7 @@ class NgramDrafter:
         """The draft for `seq`'s next step, of at most `budget` tokens ([] for none)."""
         if not speculable(seq):
             return []
-        # k drafts and the bonus token: never past max_tokens or the context limit.
-        k = min(
-            self.num_speculative_tokens,
-            budget,
-            seq.params.max_tokens - seq.num_output_tokens - 1,
-            self.max_model_len - seq.num_tokens - 1,
-        )
+        k = draft_length(seq, self.num_speculative_tokens, budget, self.max_model_len)
         return propose_ngram(seq.token_ids, self.prompt_lookup_min, self.prompt_lookup_max, k)
 
     def release(self, seq: Sequence) -> None:
@@ -202,3 +196,14 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) ->
             out.append((seq, [token], lp))
         row += n
     return out
+
+
+def draft_length(seq: Sequence, most: int, budget: int, max_model_len: int) -> int:
+    """How many tokens a drafter may propose for `seq` this step: k drafts and the bonus
+    token, never past `most`, the step's `budget`, max_tokens or the context limit."""
+    return min(
+        most,
+        budget,
+        seq.params.max_tokens - seq.num_output_tokens - 1,
+        max_model_len - seq.num_tokens - 1,
+    )
