@@ -160,12 +160,30 @@ def test_load_scales_up_and_overload_is_429_with_retry_after(
                 codes.append(429)
 
         async def load_until_two_replicas() -> None:
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline:
-                await asyncio.gather(*(one() for _ in range(10)))
-                if (await asyncio.to_thread(endpoint, api, ep))["replicas"]["ready"] == 2:
-                    return
-            raise AssertionError("the endpoint never reached 2 ready replicas")
+            await asyncio.gather(*(one() for _ in range(10)))  # over 2 admitted + 2 queued
+            two = asyncio.Event()
+
+            async def keep_busy() -> None:  # steady load: it never falls between bursts
+                while not two.is_set():
+                    await one()
+                    if codes[-1] == 429:
+                        await asyncio.sleep(0.2)  # a client backing off, not synchronisation
+
+            async def watch() -> None:
+                deadline = time.monotonic() + 240  # a replica's start on a loaded CI machine
+                try:
+                    while (view := await asyncio.to_thread(endpoint, api, ep))["replicas"][
+                        "ready"
+                    ] < 2:
+                        assert time.monotonic() < deadline, (
+                            "the endpoint never reached 2 ready replicas: "
+                            f"{view['replicas']} {view['autoscaling']}"
+                        )
+                        await asyncio.sleep(0.5)
+                finally:
+                    two.set()
+
+            await asyncio.gather(watch(), *(keep_busy() for _ in range(4)))
 
         asyncio.run(load_until_two_replicas())
         assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 2

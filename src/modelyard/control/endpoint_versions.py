@@ -147,6 +147,9 @@ class VersionVerbs:
         self.reconciler.poke(state)
         return {
             **self.versions.view(state),
+            # where requests go from now on; the view's own weights may already be empty,
+            # since a tick that ran meanwhile forgot the version that left (one version again)
+            "weights": {record["to_version_id"]: 100},
             "rollback": record,
             "took_ms": round((time.perf_counter() - started) * 1000, 1),
         }
