@@ -209,3 +209,56 @@ def test_tiny_gguf_blocks_match_the_dequantized_model(tiny: tuple[Path, Path]) -
 def test_gguf_needs_a_gguf_file(tiny: tuple[Path, Path]) -> None:
     with pytest.raises(ValueError, match="GGUF"):
         load_model(tiny[1], torch.float32, CPU, 128, quantization="gguf")
+
+
+@pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_one_call_decode_over_gguf_blocks_matches_the_modules(
+    tmp_path: Path, weight_type: str
+) -> None:
+    """Decode steps in one C call (`models/decode_step.py`) over the file's blocks give the
+    tokens and logits of the same GGUF matmuls called module by module; a model with a matmul
+    the step cannot run (a float q|k|v) keeps the modules."""
+    from tests.parity import make_engine, record_logits, run_staggered
+    from tests.tiny_gguf import build_gguf as build_tokenized_gguf
+
+    path = build_tokenized_gguf(tmp_path / f"tiny.{weight_type}.gguf", weight_type)
+    prompts = [[(3 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([4, 29, 61, 8])]
+    runs = []
+    for one_call in (True, False):
+        engine = make_engine(path, quantization="gguf", kv_cache_dtype="bfloat16")
+        assert engine.runner.model.kernels is not None
+        engine.runner.model.one_call.enabled = one_call
+        with record_logits(engine) as records:
+            tokens = run_staggered(engine, prompts, max_tokens=20)
+        assert (engine.runner.model.one_call.described is not None) == one_call
+        runs.append((tokens, records))
+    (tokens_one, logits_one), (tokens_modules, logits_modules) = runs
+    assert tokens_one == tokens_modules
+    errors = []
+    for (ids_one, row_one), (ids_modules, row_modules) in zip(
+        logits_one, logits_modules, strict=True
+    ):
+        assert ids_one == ids_modules
+        errors.append(float((row_one - row_modules).abs().max() / row_modules.abs().max()))
+    # SiLU's exp is C's here and PyTorch's there: float rounding apart, nothing more; where
+    # that rounding moves an activation across an int8 step (blocks of 32 are quantized), one
+    # row differs by that step, and the next rows do not carry it.
+    assert sum(e <= 1e-4 for e in errors) >= 0.9 * len(errors), errors
+    assert max(errors) <= 0.03, errors
+
+
+def test_one_call_decode_keeps_the_modules_for_a_float_matmul(tiny: tuple[Path, Path]) -> None:
+    """Layer 1's q|k|v is float in this file: the one-call step does not apply; with every
+    matmul kept as blocks (the same file's layers otherwise) it does."""
+    from modelyard.engine.models.decode_step import DecodeStep
+
+    path, folder = tiny
+    kept = load_model(folder, torch.float32, CPU, 128, quantization="gguf", gguf_path=path).model
+    kernels = load_kernels(EngineSettings().cache_dir)
+    assert kernels is not None
+    kept.use_kernels(kernels)
+    caches = [torch.zeros(2, 32, KV_HEADS, HIDDEN // 4) for _ in range(LAYERS)]
+    assert DecodeStep.describe(kept, kernels, caches) is None
+    layer1 = kept.model.layers[1].self_attn
+    layer1.qkv_proj = kept.model.layers[0].self_attn.qkv_proj  # blocks, as the others
+    assert DecodeStep.describe(kept, kernels, caches) is not None

@@ -43,6 +43,8 @@ BAD_ROWS = {
     "junk-hardware": {"hardware": "junk"},
     "bad-engine": {"engine_options": {"max_num_seqs": "many"}},
     "bad-replicas": {"hardware": {"min_replicas": 3, "max_replicas": 1}},
+    # the Ray backend reads it as a `Workload` to choose a node class: "boom" raised there
+    "bad-workload": {"hardware": {"min_replicas": 1, "workload": "boom"}},
 }
 
 
@@ -164,6 +166,7 @@ def test_serve_starts_over_stored_endpoints_that_no_longer_parse(
         assert "stored configuration is invalid" in view["status_message"], view
     assert "scaling.panic_threshold" in listed["ep-stored-boom"]["status_message"]
     assert "engine.max_num_seqs" in listed["ep-stored-bad-engine"]["status_message"]
+    assert "hardware.workload" in listed["ep-stored-bad-workload"]["status_message"]
     # Requests for them are refused at once, naming no internals; the good one serves.
     r = admin.post(
         "/v1/chat/completions",

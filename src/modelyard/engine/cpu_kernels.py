@@ -301,7 +301,8 @@ class CpuKernels:
         tokens = x.shape[0]
         scratch = torch.empty(self._decode_step_scratch(model, tokens))
         quantized = torch.empty(tokens * widest_input, dtype=torch.uint8)
-        row_scales = torch.empty(tokens)
+        # a row's scale (w8a8), or a scale and a sum per block of 32 (GGUF blocks)
+        row_scales = torch.empty(tokens * (2 * widest_input // 32 + 1))
         step = Step(
             x=x.data_ptr(),
             tokens=tokens,

@@ -1,5 +1,5 @@
-/* A decode step's decoder layers in one call (Llama family, w8a8 weights, one token per
- * sequence): for each layer, RMSNorm, the q|k|v matmul, RoPE with the KV-cache write, paged
+/* A decode step's decoder layers in one call (Llama family, w8a8 weights or GGUF blocks read
+ * in place, one token per sequence): for each layer, RMSNorm, the q|k|v matmul, RoPE with the KV-cache write, paged
  * attention, the output matmul and residual, RMSNorm, gate|up, SiLU(gate) * up, down and
  * residual, through the same kernels the model calls one by one from Python otherwise.
  *
@@ -18,6 +18,15 @@
 int64_t my_decode_step_scratch(const my_model *m, int64_t tokens) {
     const int64_t q = m->heads * m->head_dim, kv = m->kv_heads * m->head_dim;
     return tokens * (2 * m->hidden + q + 2 * kv + 2 * q + 3 * m->intermediate);
+}
+
+/* out = x W^T through the projection's own kernel (xscale holds either kernel's scratch). */
+static void project(const my_projection *p, const float *x, int64_t T, float *out, uint8_t *xq,
+                    float *xscale, int threads) {
+    if (p->gguf.blocks != NULL)
+        my_gguf_matmul(x, T, &p->gguf, out, (int8_t *)xq, xscale, threads); /* type checked at describe */
+    else
+        my_int8_matmul(x, T, &p->int8, out, xq, xscale, threads);
 }
 
 static void add_into(float *x, const float *y, int64_t n) {
@@ -42,7 +51,7 @@ static int run_layers(const my_model *m, const my_step *s) {
     for (int64_t l = 0; l < m->n_layers; l++) {
         const my_layer *L = &m->layers[l];
         my_rms_norm(x, L->input_norm, normed, T, H, H, m->eps);
-        my_int8_matmul(normed, T, &L->qkv, qkv, xq, xscale, threads);
+        project(&L->qkv, normed, T, qkv, xq, xscale, threads);
         const my_rope_kv rope = {qkv,       m->rope_cos, m->rope_sin, s->positions,
                                  s->slots,  L->k_cache,  L->v_cache,  T,
                                  m->heads,  m->kv_heads, m->head_dim, qkv_width,
@@ -56,10 +65,10 @@ static int run_layers(const my_model *m, const my_step *s) {
             m->block_size, s->max_blocks,      m->attention_scale, m->bf16_cache,
             m->attention_threads};
         if (my_paged_decode_attention(&attention)) return 2;
-        my_int8_matmul(attended, T, &L->o, projected, xq, xscale, threads);
+        project(&L->o, attended, T, projected, xq, xscale, threads);
         add_into(x, projected, T * H);
         my_rms_norm(x, L->post_attention_norm, normed, T, H, H, m->eps);
-        my_int8_matmul(normed, T, &L->gate_up, gate_up, xq, xscale, threads);
+        project(&L->gate_up, normed, T, gate_up, xq, xscale, threads);
         for (int64_t t = 0; t < T; t++) {
             const float *g = gate_up + t * 2 * I, *u = g + I;
             float *a = act + t * I;
@@ -69,7 +78,7 @@ static int run_layers(const my_model *m, const my_step *s) {
                 a[i] = g[i] * sigmoid * u[i];
             }
         }
-        my_int8_matmul(act, T, &L->down, projected, xq, xscale, threads);
+        project(&L->down, act, T, projected, xq, xscale, threads);
         add_into(x, projected, T * H);
     }
     return 0;

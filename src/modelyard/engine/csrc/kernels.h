@@ -129,9 +129,15 @@ MY_API int my_lora_add(const my_lora *l);
 
 /* ----- decode_step.c ---------------------------------------------------------------------- */
 
+/* One of a layer's matmuls: GGUF blocks read in place where gguf.blocks is set, else w8a8. */
+typedef struct {
+    my_linear int8;
+    my_gguf_linear gguf;
+} my_projection;
+
 typedef struct {
     const float *input_norm, *post_attention_norm;
-    my_linear qkv, o, gate_up, down;
+    my_projection qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [slots, kv_heads, head_dim], float32 or bfloat16 */
 } my_layer;
 
@@ -154,7 +160,7 @@ typedef struct {
     int64_t max_blocks;
     float *scratch; /* my_decode_step_scratch floats */
     uint8_t *xq;    /* tokens * the widest matmul input bytes */
-    float *xscale;  /* tokens floats */
+    float *xscale;  /* tokens * (2 * the widest input / 32 + 1) floats */
 } my_step;
 
 /* The floats of scratch a step of `tokens` needs. */

@@ -1,8 +1,9 @@
 """A decode step's decoder layers in one C call (`csrc/decode_step.c`): the layers' weights,
 norms and KV caches described once to the C code, then one call per step instead of ~10 module
 calls per layer. It applies where every piece already runs in C: a Llama-family model on CPU
-with w8a8 weights in the C matmul's form (AVX-512 VNNI), one rank, no q/k norm, no experts, no LoRA
-layers, and a step of decodes only (prefill chunks go through the modules).
+whose matmuls are each either w8a8 in the C matmul's form (AVX-512 VNNI) or GGUF blocks read in
+place (quantization `gguf`, any CPU), one rank, no q/k norm, no experts, no LoRA layers, and a
+step of decodes only (prefill chunks go through the modules).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from modelyard.engine.cpu_kernels import HEADER, data_ptr
+from modelyard.engine.gguf_linear import GGUFLinear
 from modelyard.engine.quantization import Int8Linear
 
 if TYPE_CHECKING:
@@ -22,17 +24,34 @@ if TYPE_CHECKING:
 
 # The C step's structs, generated from csrc/kernels.h (filled by field name below).
 _Linear = HEADER.struct("my_linear")
+_GGUFLinear = HEADER.struct("my_gguf_linear")
+_Projection = HEADER.struct("my_projection")
 _Layer = HEADER.struct("my_layer")
 _Model = HEADER.struct("my_model")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
-def _linear(layer: nn.Module | None) -> ctypes.Structure | None:
-    """The C description (a `_Linear`) of a w8a8 layer in plain int8 rows, or None for anything
-    else."""
+def _projection(layer: nn.Module | None, kernels: CpuKernels) -> ctypes.Structure | None:
+    """The C description (a `_Projection`) of a matmul the step runs in C: w8a8 in plain int8
+    rows where the C int8 matmul is vectorised, or GGUF blocks; None for anything else."""
+    if isinstance(layer, GGUFLinear) and layer.kernels is not None:
+        bias = None if layer.bias is None or layer.bias.dtype != torch.float32 else layer.bias
+        if layer.bias is not None and bias is None:
+            return None
+        gguf = _GGUFLinear(
+            blocks=layer.blocks.data_ptr(),
+            bias=data_ptr(bias),
+            out_features=layer.out_features,
+            in_features=layer.in_features,
+            type=layer.ggml_type,
+        )
+        return _Projection(gguf=gguf)
     if not isinstance(layer, Int8Linear) or layer.kernel != "fbgemm" or layer.packed is not None:
         return None
+    if not kernels.int8_matmul_vectorized:  # FBGEMM's matmul, module by module, is faster
+        return None
     assert layer.qweight is not None and layer.weight_sums is not None  # unpacked
-    return _Linear(
+    int8 = _Linear(
         weight=layer.qweight.data_ptr(),
         weight_sums=layer.weight_sums.data_ptr(),
         scale=layer.scale.data_ptr(),
@@ -41,6 +60,7 @@ def _linear(layer: nn.Module | None) -> ctypes.Structure | None:
         out_features=layer.out_features,
         in_features=layer.in_features,
     )
+    return _Projection(int8=int8)
 
 
 class DecodeStep:
@@ -60,7 +80,7 @@ class DecodeStep:
         self._layers = layers  # kept alive: `model` points into it
         self.cache_ptr = caches[0].data_ptr()
         self.widest_input = max(
-            max(getattr(layer, p).in_features for p in ("qkv", "o", "gate_up", "down"))
+            max(p.int8.in_features or p.gguf.in_features for p in _projections(layer))
             for layer in layers
         )
 
@@ -71,7 +91,7 @@ class DecodeStep:
         # Read structurally: llama.py imports this module, so its classes cannot be named here.
         model_any: Any = lm
         cfg = model_any.config
-        if model_any.tp_size != 1 or cfg.moe is not None or not kernels.int8_matmul_vectorized:
+        if model_any.tp_size != 1 or cfg.moe is not None:
             return None
         if caches[0].dtype not in (torch.float32, torch.bfloat16):
             return None
@@ -81,8 +101,8 @@ class DecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.q_norm is not None or not cache.is_contiguous():
                 return None
-            qkv, o, gate_up = (_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj))
-            down = _linear(mlp.down_proj)
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            qkv, o, gate_up, down = (_projection(m, kernels) for m in modules)
             if qkv is None or o is None or gate_up is None or down is None:
                 return None
             described.append(
@@ -134,6 +154,10 @@ class DecodeStep:
             meta.decode_lengths,
             self.widest_input,
         )
+
+
+def _projections(layer: ctypes.Structure) -> list[Any]:
+    return [getattr(layer, name) for name in PROJECTIONS]
 
 
 class OneCallDecode:
