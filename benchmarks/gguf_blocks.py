@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from modelyard.config import EngineSettings
+from modelyard.engine.cpu_kernels import build_kernels
 from modelyard.engine.gguf_linear import GGUFLinear
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.models.packed_linear import PackedLinear
@@ -51,16 +53,23 @@ def matmul_bytes(model: nn.Module) -> int:
     return total
 
 
-def decode_tok_s(engine: LLMEngine, tokens: int, tag: str) -> float:
+def decode_tok_s(engine: LLMEngine, tokens: int, tag: str, batch: int = 1) -> float:
+    """Decode tokens/s of `batch` greedy sequences decoding together (their prefills left out)."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    engine.add_request(tag, engine.tokenizer.encode(PROMPT), params)
-    engine.step()  # the prefill (and the first token)
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", engine.tokenizer.encode(f"{i}. {PROMPT}"), params)
+    while any(s.prefilling for s in _sequences(engine)):
+        engine.step()  # the prefills (and each one's first token)
     start = time.perf_counter()
     steps = 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    return steps / (time.perf_counter() - start)
+    return steps * batch / (time.perf_counter() - start)
+
+
+def _sequences(engine: LLMEngine) -> list[Any]:
+    return list(engine.scheduler.running) + list(engine.scheduler.waiting)
 
 
 def main() -> None:
@@ -70,6 +79,14 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2", help="a GGUF file or a bundled name")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    ap.add_argument(
+        "--isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: every engine gets the C kernels built without AVX-512 (what an AVX2-only "
+        "CPU runs; PyTorch's own kernels, FBGEMM's among them, keep this CPU's)",
+    )
     args = ap.parse_args()
     engines = {
         mode: LLMEngine.from_settings(
@@ -78,17 +95,22 @@ def main() -> None:
         )
         for mode in MODES
     }
+    if args.isa == "avx2":
+        avx2 = build_kernels(EngineSettings().cache_dir, ("-mno-avx512f",))
+        for engine in engines.values():
+            engine.runner.use_kernels(avx2)
     kernels = engines["gguf"].runner.kernels
     isa = {0: "plain C", 2: "AVX2", 3: "AVX-512 VNNI"}[kernels.gguf_matmul_isa] if kernels else "-"
     print(
         f"model {args.model}; {platform.machine()}, {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads; gguf matmul: {isa}",
+        f"{torch.__version__}, {torch.get_num_threads()} threads; gguf matmul: {isa}; "
+        f"batch {args.batch}",
         flush=True,
     )
     rates: dict[str | None, list[float]] = {mode: [] for mode in MODES}
     for r in range(args.rounds + 1):  # round 0 warms up, not counted
         for mode, engine in engines.items():
-            rate = decode_tok_s(engine, args.tokens, f"{mode}-{r}")
+            rate = decode_tok_s(engine, args.tokens, f"{mode}-{r}", args.batch)
             if r:
                 rates[mode].append(rate)
             print(f"round {r} {mode or 'float32'}: {rate:.1f} tok/s", flush=True)
