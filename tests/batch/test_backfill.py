@@ -39,6 +39,9 @@ ENGINE = json.dumps(
      "max_num_seqs": SLOTS}
 )  # fmt: skip
 ITEMS = 16
+# Long enough that a wave of items holds the slots across several health reports (0.2 s): the
+# interactive requests below are sent while the replica reports itself full.
+ITEM_TOKENS = 200
 SECRET = "backfill-test-secret-" + "x" * 32
 # Interactive requests run at priorities 0..2 (the tenant tiers), batch items at 3 and above.
 BATCH_PRIORITY = 3
@@ -70,7 +73,7 @@ def _body(i: int) -> dict[str, Any]:
     return {
         "model": "tiny",
         "messages": [{"role": "user", "content": f"item {i}: " + "tell me more " * (i % 5)}],
-        "max_tokens": 48,
+        "max_tokens": ITEM_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
     }
@@ -112,15 +115,17 @@ def test_batch_backfills_a_warm_replica_and_only_batch_is_preempted(
         alone[f"i-{i}"] = r.choices[0].message.content
     assert sum(_preemptions(worker).values()) == 0
 
-    lines = [batch_line(f"i-{i}", **{"max_tokens": 48, **_body(i)}) for i in range(ITEMS)]
+    lines = [batch_line(f"i-{i}", **_body(i)) for i in range(ITEMS)]
     f = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
     batch = client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
     wait_batch(client, batch.id, {"in_progress", "finalizing", "completed"})
 
-    # Interactive streams keep arriving while the batch holds the slots.
+    # Interactive streams keep arriving while the batch holds the slots: each is sent once the
+    # replica's own health report says every slot is taken (so that it must preempt to start).
     done = threading.Event()
+    full = threading.Event()
     errors: list[BaseException] = []
     streamed: list[str] = []
     full_seen: list[bool] = []
@@ -128,6 +133,8 @@ def test_batch_backfills_a_warm_replica_and_only_batch_is_preempted(
     def interactive(n: int) -> None:
         try:
             while not done.is_set():
+                if not full.wait(0.5):
+                    continue
                 stream = _ask(client, {**_body(100 + n), "max_tokens": 8}, stream=True)
                 streamed.append("".join(c.choices[0].delta.content or "" for c in stream))
         except BaseException as exc:
@@ -139,6 +146,9 @@ def test_batch_backfills_a_warm_replica_and_only_batch_is_preempted(
             assert isinstance(health["kv_free_tokens"], int)
             if health["free_slots"] == 0:
                 full_seen.append(True)
+                full.set()
+            else:
+                full.clear()
             time.sleep(0.02)  # a probe's pace, not synchronisation
 
     threads = [threading.Thread(target=interactive, args=(n,)) for n in range(2)]
