@@ -1,7 +1,8 @@
 /* A decode step's decoder layers in one call (Llama family, w8a8 weights or GGUF blocks read
- * in place, one token per sequence): for each layer, RMSNorm, the q|k|v matmul, RoPE with the KV-cache write, paged
- * attention, the output matmul and residual, RMSNorm, gate|up, SiLU(gate) * up, down and
- * residual, through the same kernels the model calls one by one from Python otherwise.
+ * in place, one token per sequence): for each layer, RMSNorm, the q|k|v matmul, RoPE with the
+ * KV-cache write, paged attention, the output matmul and residual, RMSNorm, gate|up,
+ * SiLU(gate) * up, down and residual, through the same kernels the model calls one by one
+ * from Python otherwise.
  *
  * Why one call: at batch 1 a step of SmolLM2 (30 layers) made ~300 Python-level calls, each a
  * few microseconds of module dispatch and ctypes argument conversion: ~3 ms of a ~10 ms step,
@@ -20,11 +21,12 @@ int64_t my_decode_step_scratch(const my_model *m, int64_t tokens) {
     return tokens * (2 * m->hidden + q + 2 * kv + 2 * q + 3 * m->intermediate);
 }
 
-/* out = x W^T through the projection's own kernel (xscale holds either kernel's scratch). */
+/* out = x W^T through the projection's own kernel (xscale holds either kernel's scratch). The
+ * GGUF type was checked when the layer was described, so the matmul cannot refuse it here. */
 static void project(const my_projection *p, const float *x, int64_t T, float *out, uint8_t *xq,
                     float *xscale, int threads) {
     if (p->gguf.blocks != NULL)
-        my_gguf_matmul(x, T, &p->gguf, out, (int8_t *)xq, xscale, threads); /* type checked at describe */
+        my_gguf_matmul(x, T, &p->gguf, out, (int8_t *)xq, xscale, threads);
     else
         my_int8_matmul(x, T, &p->int8, out, xq, xscale, threads);
 }

@@ -35,12 +35,11 @@ def _projection(layer: nn.Module | None, kernels: CpuKernels) -> ctypes.Structur
     """The C description (a `_Projection`) of a matmul the step runs in C: w8a8 in plain int8
     rows where the C int8 matmul is vectorised, or GGUF blocks; None for anything else."""
     if isinstance(layer, GGUFLinear) and layer.kernels is not None:
-        bias = None if layer.bias is None or layer.bias.dtype != torch.float32 else layer.bias
-        if layer.bias is not None and bias is None:
-            return None
+        if layer.bias is not None and layer.bias.dtype != torch.float32:
+            return None  # the C matmul adds a float32 bias
         gguf = _GGUFLinear(
             blocks=layer.blocks.data_ptr(),
-            bias=data_ptr(bias),
+            bias=data_ptr(layer.bias),
             out_features=layer.out_features,
             in_features=layer.in_features,
             type=layer.ggml_type,
