@@ -35,7 +35,7 @@ from modelyard.engine.models.packed_linear import PackedLinear
 from modelyard.engine.quantization import Int8Linear
 from modelyard.engine.sampling_params import SamplingParams
 
-MODES = ("gguf", "w8a8", None)
+MODES = ("gguf", "gguf+w8a8", "w8a8", None)
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -115,12 +115,12 @@ def main() -> None:
                 rates[mode].append(rate)
             print(f"round {r} {mode or 'float32'}: {rate:.1f} tok/s", flush=True)
     base = statistics.median(rates[None])
-    print(f"\n{'mode':<8} {'tok/s':>7} {'x fp32':>7} {'MB/token':>9} {'rounds'}")
+    print(f"\n{'mode':<10} {'tok/s':>7} {'x fp32':>7} {'MB/token':>9} {'rounds'}")
     for mode in MODES:
         med = statistics.median(rates[mode])
         mb = matmul_bytes(engines[mode].runner.model) / 1e6
         cells = " ".join(f"{x:.1f}" for x in rates[mode])
-        print(f"{mode or 'float32':<8} {med:>7.1f} {med / base:>7.2f} {mb:>9.1f} {cells}")
+        print(f"{mode or 'float32':<10} {med:>7.1f} {med / base:>7.2f} {mb:>9.1f} {cells}")
 
 
 if __name__ == "__main__":

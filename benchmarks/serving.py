@@ -510,7 +510,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--quantization",
-        choices=("auto", "none", "int8", "w8a8", "gguf"),
+        choices=("auto", "none", "int8", "w8a8", "gguf", "gguf+w8a8"),
         help="--against-llama-cpp: the modelyard worker's quantization (default: the engine's "
         "own default, auto: a quantized GGUF is served int8, see engine/defaults.py)",
     )

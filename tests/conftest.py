@@ -13,6 +13,15 @@ import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
+# Two xdist processes share CI's 2 cores. PyTorch takes one OpenMP thread per core in each, and
+# the two processes' spinning threads then halved each other's speed: two concurrent runs of
+# tests/engine/test_smollm2.py took 139 s against 66 s with one thread each (AMD EPYC, 2 vCPU).
+# The worker processes a test starts inherit the variable; settings that name threads still win.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:  # a plugin imported it first: its pool is already sized
+        sys.modules["torch"].set_num_threads(1)
+
 import httpx
 import pytest
 

@@ -31,7 +31,10 @@ AUTO = EngineSettings()
 @pytest.mark.parametrize("model", [Q4_1, Q8_0, Q6_K, ModelFile("gguf", "Q4_K")])
 def test_a_quantized_gguf_gets_the_fastest_int8_mode_of_the_cpu(model: ModelFile) -> None:
     avx2 = choose_defaults(model, AVX2, AUTO)
-    assert avx2.quantization == "w8a8" and "FBGEMM" in avx2.quantization_reason
+    if model.weight_type in ("Q4_1", "Q8_0"):  # blocks the C matmul reads: kept for decode
+        assert avx2.quantization == "gguf+w8a8" and "GGUF blocks" in avx2.quantization_reason
+    else:
+        assert avx2.quantization == "w8a8" and "FBGEMM" in avx2.quantization_reason
     assert f"file is {model.weight_type} GGUF" in avx2.quantization_reason
     vnni = choose_defaults(model, VNNI, AUTO)
     assert vnni.quantization == "w8a8" and "AVX-512 VNNI" in vnni.quantization_reason
@@ -90,9 +93,19 @@ def test_where_int8_cannot_serve_the_file_stays_float() -> None:
 
 
 def test_the_line_says_what_and_why() -> None:
-    line = choose_defaults(Q4_1, AVX2, AUTO).line("float32")
-    assert line.startswith("quantization w8a8 (file is Q4_1 GGUF, CPU avx2: FBGEMM), kv cache")
+    line = choose_defaults(Q6_K, AVX2, AUTO).line("float32")
+    assert line.startswith("quantization w8a8 (file is Q6_K GGUF, CPU avx2: FBGEMM), kv cache")
     assert "float32" in line
+    line = choose_defaults(Q4_1, AVX2, AUTO).line("float32")
+    assert line.startswith("quantization gguf+w8a8 (file is Q4_1 GGUF, CPU avx2: GGUF blocks")
+
+
+def test_blocks_are_kept_by_default_only_where_the_c_kernels_run() -> None:
+    """Without the C kernels the blocks would be dequantized on every call: plain w8a8."""
+    no_kernels = choose_defaults(Q4_1, AVX2, EngineSettings(cpu_kernels=False))
+    assert no_kernels.quantization == "w8a8" and "FBGEMM" in no_kernels.quantization_reason
+    no_fbgemm = CpuFeatures(AVX2.flags, fbgemm=False, int8pack=True)
+    assert choose_defaults(Q4_1, no_fbgemm, AUTO).quantization == "none"
 
 
 def test_a_gguf_file_is_read_as_its_weights_type(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 (`csrc/gguf_matmul.c`) against the float matmul over the same blocks dequantized by the `gguf`
 package, in every build this machine runs (its native form: AVX2 here, AVX-512 VNNI on a CPU
 that has it; and the portable plain C), plus a compile-only check of the AVX-512 form; then a
-tiny GGUF end to end against its dequantized float model.
+tiny GGUF end to end against its dequantized float model; and `gguf+w8a8`, the blocks with a
+w8a8 copy for wide matmuls.
 
 The tolerance is the activations' quantization, bounded exactly: x is rounded to int8 in blocks
 of 32 with scale d_b = max|x_b| / 127, so |x_i - x^_i| <= d_b / 2 and each output's error is at
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from modelyard.engine.attention import AttentionMetadata, PrefillChunk
 from modelyard.engine.cpu_kernels import load_kernels
 from modelyard.engine.gguf_linear import (
     BLOCK_BYTES,
+    BLOCK_ROWS_MAX,
     Q4_0,
     Q4_1,
     Q8_0,
@@ -34,6 +37,7 @@ from modelyard.engine.gguf_linear import (
     dequantize_blocks,
 )
 from modelyard.engine.models.loader import load_model
+from modelyard.engine.quantization import Int8Linear
 from tests.parity import PORTABLE_FLAGS, portable_kernel_builds
 from tests.tiny_gguf_blocks import HIDDEN, KV_HEADS, LAYERS, VOCAB, build_gguf, hf_folder
 
@@ -262,3 +266,72 @@ def test_one_call_decode_keeps_the_modules_for_a_float_matmul(tiny: tuple[Path, 
     layer1 = kept.model.layers[1].self_attn
     layer1.qkv_proj = kept.model.layers[0].self_attn.qkv_proj  # blocks, as the others
     assert DecodeStep.describe(kept, kernels, caches) is not None
+
+
+# ----- gguf+w8a8: the blocks for narrow matmuls, a w8a8 copy for wide ones --------------------
+
+
+def test_gguf_w8a8_layers_read_the_blocks_up_to_two_rows_and_their_copy_beyond(
+    tiny: tuple[Path, Path],
+) -> None:
+    """Every kept matmul (the tied LM head too) holds its w8a8 copy; a matmul of up to
+    `BLOCK_ROWS_MAX` rows is the blocks' own product, a wider one (or any without the C
+    kernels) the copy's, exactly."""
+    path, folder = tiny
+    model = load_model(
+        folder, torch.float32, CPU, 128, quantization="gguf+w8a8", gguf_path=path
+    ).model
+    kernels = load_kernels(EngineSettings().cache_dir)
+    assert kernels is not None
+    model.use_kernels(kernels)
+    kept = [m for m in model.modules() if isinstance(m, GGUFLinear)]
+    assert len(kept) == 4 * LAYERS and model.lm_head in kept  # as under `gguf`
+    assert all(isinstance(m.wide, Int8Linear) for m in kept)
+    # layer 1's float q|k|v is w8a8 as a whole
+    assert isinstance(model.model.layers[1].self_attn.qkv_proj, Int8Linear)
+    gen = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for layer in kept:
+            assert layer.wide is not None
+            for rows in range(1, BLOCK_ROWS_MAX + 3):
+                x = torch.randn(rows, layer.in_features, generator=gen)
+                bias = None if layer.bias is None else layer.bias.float()
+                blocks = kernels.gguf_matmul(x, layer.blocks, layer.ggml_type, bias)
+                want = blocks if rows <= BLOCK_ROWS_MAX else layer.wide(x)
+                assert torch.equal(layer(x), want), rows
+                assert not torch.equal(blocks, layer.wide(x))  # two different products
+        model.use_kernels(None)
+        x = torch.randn(1, kept[0].in_features, generator=gen)
+        assert kept[0].wide is not None and torch.equal(kept[0](x), kept[0].wide(x))
+
+
+def test_gguf_w8a8_decodes_narrow_steps_in_one_call_and_wide_ones_in_the_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the engine: decode steps of one or two sequences run as one C call over the
+    blocks, wider ones through the modules (on the w8a8 copies), and the tokens are those of
+    the same engine with every step in the modules."""
+    from modelyard.engine.models.decode_step import OneCallDecode
+    from tests.parity import make_engine, run_staggered
+    from tests.tiny_gguf import build_gguf as build_tokenized_gguf
+
+    path = build_tokenized_gguf(tmp_path / "tiny.Q4_1.gguf", "Q4_1")
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([6, 23, 41, 9])]
+    steps: list[tuple[int, bool]] = []  # (decode rows, ran as one call)
+    step_for = OneCallDecode.step_for
+
+    def observed(self: OneCallDecode, lm: Any, kernels: Any, ids: Any, meta: Any, kv: Any) -> Any:
+        step = step_for(self, lm, kernels, ids, meta, kv)
+        if self.enabled and not meta.prefills:
+            steps.append((int(ids.shape[0]), step is not None))
+        return step
+
+    monkeypatch.setattr(OneCallDecode, "step_for", observed)
+    runs = []
+    for one_call in (True, False):
+        engine = make_engine(path, quantization="gguf+w8a8")
+        engine.runner.model.one_call.enabled = one_call
+        runs.append(run_staggered(engine, prompts, max_tokens=16, join_every=6))
+    assert runs[0] == runs[1]
+    assert {rows <= BLOCK_ROWS_MAX for rows, _ in steps} == {True, False}  # both kinds ran
+    assert all(one_call == (rows <= BLOCK_ROWS_MAX) for rows, one_call in steps), steps

@@ -165,6 +165,16 @@ def test_auto_dtype_serves_w8a8_in_float32() -> None:
     assert resolve_dtype("bfloat16", torch.device("cpu"), "none") == torch.bfloat16
 
 
+@pytest.mark.skipif(not fbgemm_available(), reason="w8a8 needs FBGEMM (x86)")
+def test_w8a8_calibrates_within_a_short_max_model_len(tiny_tied: Path) -> None:
+    """The calibration prefill stays within the positions the load holds: `max_model_len: 64`
+    under w8a8 failed to load (its 256-token prefill ran past the RoPE table)."""
+    from modelyard.engine.quantization import Int8Linear
+
+    model = load_model(tiny_tied, torch.float32, CPU, 64, quantization="w8a8").model
+    assert isinstance(model.lm_head, Int8Linear)
+
+
 def test_weight_memory_at_most_30_percent_of_fp32(tiny_tied: Path) -> None:
     fp32 = load_model(tiny_tied, torch.float32, CPU, 512, pack_cpu_linears=False).model
     int8 = load_model(tiny_tied, torch.float32, CPU, 512, quantization="int8").model

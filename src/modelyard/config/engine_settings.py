@@ -84,7 +84,7 @@ class EngineSettings(SettingsBase):
         description="Ranks (devices) one replica's model is split over; each rank gets "
         "kv_cache_memory for its share of the KV heads.",
     )
-    quantization: Literal["auto", "none", "int8", "w8a8", "gguf"] = Field(
+    quantization: Literal["auto", "none", "int8", "w8a8", "gguf", "gguf+w8a8"] = Field(
         "auto",
         description="Quantization of the linear layers and embedding: int8 = weight-only "
         "per-output-channel int8 (~26 % of float32 weight memory); w8a8 = int8 weights and "
@@ -92,6 +92,9 @@ class EngineSettings(SettingsBase):
         "1.7-3.5x float32's tokens/s on AVX2, less accurate, ~56 % of float32 memory); "
         "gguf = a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as they are, read in place by the C "
         "matmul against int8 activations (its other matrices stay float; CPU, float32); "
+        "gguf+w8a8 = those blocks for matmuls of 1-2 rows (one- and two-sequence decode "
+        "steps, in one C call) and a w8a8 copy of each for wider ones (prefill, larger "
+        "batches): both in memory; "
         "none = the file's weights dequantized to the model's dtype; auto = the fastest int8 "
         "mode this CPU runs for a quantized GGUF file, none for float files (defaults.py). "
         "Python's None means none.",

@@ -2,7 +2,9 @@
 `choose_defaults`, the one place that decides, and the facts it decides from.
 
 Weights: a GGUF file stored quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...) is served with the
-first of `QUANTIZED_FILE_MODES` that runs here; a float file (F32/F16/BF16 GGUF, safetensors)
+first of `QUANTIZED_FILE_MODES` that runs here (AVX-512 VNNI: `w8a8` in C; other x86 CPUs
+with AVX2: `gguf+w8a8` for Q4_0/Q4_1/Q8_0 files, `w8a8` under FBGEMM for the others; ARM:
+`int8`); a float file (F32/F16/BF16 GGUF, safetensors)
 stays unquantized. A new mode (say, GGUF blocks read in place) is one more `QuantMode` placed
 before the modes it beats. Nothing is quantized off the CPU (`int8` only dequantizes on the fly
 there), with `tensor_parallel_size` > 1 (refused), or where no int8 kernel beats float (`w8a8`
@@ -26,6 +28,8 @@ from pathlib import Path
 from modelyard.config import EngineSettings
 
 # GGUF tensor types that store floats as they are; every other type is a quantization.
+# Those the C matmul reads in place (`gguf_linear`): Q4_0, Q4_1, Q8_0.
+BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 # Measured (benchmarks/kv_cache_dtype.py, SmolLM2 w8a8, AMD EPYC AVX2 2 vCPU, BENCHMARKS.md).
 BF16_KV_FASTER_ON_AVX2 = False
@@ -105,6 +109,21 @@ QUANTIZED_FILE_MODES: tuple[QuantMode, ...] = (
         "w8a8",
         lambda f, cpu, s: cpu.fbgemm and cpu.has("avx512_vnni") and _float32_model(s),
         "C int8 kernels (AVX-512 VNNI)",
+    ),
+    # Other x86 CPUs: a file of blocks the C matmul reads keeps them for one- and two-row decode
+    # steps (one C call; on AVX2 1.4-1.5x w8a8's single-stream tokens/s, BENCHMARKS.md) and
+    # takes w8a8's FBGEMM copy for prefill and wider batches (2-4x faster there than blocks).
+    QuantMode(
+        "gguf+w8a8",
+        lambda f, cpu, s: (
+            cpu.fbgemm
+            and cpu.has("avx2")
+            and f.format == "gguf"
+            and f.weight_type in BLOCK_TYPES
+            and s.cpu_kernels
+            and _float32_model(s)
+        ),
+        "GGUF blocks for 1-2-row decode steps in one C call, FBGEMM w8a8 for wider matmuls",
     ),
     QuantMode("w8a8", lambda f, cpu, s: cpu.fbgemm and _float32_model(s), "FBGEMM"),
     # PyTorch's int8pack kernel has no AVX2 path: 3x slower than float32 there (BENCHMARKS.md).

@@ -4,6 +4,12 @@ weight), and the matmul reads them in place (`csrc/gguf_matmul.c`: integer dot p
 against activations quantized to int8 in blocks of 32). Without the C kernels the blocks are
 dequantized on each call (correct, slow: a fallback, not a mode).
 
+Quantization `gguf+w8a8` gives each such layer a second copy of its weights, w8a8's FBGEMM
+int8 rows (`wide`), for the matmuls of more than `BLOCK_ROWS_MAX` rows: per row the blocks cost
+a float scale per 32 weights where int8 rows cost none, so past two rows FBGEMM wins (AVX2,
+BENCHMARKS.md: all of SmolLM2's matmuls at 1 / 2 / 4 / 256 rows 9.1 / 11.3 / 18.7 / 850 ms on
+the blocks, 11.0 / 12.8 / 13.0 / 216 ms under FBGEMM). Both copies stay in memory.
+
 A block of 32 weights is a float16 scale d, for Q4_1 a float16 minimum m, then the quants:
 Q8_0 32 int8 q (w = d q); Q4_0 16 bytes of nibbles n (w = d (n - 8)); Q4_1 likewise
 (w = d n + m). A Q4 byte j holds element j in its low nibble and element j + 16 in its high.
@@ -19,11 +25,16 @@ from torch import nn
 
 if TYPE_CHECKING:
     from modelyard.engine.cpu_kernels import CpuKernels
+    from modelyard.engine.quantization import Int8Linear
 
+# The quantizations that keep a GGUF file's blocks.
+GGUF_QUANTIZATIONS = ("gguf", "gguf+w8a8")
 # GGML's type numbers of the formats kept as blocks, and the bytes of one block of 32.
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 BLOCK = 32
+# With a `wide` copy: matmuls of up to this many rows read the blocks, wider ones the copy.
+BLOCK_ROWS_MAX = 2
 
 
 def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -45,9 +56,12 @@ def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 class GGUFLinear(nn.Module):
     """`y = x @ W^T + bias` with W as GGUF blocks (`blocks`: `[out, in / 32 * block bytes]`
-    uint8); float32 activations."""
+    uint8); float32 activations. `wide`, set by quantization `gguf+w8a8`: the same matrix as
+    w8a8 int8 rows, which run the matmuls of more than `BLOCK_ROWS_MAX` rows (and all of them
+    where no C kernels run)."""
 
     blocks: torch.Tensor  # buffer
+    wide: Int8Linear | None
 
     def __init__(
         self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None
@@ -62,10 +76,14 @@ class GGUFLinear(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.kernels: CpuKernels | None = None  # the model's `use_kernels`
+        self.wide = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if self.wide is not None and (x2.shape[0] > BLOCK_ROWS_MAX or self.kernels is None):
+            out: torch.Tensor = self.wide(x)
+            return out
         if self.kernels is not None and x2.dtype == torch.float32:
             bias = None if self.bias is None else self.bias.float()
             y = self.kernels.gguf_matmul(x2.contiguous(), self.blocks, self.ggml_type, bias)

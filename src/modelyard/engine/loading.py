@@ -15,6 +15,7 @@ from modelyard.config import EngineSettings
 from modelyard.engine.cores import threads_per_rank
 from modelyard.engine.cpu_kernels import kernels_for
 from modelyard.engine.defaults import Numerics, choose_defaults, cpu_features, describe_model_file
+from modelyard.engine.gguf_linear import GGUF_QUANTIZATIONS
 from modelyard.engine.lora.manager import LoRAManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import DTYPES, ModelRunner
@@ -65,7 +66,7 @@ def cpu_has_native_bfloat16() -> bool:
 
 def resolve_dtype(name: str, device: torch.device, quantization: str) -> torch.dtype:
     if name == "auto":
-        if quantization in ("w8a8", "gguf"):  # their int8 matmuls take and give float32
+        if quantization in ("w8a8", *GGUF_QUANTIZATIONS):  # int8 matmuls on float32 activations
             return torch.float32
         if device.type == "cuda" or cpu_has_native_bfloat16():
             return torch.bfloat16
@@ -157,7 +158,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
             tp_rank=0,
             tp_size=tp,
             quantization=quantized,
-            gguf_path=gguf_file(model) if quantized == "gguf" else None,
+            gguf_path=gguf_file(model) if quantized in GGUF_QUANTIZATIONS else None,
         )
         runner = ModelRunner(
             loaded.model,

@@ -2,7 +2,8 @@
 norms and KV caches described once to the C code, then one call per step instead of ~10 module
 calls per layer. It applies where every piece already runs in C: a Llama-family model on CPU
 whose matmuls are each either w8a8 in the C matmul's form (AVX-512 VNNI) or GGUF blocks read in
-place (quantization `gguf`, any CPU), one rank, no q/k norm, no experts, no LoRA layers, and a
+place (quantization `gguf`, any CPU; under `gguf+w8a8` only steps of up to `BLOCK_ROWS_MAX`
+rows), one rank, no q/k norm, no experts, no LoRA layers, and a
 step of decodes only (prefill chunks go through the modules).
 """
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from modelyard.engine.cpu_kernels import HEADER, data_ptr
-from modelyard.engine.gguf_linear import GGUFLinear
+from modelyard.engine.gguf_linear import BLOCK_ROWS_MAX, GGUFLinear
 from modelyard.engine.quantization import Int8Linear
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class DecodeStep:
             max(p.int8.in_features or p.gguf.in_features for p in _projections(layer))
             for layer in layers
         )
+        self.max_rows: int | None = None  # steps of more rows go through the modules
 
     @classmethod
     def describe(
@@ -137,7 +139,10 @@ class DecodeStep:
             matmul_threads=kernels.matmul_threads,
             attention_threads=kernels.matmul_threads,  # no PyTorch op in the step: all asleep
         )
-        return cls(kernels, model, layers, caches)
+        step = cls(kernels, model, layers, caches)
+        if any(isinstance(m, GGUFLinear) and m.wide is not None for m in lm.modules()):
+            step.max_rows = BLOCK_ROWS_MAX  # wider steps: the modules, on the `wide` copies
+        return step
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """The decoder layers over `x` ([T, hidden] float32, contiguous), in place; every row a
@@ -189,4 +194,6 @@ class OneCallDecode:
         if step is None or step.cache_ptr != kv_caches[0].data_ptr():
             step = self.described = DecodeStep.describe(lm, kernels, kv_caches)
             self._inapplicable = step is None  # the model's form holds until `forget`
+        if step is not None and step.max_rows is not None and input_ids.shape[0] > step.max_rows:
+            return None
         return step

@@ -4,7 +4,8 @@ Q4_0 / Q4_1 / Q8_0 blocks back for its matmuls, embedding and LM head (`engine.g
 A fused projection (q|k|v, gate|up) keeps its blocks where all its parts are of one kept type:
 blocks are whole rows, so the parts' rows are concatenated as the float weights are (and Q/K
 rows un-permuted as the converter does). Any other matrix (Q4_K, Q6_K, float, mixed parts)
-stays the float layer it was loaded as.
+stays the float layer it was loaded as. Under `gguf+w8a8` the model arrives w8a8-quantized:
+each layer swapped keeps its w8a8 form as the blocks' `wide` copy, and any other stays w8a8.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from modelyard.engine.gguf_linear import BLOCK, BLOCK_BYTES, GGUFEmbedding, GGUFLinear
 from modelyard.engine.models.gguf_convert import PERMUTED_QK_ARCHS, field, unpermute
 from modelyard.engine.models.llama import LlamaForCausalLM
+from modelyard.engine.quantization import Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,8 @@ def keep_gguf_blocks(model: LlamaForCausalLM, gguf_path: Path, dtype: torch.dtyp
             left += 1
             return
         assert layer.out_features == current.out_features, f"{parts[0][0]}: shape"
+        if isinstance(current, Int8Linear):  # gguf+w8a8: its rows serve the wide matmuls
+            layer.wide = current
         setattr(owner, attr, layer)
         swapped += 1
 
@@ -91,10 +95,14 @@ def keep_gguf_blocks(model: LlamaForCausalLM, gguf_path: Path, dtype: torch.dtyp
             torch.from_numpy(data.copy()), ggml_type, dim, dtype
         )
         swapped += 1
-    if model.lm_head is not None:
-        swap(model, "lm_head", [("output.weight", None)])
+    head = model.lm_head
+    if not cfg.tie_word_embeddings:
+        if head is not None:
+            swap(model, "lm_head", [("output.weight", None)])
     elif isinstance(model.model.embed_tokens, GGUFEmbedding):
         model.lm_head = model.model.embed_tokens.as_linear()
+        if isinstance(head, Int8Linear):  # w8a8's own head, smoothed for its activations
+            model.lm_head.wide = head
         swapped += 1
     log.info("GGUF blocks kept for %d matrices; %d stay float", swapped, left)
     return swapped

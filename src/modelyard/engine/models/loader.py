@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from modelyard.engine.gguf_linear import GGUF_QUANTIZATIONS
 from modelyard.engine.models.bundled import ModelNotFoundError, resolve_model_path
 from modelyard.engine.models.config import ModelConfig
 from modelyard.engine.models.gguf_blocks import keep_gguf_blocks
@@ -106,7 +107,8 @@ def load_model(
     """Load the model, or with `tp_size > 1` rank `tp_rank`'s shard of it (see `sharding`);
     `quantization`: "int8" (weight-only) or "w8a8" linears (see `engine.quantization`), or
     "gguf": the blocks of `gguf_path`, the file `folder` was converted from, kept as they are
-    (see `models.gguf_blocks`)."""
+    (see `models.gguf_blocks`); "gguf+w8a8": those blocks, each with its w8a8 copy for wide
+    matmuls (`engine.gguf_linear`)."""
     cfg = read_model_config(folder)
     check_moe_features(cfg, tp_size, quantization)
     check_tensor_parallel(cfg, tp_size)
@@ -129,19 +131,27 @@ def load_model(
     model.load_state_dict(state, assign=True, strict=True)
     model.fuse_projections()
     model = model.to(device).eval()
-    if quantization in QUANTIZATIONS:
-        quantize_model(model, dtype, quantization)
-        return LoadedModel(model=model, config=cfg, folder=folder)
-    if quantization == "gguf":
+    if quantization in GGUF_QUANTIZATIONS:
         if gguf_path is None:
-            raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks: {folder} is no GGUF")
+            raise ValueError(
+                f"quantization {quantization!r} keeps a GGUF file's blocks: {folder} is no GGUF"
+            )
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(
-                f"quantization 'gguf' runs on CPUs with float32 activations, not {device} {dtype}"
+                f"quantization {quantization!r} runs on CPUs with float32 activations, "
+                f"not {device} {dtype}"
             )
+    if quantization in QUANTIZATIONS or quantization == "gguf+w8a8":
+        quantize_model(model, dtype, "w8a8" if quantization == "gguf+w8a8" else quantization)
+        if quantization == "gguf+w8a8":  # the w8a8 layers become the blocks' `wide` copies
+            assert gguf_path is not None
+            keep_gguf_blocks(model, gguf_path, dtype)
+        return LoadedModel(model=model, config=cfg, folder=folder)
+    if quantization == "gguf":
+        assert gguf_path is not None
         keep_gguf_blocks(model, gguf_path, dtype)  # the other matrices stay float, packed below
     elif quantization is not None:
-        supported = (*QUANTIZATIONS, "gguf")
+        supported = (*QUANTIZATIONS, *GGUF_QUANTIZATIONS)
         raise ValueError(f"unknown quantization {quantization!r}; supported: {supported}")
     if pack_cpu_linears and packing_available(device, dtype):
         model.pack_for_cpu()

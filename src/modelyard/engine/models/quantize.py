@@ -40,7 +40,8 @@ def activation_ranges(model: LlamaForCausalLM) -> dict[nn.Module, torch.Tensor]:
     (the same channels whatever the text), and any model can be calibrated without a dataset.
     """
     cfg = model.config
-    n = min(CALIBRATION_TOKENS, cfg.max_position_embeddings)
+    # within the positions this load's RoPE table holds (the engine's max_model_len)
+    n = min(CALIBRATION_TOKENS, cfg.max_position_embeddings, model.model.rotary.cos.shape[0])
     ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     ranges: dict[nn.Module, torch.Tensor] = {}
 
