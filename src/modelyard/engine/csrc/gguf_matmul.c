@@ -5,9 +5,10 @@
  * A row of W is in_features / 32 blocks, each a float16 scale d (Q4_1: and a float16 minimum
  * m) and 32 quants: Q8_0 int8 q (w = d q), Q4_0 nibbles n (w = d (n - 8)), Q4_1 nibbles
  * (w = d n + m); a Q4 block's byte j holds element j in its low nibble, j + 16 in its high.
- * x is quantized here in blocks of 32 too (int8, symmetric, a float scale each, and the block's
- * integer sum), so that each block's product is integer: for Q4_0 d dx (sum n q - 8 sum q), for
- * Q4_1 d dx sum n q + m dx sum q, for Q8_0 d dx sum w q; the blocks' products add in float.
+ * x is quantized here in blocks of 32 too (int8, symmetric, a float scale dx each, and xs = dx
+ * times the block's integer sum), so that each block's product is integer but for an offset:
+ * for Q4_0 d dx sum n q - 8 d xs, for Q4_1 d dx sum n q + m xs, for Q8_0 d dx sum w q; the
+ * blocks' products add in float.
  *
  * Vector forms: AVX2 (vpmaddubsw, unsigned nibbles by signed activations; Q8_0's signs moved
  * onto the activations), and with AVX-512 VNNI the same on vpdpbusd (256-bit, AVX512VL). Each
@@ -87,9 +88,9 @@ static inline float half(const uint8_t *p) {
 /* ----- quantizing x ------------------------------------------------------------------------ */
 
 /* Each block of 32: xq = round(x / d) (half away from zero), d = max|x| / 127; xd[b] = d and
- * xsum[b] = the block's integer sum (as a float: exact, |sum| <= 4064). */
+ * xs[b] = d times the block's integer sum (the nibble formats' offset terms take it whole). */
 static void quantize_blocks(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd,
-                            float *xsum) {
+                            float *xs) {
     const int64_t nb = K / QK;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -110,7 +111,7 @@ static void quantize_blocks(const float *x, int64_t M, int64_t K, int8_t *xq, fl
                 sum += r;
             }
             xd[m * nb + b] = amax / 127.0f;
-            xsum[m * nb + b] = (float)sum;
+            xs[m * nb + b] = amax / 127.0f * (float)sum;
         }
     }
 }
@@ -119,7 +120,7 @@ static void quantize_blocks(const float *x, int64_t M, int64_t K, int8_t *xq, fl
 
 typedef struct {
     const int8_t *xq;
-    const float *xd, *xsum;
+    const float *xd, *xs;
     const uint8_t *w;
     const float *bias;
     float *out;
@@ -139,7 +140,7 @@ static void row_plain(const Job *j, int64_t n, int64_t m0, int MB, float *acc) {
         const float d = half(blk);
         for (int i = 0; i < MB; i++) {
             const int8_t *x = j->xq + (m0 + i) * j->K + b * QK;
-            const float dx = j->xd[(m0 + i) * nb + b], sx = j->xsum[(m0 + i) * nb + b];
+            const float dx = j->xd[(m0 + i) * nb + b], xs = j->xs[(m0 + i) * nb + b];
             int32_t s = 0;
             if (j->type == Q8_0) {
                 const int8_t *q = (const int8_t *)(blk + 2);
@@ -150,9 +151,9 @@ static void row_plain(const Job *j, int64_t n, int64_t m0, int MB, float *acc) {
                 for (int k = 0; k < QK / 2; k++)
                     s += (q[k] & 15) * x[k] + (q[k] >> 4) * x[k + QK / 2];
                 if (j->type == Q4_0)
-                    acc[i] += d * dx * ((float)s - 8.0f * sx);
+                    acc[i] += d * dx * (float)s - 8.0f * d * xs;
                 else
-                    acc[i] += d * dx * (float)s + half(blk + 2) * dx * sx;
+                    acc[i] += d * dx * (float)s + half(blk + 2) * xs;
             }
         }
     }
@@ -178,65 +179,90 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One weight row by MB (a constant at each call: the accumulators stay in registers) rows of
- * x from m0. The scalar `extra` collects the nibble formats' offset terms: Q4_0 sum d dx xsum
- * (times -8 at the end), Q4_1 sum m dx xsum. */
-static inline __attribute__((always_inline)) void row_vector(const Job *j, int64_t n,
-                                                             int64_t m0, const int MB,
-                                                             float *out) {
+/* Block b of a weight row (at blk) into MB rows of x from m0 (MB and the type are constants at
+ * each call, so the accumulators stay in registers). acc collects d dx sum(w q) per row;
+ * extra the nibble formats' offset terms: Q4_0 sum d xs (times -8 at the end), Q4_1 sum m xs. */
+static inline __attribute__((always_inline)) void block_into(const Job *j, const uint8_t *blk,
+                                                             int64_t b, int64_t m0, const int MB,
+                                                             const int type, __m256 *acc,
+                                                             float *extra) {
     const int64_t nb = j->K / QK;
-    const uint8_t *row = j->w + n * j->row_bytes;
-    const int bytes = my_gguf_block_bytes(j->type);
-    const int type = j->type;
-    const int64_t ahead = PREFETCH_ROWS * j->row_bytes;
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    __m256 acc[TILE];
-    float extra[TILE];
-    for (int i = 0; i < MB; i++) {
-        acc[i] = _mm256_setzero_ps();
-        extra[i] = 0.0f;
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + b * bytes;
-        if ((b & 1) == 0) _mm_prefetch((const char *)(blk + ahead), _MM_HINT_T0);
-        const float d = half(blk);
-        if (type == Q8_0) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            const __m256i wabs = _mm256_sign_epi8(w, w);
-            for (int i = 0; i < MB; i++) {
-                const int64_t r = (m0 + i) * nb + b;
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(j->xq + r * QK));
-                const __m256i p = block_dot(wabs, _mm256_sign_epi8(x, w));
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * j->xd[r]),
-                                         acc[i]);
-            }
-        } else {
-            const int q1 = type == Q4_1;
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (q1 ? 4 : 2)));
-            const __m256i nib =
-                _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-            const float m = q1 ? half(blk + 2) : 8.0f;
-            for (int i = 0; i < MB; i++) {
-                const int64_t r = (m0 + i) * nb + b;
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(j->xq + r * QK));
-                const float ddx = d * j->xd[r];
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(nib, x)),
-                                         _mm256_set1_ps(ddx), acc[i]);
-                /* Q4_0: d dx xsum, taken 8 times off at the end; Q4_1: m dx xsum */
-                extra[i] += (q1 ? m * j->xd[r] : ddx) * j->xsum[r];
-            }
+    uint32_t head;
+    memcpy(&head, blk, sizeof head);
+    /* d, and for Q4_1 m, converted together (Q4_0's second half is quants: unused) */
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)head));
+    const __m256 d = _mm256_broadcastss_ps(dm);
+    if (type == Q8_0) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m256i wabs = _mm256_sign_epi8(w, w);
+        for (int i = 0; i < MB; i++) {
+            const int64_t r = (m0 + i) * nb + b;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(j->xq + r * QK));
+            const __m256 ddx = _mm256_mul_ps(d, _mm256_broadcast_ss(j->xd + r));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(wabs, _mm256_sign_epi8(x, w))),
+                                     ddx, acc[i]);
         }
+        return;
     }
-    const float sign = type == Q4_0 ? -8.0f : 1.0f;
-    for (int i = 0; i < MB; i++) out[i] = hsum(acc[i]) + sign * extra[i];
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (type == Q4_1 ? 4 : 2)));
+    const __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw),
+                                         _mm256_set1_epi8(0x0f));
+    const float offset = type == Q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(dm)) : _mm_cvtss_f32(dm);
+    for (int i = 0; i < MB; i++) {
+        const int64_t r = (m0 + i) * nb + b;
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(j->xq + r * QK));
+        const __m256 ddx = _mm256_mul_ps(d, _mm256_broadcast_ss(j->xd + r));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dot(nib, x)), ddx, acc[i]);
+        extra[i] += offset * j->xs[r];
+    }
 }
 
+/* One weight row by MB rows of x from m0: even and odd blocks into separate accumulators, so
+ * that consecutive blocks' FMAs (one chain a row at MB = 1) do not wait on each other. */
+static inline __attribute__((always_inline)) void row_vector(const Job *j, int64_t n,
+                                                             int64_t m0, const int MB,
+                                                             const int type, float *out) {
+    const int64_t nb = j->K / QK;
+    const int bytes = type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18;
+    const uint8_t *row = j->w + n * j->row_bytes;
+    const int64_t ahead = PREFETCH_ROWS * j->row_bytes;
+    __m256 even[TILE], odd[TILE];
+    float extra_even[TILE], extra_odd[TILE];
+    for (int i = 0; i < MB; i++) {
+        even[i] = odd[i] = _mm256_setzero_ps();
+        extra_even[i] = extra_odd[i] = 0.0f;
+    }
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *blk = row + b * bytes;
+        _mm_prefetch((const char *)(blk + ahead), _MM_HINT_T0);
+        block_into(j, blk, b, m0, MB, type, even, extra_even);
+        block_into(j, blk + bytes, b + 1, m0, MB, type, odd, extra_odd);
+    }
+    if (b < nb) block_into(j, row + b * bytes, b, m0, MB, type, even, extra_even);
+    const float sign = type == Q4_0 ? -8.0f : 1.0f;
+    for (int i = 0; i < MB; i++)
+        out[i] = hsum(_mm256_add_ps(even[i], odd[i])) + sign * (extra_even[i] + extra_odd[i]);
+}
+
+#define ROW_TILE_OF(TYPE)                                                                      \
+    static void row_tile_##TYPE(const Job *j, int64_t n, int64_t m0, int MB, float *acc) {    \
+        switch (MB) {                                                                          \
+        case 4: row_vector(j, n, m0, 4, TYPE, acc); break;                                     \
+        case 3: row_vector(j, n, m0, 3, TYPE, acc); break;                                     \
+        case 2: row_vector(j, n, m0, 2, TYPE, acc); break;                                     \
+        default: row_vector(j, n, m0, 1, TYPE, acc); break;                                    \
+        }                                                                                      \
+    }
+ROW_TILE_OF(Q4_0)
+ROW_TILE_OF(Q4_1)
+ROW_TILE_OF(Q8_0)
+
 static void row_tile(const Job *j, int64_t n, int64_t m0, int MB, float *acc) {
-    switch (MB) {
-    case 4: row_vector(j, n, m0, 4, acc); break;
-    case 3: row_vector(j, n, m0, 3, acc); break;
-    case 2: row_vector(j, n, m0, 2, acc); break;
-    default: row_vector(j, n, m0, 1, acc); break;
+    switch (j->type) {
+    case Q4_0: row_tile_Q4_0(j, n, m0, MB, acc); break;
+    case Q4_1: row_tile_Q4_1(j, n, m0, MB, acc); break;
+    default: row_tile_Q8_0(j, n, m0, MB, acc); break;
     }
 }
 #else
