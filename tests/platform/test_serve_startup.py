@@ -55,10 +55,10 @@ def test_first_start_answers_while_the_default_models_load_then_serves_them(
             max_tokens=20,
             temperature=0,
         )
-        # The default numerics (int8 activations on x86 CPUs for the Q4_1 file): an answer, not float32's
-        # "Paris" (a 0.08 logit margin; llama.cpp's server answers this file "L'Étoile, la
-        # Marseillaise, …" under its own int8 activations). Dequantized answers are tested on
-        # the shared SmolLM2 worker (`conftest.smollm2_worker`).
+        # The default numerics (int8 activations on x86 CPUs for the Q4_1 file): an answer,
+        # not float32's "Paris" (a 0.08 logit margin; llama.cpp's server answers this file
+        # "L'Étoile, la Marseillaise, …" under its own int8 activations). Dequantized answers
+        # are tested on the shared SmolLM2 worker (`conftest.smollm2_worker`).
         assert (answer.choices[0].message.content or "").strip(), answer
         assert answer.usage is not None and answer.usage.completion_tokens > 0
         models = admin.get("/v1/registry/models").json()["data"]
