@@ -41,6 +41,7 @@ def test_an_engine_deciding_in_one_c_call_takes_every_core(tmp_path: Path) -> No
             settings = EngineSettings(
                 device="cpu", quantization=quantization, kv_cache_memory=2**24
             )
+            torch.set_num_threads(usable_cores())  # as a worker process starts
             client = LocalEngineClient.load(path, settings)
             try:
                 assert torch.get_num_threads() == want, quantization

@@ -28,17 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
 from modelyard.config import EngineSettings
 from modelyard.engine.async_engine import AsyncEngine, EngineDeadError, RequestTimeout
 from modelyard.engine.cores import usable_cores
-from modelyard.engine.defaults import Numerics
+from modelyard.engine.defaults import Choice, Numerics
 from modelyard.engine.faults import RequestFailed, RequestInvalid
 from modelyard.engine.grammar_threads import grammar_executor
 from modelyard.engine.kv_cache_manager import salt_bytes
 from modelyard.engine.llm_engine import LLMEngine
-from modelyard.engine.loading import resolve_device
+from modelyard.engine.loading import choice_for, resolve_device
 from modelyard.engine.lora.engine_hooks import check_adapter
 from modelyard.engine.models.bundled import resolve_model_path
 from modelyard.engine.prefix_digest import PrefixDigest
@@ -71,7 +69,6 @@ __all__ = [
     "Tokenizer",
     "resolve_model_path",
     "served_settings",
-    "takes_every_core",
 ]
 
 
@@ -221,26 +218,27 @@ def _lora_loaded(lora: Any) -> tuple[str, ...]:
         return ()
 
 
-def served_settings(settings: EngineSettings) -> EngineSettings:
+def served_settings(settings: EngineSettings, choice: Choice | None = None) -> EngineSettings:
     """A served engine on CPU leaves one core to its process's HTTP server and event loop:
     torch's OpenMP threads spin while they wait, and with one per core they starved the loop
     that streams tokens (SmolLM2 w8a8 on 2 vCPU, `benchmarks/serving.py`: 62.9 output tok/s
-    at concurrency 1 with one thread against 33.9 with two). `num_threads` set wins; an engine
-    whose small decode steps run no torch op gets the core back once loaded (`takes_every_core`)."""
+    at concurrency 1 with one thread against 33.9 with two). `num_threads` set wins. Not under
+    `gguf+w8a8` (`choice`, what the load will choose): there a decode step of one or two
+    sequences is one C call with no torch op in its layers, so torch's threads run only
+    prefills and wider steps, where every core counts (SmolLM2 Q4_1, 2 vCPU AVX2: concurrency
+    1 91 vs 93 tok/s, 32 293 vs 200-220 tok/s with both cores; BENCHMARKS.md)."""
     on_cpu = resolve_device(settings.device).type == "cpu"
     cores = usable_cores()
-    if settings.num_threads is None and settings.tensor_parallel_size == 1 and on_cpu and cores > 1:
+    one_call = choice is not None and choice.quantization == "gguf+w8a8"
+    if (
+        settings.num_threads is None
+        and settings.tensor_parallel_size == 1
+        and on_cpu
+        and cores > 1
+        and not one_call
+    ):
         return settings.model_copy(update={"num_threads": cores - 1})
     return settings
-
-
-def takes_every_core(numerics: Numerics | None) -> bool:
-    """Whether a served engine, loaded as `numerics` says, gets its core back: under
-    `gguf+w8a8` a decode step of one or two sequences is one C call with no torch op in its
-    layers, so torch's threads run only prefills and wider steps, where every core counts
-    (SmolLM2 Q4_1 on 2 vCPU AVX2, `benchmarks/serving.py`: concurrency 1 no slower with both
-    cores, 94 / 90 vs 93 tok/s; concurrency 32 293 vs 200-220 tok/s; BENCHMARKS.md)."""
-    return numerics is not None and numerics.quantization == "gguf+w8a8"
 
 
 class LocalEngineClient:
@@ -256,11 +254,8 @@ class LocalEngineClient:
     def load(cls, model: str | Path, settings: EngineSettings) -> LocalEngineClient:
         """Load the model (`served_settings`) and build the engine; with
         `tensor_parallel_size` N > 1 this process becomes rank 0 and starts N-1 helper ranks."""
-        served = served_settings(settings)
-        core = LLMEngine.from_settings(model, served)
-        if served.num_threads != settings.num_threads and takes_every_core(core.numerics):
-            torch.set_num_threads(usable_cores())
-        settings = served
+        settings = served_settings(settings, choice_for(model, settings))
+        core = LLMEngine.from_settings(model, settings)
         return cls(AsyncEngine(core, settings.request_timeout_s, settings.no_progress_timeout_s))
 
     # ----- its life ------------------------------------------------------------------------

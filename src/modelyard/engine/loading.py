@@ -14,7 +14,13 @@ import torch
 from modelyard.config import EngineSettings
 from modelyard.engine.cores import threads_per_rank
 from modelyard.engine.cpu_kernels import kernels_for
-from modelyard.engine.defaults import Numerics, choose_defaults, cpu_features, describe_model_file
+from modelyard.engine.defaults import (
+    Choice,
+    Numerics,
+    choose_defaults,
+    cpu_features,
+    describe_model_file,
+)
 from modelyard.engine.gguf_linear import GGUF_QUANTIZATIONS
 from modelyard.engine.lora.manager import LoRAManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
@@ -72,6 +78,17 @@ def resolve_dtype(name: str, device: torch.device, quantization: str) -> torch.d
             return torch.bfloat16
         return torch.float32
     return DTYPES[name]
+
+
+def choice_for(model: str | Path, settings: EngineSettings) -> Choice:
+    """What `load` will choose for `model` under `settings` (quantization, KV cache dtype), before
+    loading it (the model's file is read, and a GGUF converted once, as `load` does)."""
+    source = resolve_model_path(model)
+    folder = to_hf_folder(source, settings.cache_dir)
+    device_type = resolve_device(settings.device).type
+    return choose_defaults(
+        describe_model_file(source, folder), cpu_features(), settings, device_type
+    )
 
 
 def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
