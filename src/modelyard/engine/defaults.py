@@ -139,7 +139,7 @@ QUANTIZED_FILE_MODES: tuple[QuantMode, ...] = (
 class Choice:
     """The quantization and KV cache type an engine loads with, and why, in words."""
 
-    quantization: str  # "none", "int8", "w8a8"
+    quantization: str  # "none", "int8", "w8a8", "gguf", "gguf+w8a8"
     kv_cache_dtype: str  # "float32", "bfloat16", or "auto": the model's dtype
     quantization_reason: str
     kv_reason: str
@@ -203,7 +203,7 @@ def _kv_cache_dtype(
 class Numerics:
     """What an engine computes in, as loaded, and why: the worker's /health shows it."""
 
-    quantization: str  # "none", "int8", "w8a8"
+    quantization: str  # "none", "int8", "w8a8", "gguf", "gguf+w8a8"
     dtype: str  # weights and activations: "float32", "bfloat16"
     kv_cache_dtype: str
     reason: str  # the one line the worker logs at load
