@@ -43,7 +43,11 @@ def matmul_bytes(model: nn.Module) -> int:
     """Bytes of matmul weights a decode token reads: each matmul's weights once (a tied LM head
     is its own read, though its storage is the embedding's)."""
     total = 0
+    # gguf+w8a8's w8a8 copies serve only wider matmuls: a one-sequence token reads the blocks
+    copies = {id(m.wide) for m in model.modules() if isinstance(m, GGUFLinear) and m.wide}
     for m in model.modules():
+        if id(m) in copies:
+            continue
         if isinstance(m, GGUFLinear):
             total += m.blocks.numel()
         elif isinstance(m, Int8Linear):  # int8 rows (FBGEMM's packed form: the same bytes)
