@@ -308,15 +308,16 @@ def test_gguf_w8a8_layers_read_the_blocks_up_to_two_rows_and_their_copy_beyond(
 def test_gguf_w8a8_decodes_narrow_steps_in_one_call_and_wide_ones_in_the_modules(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Through the engine: decode steps of one or two sequences run as one C call over the
-    blocks, wider ones through the modules (on the w8a8 copies), and the tokens are those of
-    the same engine with every step in the modules."""
+    """Through the engine: decode steps of up to `BLOCK_ROWS_MAX` sequences run as one C call
+    over the blocks, wider ones through the modules (on the w8a8 copies), and the tokens are
+    those of the same engine with every step in the modules."""
     from modelyard.engine.models.decode_step import OneCallDecode
     from tests.parity import make_engine, run_staggered
     from tests.tiny_gguf import build_gguf as build_tokenized_gguf
 
     path = build_tokenized_gguf(tmp_path / "tiny.Q4_1.gguf", "Q4_1")
-    prompts = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate([6, 23, 41, 9])]
+    lengths = [6, 23, 41, 9, 14, 30]  # six at once at the peak: more rows than the blocks take
+    prompts = [[(5 * i + j) % 300 + 3 for j in range(n)] for i, n in enumerate(lengths)]
     steps: list[tuple[int, bool]] = []  # (decode rows, ran as one call)
     step_for = OneCallDecode.step_for
 
@@ -331,7 +332,7 @@ def test_gguf_w8a8_decodes_narrow_steps_in_one_call_and_wide_ones_in_the_modules
     for one_call in (True, False):
         engine = make_engine(path, quantization="gguf+w8a8")
         engine.runner.model.one_call.enabled = one_call
-        runs.append(run_staggered(engine, prompts, max_tokens=16, join_every=6))
+        runs.append(run_staggered(engine, prompts, max_tokens=24, join_every=3))
     assert runs[0] == runs[1]
     assert {rows <= BLOCK_ROWS_MAX for rows, _ in steps} == {True, False}  # both kinds ran
     assert all(one_call == (rows <= BLOCK_ROWS_MAX) for rows, one_call in steps), steps

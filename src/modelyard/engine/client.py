@@ -223,7 +223,7 @@ def served_settings(settings: EngineSettings, choice: Choice | None = None) -> E
     torch's OpenMP threads spin while they wait, and with one per core they starved the loop
     that streams tokens (SmolLM2 w8a8 on 2 vCPU, `benchmarks/serving.py`: 62.9 output tok/s
     at concurrency 1 with one thread against 33.9 with two). `num_threads` set wins. Not under
-    `gguf+w8a8` (`choice`, what the load will choose): there a decode step of one or two
+    `gguf+w8a8` (`choice`, what the load will choose): there a decode step of up to four
     sequences is one C call with no torch op in its layers, so torch's threads run only
     prefills and wider steps, where every core counts (SmolLM2 Q4_1, 2 vCPU AVX2: concurrency
     1 91 vs 93 tok/s, 32 293 vs 200-220 tok/s with both cores; BENCHMARKS.md)."""

@@ -110,8 +110,8 @@ QUANTIZED_FILE_MODES: tuple[QuantMode, ...] = (
         lambda f, cpu, s: cpu.fbgemm and cpu.has("avx512_vnni") and _float32_model(s),
         "C int8 kernels (AVX-512 VNNI)",
     ),
-    # Other x86 CPUs: a file of blocks the C matmul reads keeps them for one- and two-row decode
-    # steps (one C call; on AVX2 1.4-1.5x w8a8's single-stream tokens/s, BENCHMARKS.md) and
+    # Other x86 CPUs: a file of blocks the C matmul reads keeps them for decode steps of up to 4
+    # sequences (one C call; on AVX2 1.4-1.6x w8a8's single-stream tokens/s, BENCHMARKS.md) and
     # takes w8a8's FBGEMM copy for prefill and wider batches (2-4x faster there than blocks).
     QuantMode(
         "gguf+w8a8",
@@ -123,7 +123,7 @@ QUANTIZED_FILE_MODES: tuple[QuantMode, ...] = (
             and s.cpu_kernels
             and _float32_model(s)
         ),
-        "GGUF blocks for 1-2-row decode steps in one C call, FBGEMM w8a8 for wider matmuls",
+        "GGUF blocks for 1-4-row decode steps in one C call, FBGEMM w8a8 for wider matmuls",
     ),
     QuantMode("w8a8", lambda f, cpu, s: cpu.fbgemm and _float32_model(s), "FBGEMM"),
     # PyTorch's int8pack kernel has no AVX2 path: 3x slower than float32 there (BENCHMARKS.md).

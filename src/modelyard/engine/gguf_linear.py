@@ -6,9 +6,11 @@ dequantized on each call (correct, slow: a fallback, not a mode).
 
 Quantization `gguf+w8a8` gives each such layer a second copy of its weights, w8a8's FBGEMM
 int8 rows (`wide`), for the matmuls of more than `BLOCK_ROWS_MAX` rows: per row the blocks cost
-a float scale per 32 weights where int8 rows cost none, so past two rows FBGEMM wins (AVX2,
-BENCHMARKS.md: all of SmolLM2's matmuls at 1 / 2 / 4 / 256 rows 9.1 / 11.3 / 18.7 / 850 ms on
-the blocks, 11.0 / 12.8 / 13.0 / 216 ms under FBGEMM). Both copies stay in memory.
+a float scale per 32 weights where int8 rows cost none, so FBGEMM wins on wide matmuls (AVX2,
+BENCHMARKS.md: all of SmolLM2's matmuls at 8 / 32 / 256 rows 31 / 116 / 850 ms on the blocks,
+15 / 34 / 216 ms under FBGEMM), while up to four rows (one pass over the weights) the blocks'
+one-call decode step wins (SmolLM2 decode tokens/s at 2 / 3 / 4 sequences: 113 / 141 / 150 on
+the blocks, 80 / 115 / 135 on w8a8). Both copies stay in memory.
 
 A block of 32 weights is a float16 scale d, for Q4_1 a float16 minimum m, then the quants:
 Q8_0 32 int8 q (w = d q); Q4_0 16 bytes of nibbles n (w = d (n - 8)); Q4_1 likewise
@@ -33,8 +35,9 @@ GGUF_QUANTIZATIONS = ("gguf", "gguf+w8a8")
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 BLOCK = 32
-# With a `wide` copy: matmuls of up to this many rows read the blocks, wider ones the copy.
-BLOCK_ROWS_MAX = 2
+# With a `wide` copy: matmuls of up to this many rows read the blocks, wider ones the copy (the
+# C matmul's rows a weight pass serves, TILE in csrc/gguf_matmul.c).
+BLOCK_ROWS_MAX = 4
 
 
 def dequantize_blocks(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
