@@ -120,3 +120,18 @@ def test_a_gguf_file_is_read_as_its_weights_type(tmp_path: Path) -> None:
         (folder / "source.json").write_text("{}")
         assert describe_model_file(path, folder) == ModelFile("gguf", weight_type)
         assert describe_model_file(folder, folder) == HF  # the converted folder named itself
+
+
+def test_a_gguf_rewritten_in_place_is_converted_anew(tmp_path: Path) -> None:
+    """The file's hash, which names its conversion, is kept per version of the file: the same
+    path looked up twice is one conversion; rewritten, it is another (not the stale one)."""
+    from modelyard.engine.models.loader import to_hf_folder
+
+    hf = build_model(tmp_path / "hf", "llama")
+    path = build_gguf(tmp_path / "tiny.gguf", "Q4_1", folder=hf)
+    first = to_hf_folder(path, tmp_path / "cache")
+    assert to_hf_folder(path, tmp_path / "cache") == first
+    build_gguf(tmp_path / "tiny.gguf", "F32", folder=hf)  # the same path, new contents
+    second = to_hf_folder(path, tmp_path / "cache")
+    assert second != first
+    assert describe_model_file(path, second) == ModelFile("gguf", "F32")

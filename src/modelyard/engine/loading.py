@@ -105,9 +105,7 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
         torch.set_num_threads(num_threads)
     source = resolve_model_path(model)
     folder = to_hf_folder(source, settings.cache_dir)
-    choice = choose_defaults(
-        describe_model_file(source, folder), cpu_features(), settings, device.type
-    )
+    choice = choice_for(model, settings)
     quantization = choice.quantization
     dtype = resolve_dtype(settings.dtype, device, quantization)
     kv_dtype = dtype if choice.kv_cache_dtype == "auto" else DTYPES[choice.kv_cache_dtype]

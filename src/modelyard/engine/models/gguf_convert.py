@@ -8,6 +8,7 @@ types its weights were stored in (`gguf_weight_type`: what `engine/defaults.py` 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -48,10 +49,19 @@ _GLOBAL_TENSORS = {
 }
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256, hashed once per version of the file in this process (a load looks
+    its conversion up twice: once to choose the numerics, once to load; a GGUF is gigabytes)."""
+    st = path.stat()
+    return _sha256_of(path.resolve(), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_of(path: Path, size: int, mtime_ns: int, inode: int) -> str:
+    """`path`'s hash; size, mtime and inode are the cache key (a rewritten file is hashed anew)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
+        while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
 

@@ -141,15 +141,14 @@ def load_model(
                 f"quantization {quantization!r} runs on CPUs with float32 activations, "
                 f"not {device} {dtype}"
             )
-    if quantization in QUANTIZATIONS or quantization == "gguf+w8a8":
-        quantize_model(model, dtype, "w8a8" if quantization == "gguf+w8a8" else quantization)
-        if quantization == "gguf+w8a8":  # the w8a8 layers become the blocks' `wide` copies
-            assert gguf_path is not None
+        if quantization == "gguf+w8a8":  # w8a8 first: its layers become the blocks' `wide` copies
+            quantize_model(model, dtype, "w8a8")
             keep_gguf_blocks(model, gguf_path, dtype)
-        return LoadedModel(model=model, config=cfg, folder=folder)
-    if quantization == "gguf":
-        assert gguf_path is not None
+            return LoadedModel(model=model, config=cfg, folder=folder)
         keep_gguf_blocks(model, gguf_path, dtype)  # the other matrices stay float, packed below
+    elif quantization in QUANTIZATIONS:
+        quantize_model(model, dtype, quantization)
+        return LoadedModel(model=model, config=cfg, folder=folder)
     elif quantization is not None:
         supported = (*QUANTIZATIONS, *GGUF_QUANTIZATIONS)
         raise ValueError(f"unknown quantization {quantization!r}; supported: {supported}")
