@@ -210,9 +210,12 @@ def test_tiny_gguf_blocks_match_the_dequantized_model(tiny: tuple[Path, Path]) -
             ids.append(int(a))
 
 
-def test_gguf_needs_a_gguf_file(tiny: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("quantization", ["gguf", "gguf+w8a8"])
+def test_gguf_needs_a_gguf_file(tiny: tuple[Path, Path], quantization: str) -> None:
     with pytest.raises(ValueError, match="GGUF"):
-        load_model(tiny[1], torch.float32, CPU, 128, quantization="gguf")
+        load_model(tiny[1], torch.float32, CPU, 128, quantization=quantization)
+    with pytest.raises(ValueError, match="float32 activations"):  # nor bfloat16 activations
+        load_model(tiny[1], torch.bfloat16, CPU, 128, quantization=quantization, gguf_path=tiny[0])
 
 
 @pytest.mark.parametrize("weight_type", ["Q8_0", "Q4_0", "Q4_1"])
