@@ -155,6 +155,7 @@ def test_structs_are_filled_by_field_name_only() -> None:
         "scale",
         "bias",
         "inv_smooth",
+        "amx_weight",
         "out_features",
         "in_features",
     ]

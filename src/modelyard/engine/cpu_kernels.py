@@ -6,7 +6,8 @@ of a 32-sequence decode step. `csrc/paged_attention.c` reads the blocks where th
 `csrc/fused_ops.c` fuses the small ops around it (RMSNorm, RoPE with the KV-cache write, w8a8's
 activation scaling), each of which cost PyTorch 5 to 20 dispatches per layer. `csrc/int8_matmul.c`
 is w8a8's matmul for CPUs with AVX-512 VNNI: the weights read once for all rows of a decode
-batch, on every core (FBGEMM's takes one core per call and ~60 us of overhead at one row).
+batch, on every core (FBGEMM's takes one core per call and ~60 us of overhead at one row);
+`csrc/amx_matmul.c` runs it on AMX tiles for batches of 8+ rows where the CPU has them.
 `csrc/lora.c` adds each row's own LoRA update reading the adapters' weights in place (PyTorch
 gathered them per row, or ran a matmul pair per adapter).
 
@@ -75,6 +76,9 @@ class CpuKernels:
         self._decode_step_scratch = c["my_decode_step_scratch"]
         # Only with VNNI does the C matmul beat FBGEMM (its plain-C form is a fallback for tests).
         self.int8_matmul_vectorized = bool(c["my_int8_matmul_vectorized"]())
+        # Whether batches of rows run on AMX tiles (layers that keep an `amx_pack` copy).
+        self.int8_amx = self.int8_matmul_vectorized and bool(c["my_int8_amx_available"]())
+        self._amx_pack = c["my_int8_amx_pack"]
         self.matmul_threads = usable_cores()
 
     def decode_attention(
@@ -180,9 +184,11 @@ class CpuKernels:
         scale: torch.Tensor,  # [N] float32
         bias: torch.Tensor | None,  # [N] float32
         inv_smooth: torch.Tensor | None,  # [K] float32
+        amx_weight: torch.Tensor | None = None,  # `amx_pack(weight)`
     ) -> torch.Tensor:
         """`quantize(x * inv_smooth) @ weight^T * scale (+ bias)`, x quantized per row to int8
-        (symmetric), products summed in int32; on `matmul_threads` threads."""
+        (symmetric), products summed in int32; on `matmul_threads` threads (on AMX tiles for
+        batches of rows where `amx_weight` is given)."""
         rows, cols = x.shape
         out = torch.empty(rows, weight.shape[0])
         quantized = torch.empty(rows, cols, dtype=torch.uint8)
@@ -193,6 +199,7 @@ class CpuKernels:
             scale=scale.data_ptr(),
             bias=data_ptr(bias),
             inv_smooth=data_ptr(inv_smooth),
+            amx_weight=data_ptr(amx_weight),
             out_features=weight.shape[0],
             in_features=cols,
         )
@@ -205,6 +212,16 @@ class CpuKernels:
             row_scales.data_ptr(),
             self.matmul_threads,
         )
+        return out
+
+    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """`weight` ([N, K] int8) in the AMX tiles' order, for `int8_matmul`'s `amx_weight`;
+        None where AMX is not in use or the shape does not tile (N a multiple of 16, K of 64)."""
+        n, k = weight.shape
+        if not self.int8_amx or n % 16 or k % 64:
+            return None
+        out = torch.empty(n * k, dtype=torch.int8)
+        self._amx_pack(weight.contiguous().data_ptr(), n, k, out.data_ptr())
         return out
 
     def gguf_matmul(

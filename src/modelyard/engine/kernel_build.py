@@ -21,6 +21,7 @@ SOURCES = tuple(
         "paged_attention.c",
         "fused_ops.c",
         "int8_matmul.c",
+        "amx_matmul.c",
         "gguf_matmul.c",
         "decode_step.c",
         "lora.c",

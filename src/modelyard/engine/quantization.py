@@ -15,7 +15,8 @@ Every linear layer keeps an int8 `[out, in]` matrix and one scale per output row
   accurate than `int8` (BENCHMARKS.md), and FBGEMM's packed weights take ~1.8 bytes
   each. On CPUs with AVX-512 VNNI the C kernels (`cpu_kernels.py`, `csrc/int8_matmul.c`) run
   the matmul instead, from plain int8 rows (1 byte each), quantizing each token's activations
-  to 8 symmetric bits (FBGEMM: 7 asymmetric ones).
+  to 8 symmetric bits (FBGEMM: 7 asymmetric ones); on CPUs with AMX a second copy of the rows
+  in the tiles' order (one more byte a weight) runs batches of 8+ rows on the tiles.
 
 The token embedding is quantized per row too; with tied embeddings the `int8` LM head reuses
 its rows, the `w8a8` one is its own packed copy.
@@ -124,6 +125,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.packed: torch.ScriptObject | None = None
         self.packed_bytes = 0
+        self.amx_weight: torch.Tensor | None = None  # the rows in AMX tile order (`_unpack`)
         self._kernels: CpuKernels | None = None
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.to(dtype))
@@ -154,7 +156,7 @@ class Int8Linear(nn.Module):
             # Measured: FBGEMM's packed weights hold ~1.8 bytes of RSS per int8 weight (why was
             # not investigated); counted as 2.
             self.packed_bytes = 2 * self.qweight.numel() + 8 * self.out_features
-            self.qweight = self.weight_sums = None
+            self.qweight = self.weight_sums = self.amx_weight = None
 
     def _unpack(self) -> None:
         if self.packed is not None:
@@ -162,6 +164,11 @@ class Int8Linear(nn.Module):
             self.qweight = qweight
             self.weight_sums = qweight.sum(dim=1, dtype=torch.int32)
             self.packed, self.packed_bytes = None, 0
+        # On AMX CPUs a second copy in the tiles' order runs batches of rows (decode steps of
+        # 16+ sequences, prefill) ~8x faster than VNNI (BENCHMARKS.md): one more byte a weight.
+        assert self._kernels is not None and self.qweight is not None
+        self.amx_weight = self._kernels.amx_pack(self.qweight)
+        self.packed_bytes = 0 if self.amx_weight is None else self.amx_weight.numel()
 
     @classmethod
     def from_weight(
@@ -193,7 +200,7 @@ class Int8Linear(nn.Module):
             assert self.qweight is not None and self.weight_sums is not None  # unpacked
             y = self._kernels.int8_matmul(
                 x2.contiguous(), self.qweight, self.weight_sums, self.scale, self.bias,
-                self.inv_smooth,
+                self.inv_smooth, self.amx_weight,
             )  # fmt: skip
             return y.reshape(*shape[:-1], self.out_features)
         if self.packed is not None:  # w8a8: float32 activations (checked at load)

@@ -160,6 +160,7 @@ void my_int8_matmul(const float *x, int64_t M, const my_linear *w, float *out, u
                     float *xscale, int n_threads) {
     const int64_t K = w->in_features, N = w->out_features;
     quantize_rows(x, M, K, w->inv_smooth, xq, xscale);
+    if (amx_matmul(xq, xscale, M, w, out, n_threads)) return;
     const Job job = {xq, xscale, w->weight, w->weight_sums, w->scale, w->bias, out, M, K, N};
     /* Chunks of ~64K multiply-adds, whole blocks of ROWS: a claim is an atomic on a line both
      * cores write, and at 16K (~0.2 us of work) the claims cost a 32-row batch's matmuls ~20 %;

@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 /* bfloat16 <-> float32, shared by the kernels (static inline: no call across files). */
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = ((uint32_t)x) << 16;
@@ -44,6 +46,13 @@ static inline float exp_nonpositive(float x) {
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
 }
+
+/* amx_matmul.c: out = the int8 product of x (already quantized: xq, xscale) on AMX tiles, if
+ * `w` has its AMX copy, x at least AMX_MIN_ROWS rows and the tiles are usable; 1 if it ran,
+ * 0 if the caller's VNNI product must. */
+#define AMX_MIN_ROWS 8
+int amx_matmul(const uint8_t *xq, const float *xscale, int64_t M, const my_linear *w,
+               float *out, int n_threads);
 
 /* thread_pool.c */
 typedef void (*pool_task)(const void *context, int64_t first, int64_t last);

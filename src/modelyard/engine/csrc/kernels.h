@@ -66,6 +66,7 @@ typedef struct {
     const float *scale;         /* [out_features] */
     const float *bias;          /* [out_features] or NULL */
     const float *inv_smooth;    /* [in_features] or NULL */
+    const int8_t *amx_weight;   /* `weight` in AMX tile order (my_int8_amx_pack), or NULL */
     int64_t out_features, in_features;
 } my_linear;
 
@@ -76,6 +77,15 @@ MY_API void my_int8_matmul(const float *x, int64_t rows, const my_linear *w, flo
 
 /* Whether this build has the vector product (where not, PyTorch's int8 matmul is faster). */
 MY_API int my_int8_matmul_vectorized(void);
+
+/* ----- amx_matmul.c ----------------------------------------------------------------------- */
+
+/* Whether this build has the AMX product and the OS lets this process use the tiles (asked
+ * once). Where it does, my_int8_matmul runs batches of rows on them when `amx_weight` is set. */
+MY_API int my_int8_amx_available(void);
+
+/* w [N, K] int8 rows into out (N * K bytes) in AMX tile order; N a multiple of 16, K of 64. */
+MY_API void my_int8_amx_pack(const int8_t *w, int64_t N, int64_t K, int8_t *out);
 
 /* ----- gguf_matmul.c ---------------------------------------------------------------------- */
 

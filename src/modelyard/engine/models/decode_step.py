@@ -57,6 +57,7 @@ def _projection(layer: nn.Module | None, kernels: CpuKernels) -> ctypes.Structur
         scale=layer.scale.data_ptr(),
         bias=data_ptr(layer.bias),
         inv_smooth=data_ptr(layer.inv_smooth),
+        amx_weight=data_ptr(layer.amx_weight),
         out_features=layer.out_features,
         in_features=layer.in_features,
     )
