@@ -36,6 +36,7 @@ from modelyard.batch.service import BatchService
 from modelyard.batch.validation import BatchFileInvalid, validate_file
 from modelyard.batch.webhook_policy import WebhookPolicy
 from modelyard.config import PlatformSettings
+from modelyard.core.backfill import Backfill
 from modelyard.core.identity import Limits, Principal
 from modelyard.core.routing import CapacityReport, EndpointRoute, ReplicaRoute, RoutingTable
 from modelyard.gateway.accounting import ItemUsage
@@ -721,7 +722,7 @@ def test_batch_items_in_flight_never_hold_an_interactive_request_back() -> None:
         version_id=None, max_tokens_cap=64, replicas=[replica],
     )  # fmt: skip
     replica.outstanding = replica.batch_outstanding = 2  # full of batch items
-    assert RoutingTable.pick(route, batch=True) is None  # no more batch
+    assert RoutingTable.pick(route, backfill=Backfill()) is None  # no more batch
     assert RoutingTable.pick(route) is replica  # an interactive request goes (the engine
     replica.outstanding += 1  # preempts a batch item for it)
     assert RoutingTable.pick(route) is replica

@@ -147,12 +147,37 @@ async def test_waiters_are_admitted_best_tier_first_then_in_arrival_order(
 
 
 async def test_batch_items_wait_behind_every_tier(database: Database) -> None:
+    """A batch item waits apart from the admission queue (it takes no interactive request's
+    place there, and is no queued demand), and a freed slot goes to the queued request first."""
     routing = RoutingTable()
     route, replica = _route(routing)
     gateway = _gateway(database, routing)
-    arrivals = [_call(route, None, batch=True), _call(route, "free")]
-    admitted, _ = await _admit_all(gateway, route, replica, arrivals)
-    assert admitted == ["free", "batch"]
+    looks = [0]
+    wait_change = route.wait_change
+
+    async def counted(at_most_s: float) -> None:
+        looks[0] += 1
+        await wait_change(at_most_s)
+
+    route.wait_change = counted  # type: ignore[method-assign]
+
+    async def take(call: Call) -> ReplicaRoute | None:
+        chosen = await gateway._replica(call, set())
+        replica.outstanding += 1  # what `_send` does with the slot it got
+        return chosen
+
+    batch = asyncio.create_task(take(_call(route, None, batch=True)))
+    await async_wait_until(lambda: looks[0] >= 1, "the batch item to wait")
+    assert route.waiting == 0
+    free = asyncio.create_task(take(_call(route, "free")))
+    await async_wait_until(lambda: route.waiting == 1, "the free request to queue")
+    route.release(replica)  # one slot: the queued request's, though the batch item came first
+    assert await free is replica
+    seen = looks[0]
+    await async_wait_until(lambda: looks[0] >= seen + 2, "the batch item to look again")
+    assert not batch.done()
+    route.release(replica)
+    assert await batch is replica
 
 
 async def test_a_new_request_does_not_overtake_a_waiter_of_its_tier(database: Database) -> None:

@@ -36,6 +36,7 @@ from modelyard.batch.service import ACTIVE, TERMINAL, BatchStatus
 from modelyard.batch.stops import Stop, end_revoked, stop_reason
 from modelyard.batch.webhook_policy import WebhookPolicy
 from modelyard.config import PlatformSettings
+from modelyard.core.backfill import Backfill
 from modelyard.core.identity import Principal
 from modelyard.core.routing import EndpointRoute, RoutingTable
 from modelyard.store import repository as repo
@@ -76,8 +77,7 @@ class BatchRunner:
         self.budget = BatchBudget(
             settings.batch_concurrency,
             settings.batch_max_concurrency,
-            settings.admission_tokens_per_request,
-            settings.backfill_reserved_slots,
+            Backfill.of(settings),  # the rule the gateway's replica choice applies too
         )
         self.items = ItemRunner(settings, db, sender, self.owner)
         self.notifier = Notifier(settings, db, WebhookPolicy(settings.batch_webhook_hosts))

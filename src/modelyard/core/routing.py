@@ -5,17 +5,18 @@ Only the control plane writes it, through its verbs (`publish`, `remove`, `add_r
 `set_upstream_model`, `set_weights`; each bumps `generation` and wakes waiting requests); the
 gateway reads it on every request (`resolve`, `pick`) and may `bench` a replica it could not
 reach until the control plane's next health check readmits it. `pick` chooses, among the ready
-replicas whose circuit breaker lets requests through and which are below their admission limit,
-the one with the fewest requests in flight. An endpoint serving several versions (a canary beside
-the stable one) carries their traffic weights: `pick` first draws the version (sticky by the
-request's affinity key: the same `user` or session lands on the same version while the weights
-stay), then the replica among that version's; only when the drawn version has no replica that
-could take a request does another version serve it (counted in `fallbacks`). Requests that find
-every replica full wait in the endpoint's
-`AdmissionQueue`, best tier first. When no replica serves and none will come up by waiting, the
-control plane says why (`set_unavailable`), so requests fail at once instead of waiting for a
-replica that is not coming. The gateway asks for a replica of an endpoint with none (scale from
-zero) through an `Activate` callable the composition root hands it.
+replicas whose circuit breaker lets requests through and which are below their admission limit
+(for a batch item: which may take it, `core/backfill.py`), the one with the fewest requests in
+flight. An endpoint serving several versions (a canary beside the stable one) carries their
+traffic weights: `pick` first draws the version (sticky by the request's affinity key: the same
+`user` or session lands on the same version while the weights stay), then the replica among that
+version's; only when the drawn version has no replica that could take a request does another
+version serve it (counted in `fallbacks`). Requests that find every replica full wait in the
+endpoint's `AdmissionQueue`, best tier first (batch items wait apart, `gateway/upstream.py`).
+When no replica serves and none will come up by waiting, the control plane says why
+(`set_unavailable`), so requests fail at once instead of waiting for a replica that is not
+coming. The gateway asks for a replica of an endpoint with none (scale from zero) through an
+`Activate` callable the composition root hands it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 from modelyard.core.adapter_affinity import AdapterHint
 from modelyard.core.adapter_routes import AdapterIndex, AdapterMap, drop_from
 from modelyard.core.admission_queue import AdmissionQueue
+from modelyard.core.backfill import Backfill
 from modelyard.core.cache_routing import CacheHint
 from modelyard.core.replica_route import CapacityReport, ReplicaRoute
 
@@ -348,13 +350,13 @@ class RoutingTable:
         exclude: set[str] | None = None,
         affinity: str | None = None,
         prefix: CacheHint | AdapterHint | None = None,
-        batch: bool = False,
+        backfill: Backfill | None = None,
     ) -> ReplicaRoute | None:
         """The least-loaded replica with room, of the version drawn by weight (see the module's
         docstring), or with a `prefix` hint the one holding the longest cached prefix of the
         prompt (`core/cache_routing.py`) or the request's adapter (`core/adapter_affinity.py`),
         within bounded load; None while none has room (the caller waits) or every one was
-        tried."""
+        tried. A batch item (`backfill`) has room only where `backfill.room` says so."""
         now = time.monotonic()
         usable = [r for r in route.replicas if r.usable(now, exclude)]
         if len(route.weights) > 1 or (
@@ -369,7 +371,7 @@ class RoutingTable:
                 usable = [r for r in usable if route.weights.get(r.version_id or "", 0) > 0]
                 if usable:
                     route.fallbacks += 1
-        candidates = [r for r in usable if r.has_room(batch)]
+        candidates = [r for r in usable if (backfill.room(r) if backfill else r.has_room())]
         if not candidates:
             return None
         chosen = prefix.choose(candidates, usable) if prefix else None

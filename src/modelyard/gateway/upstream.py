@@ -2,6 +2,11 @@
 queue, or for a replica the control plane starts from zero), open the connection, and retry
 on another replica a failure that happened before the first response byte.
 
+A batch item goes only to a replica that may take it (backfill, `core/backfill.py`: the rule
+the batch budget held it back by). While none may, it waits as the budget does, on the
+endpoint's change signal and outside the admission queue: it never takes an interactive
+request's place there, never counts as queued demand, and never times out into a 429.
+
 Once bytes have flowed a request is never re-sent; the same request id goes with every try.
 """
 
@@ -18,6 +23,7 @@ import orjson
 from modelyard.config import PlatformSettings
 from modelyard.core import tracing
 from modelyard.core.admission_queue import AdmissionRefused, Waiter, admission_rank
+from modelyard.core.backfill import Backfill, HoldBack
 from modelyard.core.cache_routing import CacheHint
 from modelyard.core.cluster_auth import replica_headers
 from modelyard.core.errors import (
@@ -108,6 +114,8 @@ class Upstream:
         self.session: aiohttp.ClientSession | None = None
         # Each version's answers, for the canary's SLO gate (read by the control plane).
         self.stats = VersionStats()
+        # Where a batch item may go: the batch budget's own rule (`BatchRunner` builds it alike).
+        self.backfill = Backfill.of(settings)
         self._unary_timeout = aiohttp.ClientTimeout(
             total=settings.gateway_request_timeout_s, connect=settings.gateway_connect_timeout_s
         )
@@ -140,19 +148,21 @@ class Upstream:
         wait up to `scale_from_zero_timeout_s`, reporting progress. All replicas full: wait in
         the endpoint's admission queue (best tier first, see `AdmissionQueue`) up to
         `admission_timeout_s`; a queue full for the request's tier, a better tier taking its
-        place, or a wait that runs out is a 429 with Retry-After. None: every replica was tried.
+        place, or a wait that runs out is a 429 with Retry-After. A batch item only takes a
+        replica that may take it, and waits for one outside the queue, behind every queued
+        request (see the module docstring). None: every replica was tried.
         """
         route, s = call.route, self.settings
         rank = admission_rank(getattr(call.principal, "tier", None), call.batch)
+        backfill = self.backfill if call.batch else None
         loop = asyncio.get_running_loop()
         started = loop.time()
         waiter: Waiter | None = None
+        hold: HoldBack | None = None
         try:
             while True:
                 if route.queue.may_take(rank, waiter):
-                    replica = self.routing.pick(
-                        route, tried, call.affinity, call.prefix, batch=call.batch
-                    )
+                    replica = self.routing.pick(route, tried, call.affinity, call.prefix, backfill)
                     if replica is not None:
                         return replica
                 if not route.ready_replicas:
@@ -177,6 +187,10 @@ class Upstream:
                     continue
                 if all(r.replica_id in tried for r in route.ready_replicas):
                     return None
+                if backfill is not None:
+                    hold = hold or HoldBack()
+                    await hold.wait(route)
+                    continue
                 if waiter is None:
                     try:
                         waiter = route.queue.join(rank, s.admission_queue_size)
