@@ -20,7 +20,9 @@ replica's engine ties each key to the KV block that holds the prompt's tokens up
 keys whose block is still in its prefix cache: a digest of at most `MAX_DIGEST_KEYS` keys, most
 recently used first (`encode_digest`). The gateway routes by those digests
 (`core/cache_routing.py`). A key says "this replica's cache holds the KV of this text", exactly
-as far as its engine's blocks do: an evicted block drops its keys from the next digest.
+as far as its engine's blocks do: an evicted block drops its keys from the next digest. In
+cluster mode only the leading controller reads the reports; it shares each digest with the
+gateways through Redis (`share_digest`, `parse_shared`).
 """
 
 from __future__ import annotations
@@ -220,6 +222,38 @@ def decode_digest(value: Any) -> frozenset[bytes] | None:
     if len(raw) % KEY_BYTES:
         return None
     return frozenset(raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES))
+
+
+# A shared digest's longest text: a generation of up to 19 digits, a space, the keys.
+_SHARED_MAX = 20 + 4 * (MAX_DIGEST_KEYS * KEY_BYTES) // 3 + 4
+
+
+def share_digest(generation: int, held: Iterable[bytes]) -> str:
+    """A replica's digest as the leading controller shares it with the gateways (cluster mode:
+    `control/digest_publisher.py`): `<generation> <keys in base64>`."""
+    return f"{generation} {encode_digest(held)}"
+
+
+def stamp(shared: str) -> str:
+    """A short hash of a shared digest: whether a gateway's copy of it is the current one."""
+    return hashlib.blake2b(shared.encode(), digest_size=8).hexdigest()
+
+
+def parse_shared(value: Any) -> tuple[int, frozenset[bytes]] | None:
+    """A shared digest (str or bytes) as (generation, keys); None if malformed (the length is
+    checked before anything is decoded: at most `MAX_DIGEST_KEYS` keys)."""
+    if not isinstance(value, str | bytes) or len(value) > _SHARED_MAX:
+        return None
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    generation, _, keys = value.partition(" ")
+    if not (generation.isascii() and generation.isdigit()) or len(generation) > 19:
+        return None
+    held = decode_digest(keys)
+    return None if held is None else (int(generation), held)
 
 
 def matched(keys: Sequence[bytes], held: frozenset[bytes] | set[bytes]) -> int:
