@@ -3,13 +3,15 @@ from the same parts as `serve` (`platform.Platform`) with the state they share i
 Redis instead of in memory.
 
 - Gateway: auth, limits and quotas (Redis), metering (PostgreSQL), proxying; its routing table
-  is a mirror of the one the leading controller publishes (`gateway/route_mirror.py`). It runs
-  no replica and no control loop; control requests go on to the leader (`api/control_forward.py`).
+  is a mirror of the one the leading controller publishes (`gateway/route_mirror.py`), with the
+  replicas' prefix digests from Redis (`gateway/digest_mirror.py`). It runs no replica and no
+  control loop; control requests go on to the leader (`api/control_forward.py`).
 - Controller: the whole control plane, but only while it holds the leader lease
   (`control/leader.py`). A standby tries for the lease every third of `controller_lease_s`; on
   taking it, it resumes from the database: bootstraps the admin key on a first start, adopts the
   replicas its predecessor left running (`control/takeover.py`), publishes the routing
-  table, sums the gateways' load from Redis for its autoscaler, and runs the batch runner
+  table and the replicas' prefix digests (`control/digest_publisher.py`), sums the gateways'
+  load from Redis for its autoscaler, and runs the batch runner
   (whose item leases make a takeover lose and repeat nothing). A leader that loses its lease
   while running (cut off from the database, paused past the lease) steps down at once: it
   stops answering as the leader, stops its leader-only loops and its advertisement, and stands
@@ -37,11 +39,13 @@ from modelyard.control.backends.base import Backend
 from modelyard.control.backends.local import LocalBackend
 from modelyard.control.cluster_load import LoadAggregator
 from modelyard.control.cluster_outcomes import ClusterOutcomes
+from modelyard.control.digest_publisher import DigestPublisher
 from modelyard.control.leader import LeaderLease, LeaseKeeper
 from modelyard.control.route_publisher import RoutePublisher
 from modelyard.control.takeover import ReplicaTakeover
 from modelyard.core.cluster_auth import sign_leader_url, verified_leader_url
 from modelyard.core.cluster_keys import LEADER_KEY
+from modelyard.gateway.digest_mirror import DigestMirror
 from modelyard.gateway.leader_address import LeaderAddress
 from modelyard.gateway.outcome_report import OutcomeReporter
 from modelyard.gateway.route_mirror import RouteMirror
@@ -138,6 +142,8 @@ class GatewayRole(_Role):
         # Runs no replica: an inert local backend (never Ray: a gateway joins no Ray cluster).
         self.platform = p = Platform(settings, LocalBackend(settings.data_dir / "logs"))
         self.mirror = RouteMirror(p.db, p.routing, settings.routing_refresh_s)
+        # The replicas' prefix digests, which only the leader's health checks read.
+        self.digests = DigestMirror(p._redis, p.routing)
         self.reporter = TrafficReporter(p._redis, p.routing)
         # Scale from zero goes to the leader through Redis, not to an in-process manager.
         p.gateway.upstream.activate = self.reporter.activate
@@ -150,10 +156,13 @@ class GatewayRole(_Role):
     async def start(self) -> None:
         await self._start_shared()
         await self.mirror.start()
+        if self.settings.prefix_aware_routing:
+            self.digests.start()
         self.reporter.start()
 
     async def stop(self) -> None:
         await self.reporter.stop()
+        await self.digests.stop()
         await self.mirror.stop()
         await self._stop_shared()
 
@@ -204,6 +213,7 @@ class ControllerRole(_Role):
             p.db, p.routing, self.manager.endpoints, held_back=self.takeover.adopting.__contains__
         )
         self.aggregator = LoadAggregator(p._redis, p.routing, self.manager.activate)
+        self.digests = DigestPublisher(p._redis, p.routing)
 
     @staticmethod
     def _backend(settings: PlatformSettings) -> Backend:
@@ -307,6 +317,8 @@ class ControllerRole(_Role):
         await self.manager.start()
         await self.publisher.start()
         self.aggregator.start()
+        if self.settings.prefix_aware_routing:
+            self.digests.start()
         p.batch_runner.start()
         p.reclaimer.start()
         self.leading = True
@@ -344,6 +356,7 @@ class ControllerRole(_Role):
             ("the batch runner", p.batch_runner.stop()),
             ("the blob reclaimer", p.reclaimer.stop()),
             ("the load aggregator", self.aggregator.stop()),
+            ("the digest publisher", self.digests.stop()),
             ("the route publisher", self.publisher.stop()),
             ("the endpoint manager", p.endpoints.stop()),  # its replicas keep running
             ("the advertisement", self._unadvertise()),

@@ -158,3 +158,61 @@ def test_what_was_just_sent_counts_until_it_expires() -> None:
         first.cache.pending[key] += stale
     assert first.cache.matched(keys(chat(SYSTEM, "q4")).keys, time.monotonic()) == 0
     assert not first.cache.pending
+
+
+def responses(instructions: str | None, given: Any, **extra: Any) -> dict[str, Any]:
+    body = {"model": "m", "cache_salt": "tenant-a", "input": given, **extra}
+    return body if instructions is None else {**body, "instructions": instructions}
+
+
+def test_responses_requests_are_keyed_as_the_chat_they_run_as() -> None:
+    """The worker runs a Responses request as a chat (`worker/responses.py` `to_chat`): its keys
+    are that chat's, so both APIs share a replica's cached prefix."""
+    a = prefix_keys(responses(SYSTEM, "hi"), "responses")
+    assert a == keys(chat(SYSTEM, "hi"))
+    b = prefix_keys(responses(SYSTEM, "what is my balance?"), "responses")
+    assert a is not None and b is not None
+    shared = len(SYSTEM) // BLOCK_CHARS
+    assert a.keys[:shared] == b.keys[:shared] and a.keys[-1] != b.keys[-1]
+    # Items: text parts joined, a function call joins the assistant's turn, its output is a
+    # tool message; function tools in chat's nested form.
+    text = [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "in Paris?"}]
+    items = [
+        {"type": "message", "role": "user", "content": text},
+        {"type": "message", "role": "assistant", "content": "Let me look."},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+    schema = {"type": "object", "properties": {}}
+    tool = {"type": "function", "name": "weather", "parameters": schema}
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    as_chat = {
+        "model": "m",
+        "cache_salt": "tenant-a",
+        "tools": [{"type": "function", "function": {"name": "weather", "parameters": schema}}],
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+    }
+    given = prefix_keys(responses(SYSTEM, items, tools=[tool]), "responses")
+    assert given == keys(as_chat)
+    # The calls are part of what the model reads: other arguments, another rendering.
+    other = [*items[:2], {**items[2], "arguments": '{"city": "Lyon"}'}, items[3]]
+    moved = prefix_keys(responses(SYSTEM, other, tools=[tool]), "responses")
+    assert given is not None and moved is not None
+    assert moved.keys[:shared] == given.keys[:shared] and moved != given
+    # Nothing to key: no input items; an embeddings request's input is no prompt.
+    assert prefix_keys(responses(None, []), "responses") is None
+    assert prefix_keys({"model": "m", "input": "embed me"}, "embeddings") is None
+
+
+def test_a_single_prompt_in_a_list_is_keyed_as_that_prompt() -> None:
+    """The worker runs `["text"]` and `[[ids]]` as one prompt (and notes its keys) exactly as
+    `"text"` and `[ids]`."""
+    assert keys({"model": "m", "prompt": ["once upon"]}) == keys(
+        {"model": "m", "prompt": "once upon"}
+    )
+    assert keys({"model": "m", "prompt": [[1, 2, 3]]}) == keys({"model": "m", "prompt": [1, 2, 3]})

@@ -36,6 +36,7 @@ from modelyard.core.errors import DomainError
 from modelyard.core.gc_pauses import heap_started
 from modelyard.core.identity import Principal
 from modelyard.core.loop_monitor import watching_loop
+from modelyard.core.routing import RoutingTable
 from modelyard.gateway.request_context import GatewayRequestContext
 from modelyard.protocol.middleware import BodySizeLimit
 from modelyard.protocol.oip import install_oip_error_handlers
@@ -121,7 +122,24 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
             "routing_generation": services.routing.generation,
             "warm_pool_idle": manager.warm_pool.idle(),
             "node_cache": {"hits": manager.node_cache.hits, "misses": manager.node_cache.misses},
+            "prefix_digests": known_digests(services.routing),
         }
 
     install_metrics(app, services)
     return app
+
+
+def known_digests(routing: RoutingTable) -> dict[str, dict[str, dict[str, int]]]:
+    """The replicas' prefix digests this process routes by (cache-aware routing; in cluster mode
+    a gateway's come from the leader through Redis): per endpoint and replica, the digest's
+    generation and how many keys it holds."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for route in routing.all_routes():
+        held = {
+            r.replica_id: {"generation": r.cache.generation, "keys": len(r.cache.held)}
+            for r in route.replicas
+            if r.cache.generation >= 0
+        }
+        if held:
+            out[route.endpoint_id] = held
+    return out

@@ -3,11 +3,13 @@ of its prompt, unless that replica is loaded past its bound.
 
 What each replica holds comes from its own engine: its health report carries a digest of the
 prefix keys (`core/prefix_keys.py`) whose KV blocks are still in its prefix cache, which the
-control plane's health check hands to the routing table (`ReplicaCache.update`). Between two
-reports (a health check every few seconds) the gateway also counts what it has just sent: the
-keys of a request routed to a replica are taken as held there for `PENDING_S` seconds (its
-prefill writes them), so a burst of one prompt does not scatter before the next report. The
-report stays the judge: a key the replica evicted leaves its next digest.
+control plane's health check hands to the routing table (`ReplicaCache.update`; in cluster mode
+the leader's, which shares it with every gateway through Redis: `control/digest_publisher.py`,
+`gateway/digest_mirror.py`). Between two reports (a health check every few seconds) the gateway
+also counts what it has just sent: the keys of a request routed to a replica are taken as held
+there for `PENDING_S` seconds (its prefill writes them), so a burst of one prompt does not
+scatter before the next report. The report stays the judge: a key the replica evicted leaves
+its next digest.
 
 The choice (`CacheHint.choose`): among the replicas with room, those within their load bound —
 requests in flight below `load_factor` x the fair share (the mean over the usable replicas,

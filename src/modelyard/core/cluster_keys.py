@@ -14,3 +14,9 @@ LEADER_KEY = "modelyard:controller:leader"
 # `<prefix><endpoint id>:<version id>:<bucket>`: a hash of one version's outcomes at every
 # gateway over one `OUTCOME_BUCKET_S` of wall-clock time (`core/outcome_counts.py`), expiring.
 OUTCOMES_PREFIX = "modelyard:outcomes:"
+# The replicas' prefix digests the leading controller shares with the gateways
+# (`control/digest_publisher.py`, `gateway/digest_mirror.py`): a hash of `<endpoint id>/<replica
+# id>` -> `<generation> <keys in base64>` (`prefix_keys.share_digest`), and a hash of the same
+# fields -> a short hash of that value (what a gateway compares before fetching), both expiring.
+DIGESTS_KEY = "modelyard:prefix:digests"
+DIGEST_STAMPS_KEY = "modelyard:prefix:stamps"

@@ -16,7 +16,7 @@ class Periodic:
 
     def __init__(
         self,
-        work: Callable[[], Awaitable[None]],
+        work: Callable[[], Awaitable[object]],
         every_s: float,
         name: str,
         failed: str,

@@ -2,8 +2,14 @@
 
 The gateway has a request's messages, not its tokens (it runs no tokenizer). It renders the prompt
 canonically — the model (an adapter has its own cache), the cache namespace (`cache_salt`:
-tenants never share blocks), the tools, then every message's role and text in order; for a
-completion, the prompt — and cuts the rendering into blocks of `BLOCK_CHARS` characters. Block
+tenants never share blocks), the tools, then every message's role, text and tool calls in order;
+for a completion, the prompt (one prompt, or a list of exactly one) — and cuts the rendering into
+blocks of `BLOCK_CHARS` characters. A Responses API request is rendered as the chat the worker
+runs it as (`worker/responses.py` `to_chat`: `instructions` as the system message, a string
+`input` as a user message, message items' text, a `function_call` item as a tool call of the
+assistant's turn, a `function_call_output` as a tool message, function tools in chat's form), so
+it keys like that chat and shares its cached blocks; the server keeps no responses, so there is
+no stored context (`previous_response_id` is refused before routing) to key. Block
 i's key is a 64-bit hash chained over block i-1's key and block i's text, so two requests with
 an equal key have equal rendered text up to that block's end. Only the first `MAX_KEYS` blocks
 are keyed (a prefix longer than that is matched as far as that).
@@ -14,7 +20,9 @@ replica's engine ties each key to the KV block that holds the prompt's tokens up
 keys whose block is still in its prefix cache: a digest of at most `MAX_DIGEST_KEYS` keys, most
 recently used first (`encode_digest`). The gateway routes by those digests
 (`core/cache_routing.py`). A key says "this replica's cache holds the KV of this text", exactly
-as far as its engine's blocks do: an evicted block drops its keys from the next digest.
+as far as its engine's blocks do: an evicted block drops its keys from the next digest. In
+cluster mode only the leading controller reads the reports; it shares each digest with the
+gateways through Redis (`share_digest`, `parse_shared`).
 """
 
 from __future__ import annotations
@@ -59,18 +67,84 @@ def _text(content: Any) -> str:
     return "" if content is None else orjson.dumps(content, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def render(payload: dict[str, Any]) -> str | None:
-    """The canonical rendering of a chat or completion request (None: nothing to key on)."""
+def _message(m: dict[str, Any]) -> str:
+    calls = m.get("tool_calls")
+    rendered = f"\x1e{m.get('role', '')}\x1f{_text(m.get('content'))}"
+    if calls:  # the model reads its earlier calls too
+        rendered += "\x1f" + orjson.dumps(calls, option=orjson.OPT_SORT_KEYS).decode()
+    return rendered
+
+
+def _item_text(content: Any) -> str:
+    """A Responses message item's text (`MessageItem.text`: text parts and refusals joined)."""
+    if not isinstance(content, list):
+        return _text(content)
+    return "".join(
+        str(p.get("refusal", "")) if p.get("type") == "refusal" else str(p.get("text", ""))
+        for p in content
+        if isinstance(p, dict)
+    )
+
+
+def responses_as_chat(payload: dict[str, Any]) -> dict[str, Any]:
+    """The chat request's messages and tools a Responses API request runs as (see the module's
+    docstring), for `render`."""
+    messages: list[dict[str, Any]] = []
+    if payload.get("instructions"):
+        messages.append({"role": "system", "content": payload["instructions"]})
+    items = payload.get("input")
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _item_text(item.get("content"))})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # one turn: text and calls
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")}
+            )
+    tools = [
+        {
+            "type": "function",
+            "function": {k: v for k, v in t.items() if k != "type" and v is not None},
+        }
+        for t in payload.get("tools") or ()
+        if isinstance(t, dict)
+    ]
+    return {"model": payload.get("model", ""), "cache_salt": payload.get("cache_salt"),
+            "tools": tools, "messages": messages}  # fmt: skip
+
+
+def render(payload: dict[str, Any], kind: str | None = None) -> str | None:
+    """The canonical rendering of a chat, completion or (`kind` "responses") Responses API
+    request (None: nothing to key on)."""
+    if kind == "responses":
+        payload = responses_as_chat(payload)
+    elif kind == "embeddings":
+        return None
     head = f"{payload.get('model', '')}\x1d{payload.get('cache_salt') or ''}\x1d"
     messages = payload.get("messages")
     if isinstance(messages, list) and messages:
         tools = payload.get("tools")
         parts = [head, orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() if tools else ""]
-        for m in messages:
-            if isinstance(m, dict):
-                parts.append(f"\x1e{m.get('role', '')}\x1f{_text(m.get('content'))}")
+        parts.extend(_message(m) for m in messages if isinstance(m, dict))
         return "".join(parts)
     prompt = payload.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # one prompt in a list: the worker runs it as that prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):  # token ids
         return head + ",".join(map(str, prompt))
     if isinstance(prompt, str) and prompt:
@@ -89,8 +163,10 @@ def chain(text: str) -> tuple[bytes, ...]:
     return tuple(keys)
 
 
-def prefix_keys(payload: dict[str, Any]) -> PrefixKeys | None:
-    rendered = render(payload)
+def prefix_keys(payload: dict[str, Any], kind: str | None = None) -> PrefixKeys | None:
+    """The keys of a request of `kind` (the gateway's: "chat.completions", "completions",
+    "responses", "embeddings"; None: a chat or a completion, told apart by their fields)."""
+    rendered = render(payload, kind)
     if rendered is None:
         return None
     return PrefixKeys(chain(rendered), len(rendered))
@@ -146,6 +222,38 @@ def decode_digest(value: Any) -> frozenset[bytes] | None:
     if len(raw) % KEY_BYTES:
         return None
     return frozenset(raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES))
+
+
+# A shared digest's longest text: a generation of up to 19 digits, a space, the keys.
+_SHARED_MAX = 20 + 4 * (MAX_DIGEST_KEYS * KEY_BYTES) // 3 + 4
+
+
+def share_digest(generation: int, held: Iterable[bytes]) -> str:
+    """A replica's digest as the leading controller shares it with the gateways (cluster mode:
+    `control/digest_publisher.py`): `<generation> <keys in base64>`."""
+    return f"{generation} {encode_digest(held)}"
+
+
+def stamp(shared: str) -> str:
+    """A short hash of a shared digest: whether a gateway's copy of it is the current one."""
+    return hashlib.blake2b(shared.encode(), digest_size=8).hexdigest()
+
+
+def parse_shared(value: Any) -> tuple[int, frozenset[bytes]] | None:
+    """A shared digest (str or bytes) as (generation, keys); None if malformed (the length is
+    checked before anything is decoded: at most `MAX_DIGEST_KEYS` keys)."""
+    if not isinstance(value, str | bytes) or len(value) > _SHARED_MAX:
+        return None
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    generation, _, keys = value.partition(" ")
+    if not (generation.isascii() and generation.isdigit()) or len(generation) > 19:
+        return None
+    held = decode_digest(keys)
+    return None if held is None else (int(generation), held)
 
 
 def matched(keys: Sequence[bytes], held: frozenset[bytes] | set[bytes]) -> int:

@@ -110,7 +110,11 @@ class Gateway:
             await self.accounting.outage.stop()
 
     def _prefix(
-        self, payload: dict[str, Any], route: EndpointRoute, adapter: AdapterTarget | None
+        self,
+        payload: dict[str, Any],
+        kind: str,
+        route: EndpointRoute,
+        adapter: AdapterTarget | None,
     ) -> CacheHint | AdapterHint | None:
         """For a registry adapter, its name: its requests go where it is loaded (bounded load);
         else the prompt's prefix keys (`core/prefix_keys.py`): the replica holding the longest
@@ -123,7 +127,7 @@ class Gateway:
             return adapter_hint(adapter.internal, s.prefix_routing_load_factor)
         if not s.prefix_aware_routing:
             return None
-        keys = prefix_keys(payload)
+        keys = prefix_keys(payload, kind)
         return CacheHint(keys, s.cache_routing_load_factor) if keys is not None else None
 
     async def _replica(self, call: Call, tried: set[str]) -> ReplicaRoute | None:
@@ -145,7 +149,7 @@ class Gateway:
                 principal.tier.rank,
             )  # fmt: skip
             call.folder_model = folder_adapter(route, req.model, call.adapter)
-            call.prefix = self._prefix(payload, route, call.adapter)
+            call.prefix = self._prefix(payload, kind, route, call.adapter)
             route.arrive()
             cold = not route.ready_replicas and self.upstream.activate is not None
             if getattr(req, "stream", False):
@@ -190,7 +194,7 @@ class Gateway:
         )  # fmt: skip
         call = Call(principal, route, kind, request_id, 0, NO_LIMITS, batch=True, adapter=adapter)
         call.folder_model = folder_adapter(route, req.model, adapter)
-        call.prefix = self._prefix(body, route, adapter)
+        call.prefix = self._prefix(body, kind, route, adapter)
         if principal.monthly_token_quota is not None:
             # Held while the item runs, so that concurrent items see each other's share, and
             # settled to the real use once the runner has committed the item's result.

@@ -2,7 +2,8 @@
 engine, and its health report says which of them the engine's prefix cache holds.
 
 The gateway sends a request's keys (`core/prefix_keys.py`) in a header; `note` hands them to the
-engine with, for each, how many of the prompt's tokens its text spans, and the engine ties them
+engine (for a chat, a Responses request as the chat it runs as, and a completion of one prompt)
+with, for each, how many of the prompt's tokens its text spans, and the engine ties them
 to its KV blocks (`engine/prefix_digest.py`). `digest` is the health report's entry: the keys
 whose blocks are still cached, most recently used first, bounded (`MAX_DIGEST_KEYS`), with the
 engine's count of noted requests as its generation. A request for an adapter is not noted: its

@@ -7,7 +7,9 @@ constraints included; its answer becomes a `response` object whose output holds 
 item (a reasoning model's thinking, as `reasoning_text` content), a `message` item and/or
 `function_call` items. A stream sends the Responses API's typed events
 (`event: <type>` + `data:`), from `response.created` to `response.completed`, whose usage
-(`input_tokens`, `output_tokens`) is what the gateway bills.
+(`input_tokens`, `output_tokens`) is what the gateway bills. The gateway's prefix keys of the
+request (cache-aware routing) are noted as that chat's: it keys a Responses request as the chat
+it becomes (`core/prefix_keys.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from modelyard.protocol.responses_api import (
     TextFormatJSONObject,
     TextFormatJSONSchema,
 )
+from modelyard.worker import prefix_notes
 from modelyard.worker.fanout import ENGINE_FAILURES, Usage, api_error, stamp_tokens, wants_stamps
 from modelyard.worker.openai_serving import OpenAIServing
 from modelyard.worker.tool_stream import (
@@ -202,6 +205,9 @@ class ResponsesServing:
         except APIError as exc:
             _renamed(exc)
             raise
+        # The gateway keyed it as this chat (`core/prefix_keys.py`): its cache-aware routing.
+        prefix_notes.note(self.chat.engine, request.headers, job.prompt, chat_req.cache_salt,
+                          job.params)  # fmt: skip
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         response_id = f"resp_{request_id}"
         created = int(time.time())
