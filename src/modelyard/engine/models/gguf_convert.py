@@ -4,6 +4,13 @@ Dequantizing GGUF tensors and rebuilding its tokenizer takes seconds; the conver
 cached under `cache_dir/converted/<sha256 of the file>` and written atomically, so later loads
 are a safetensors mmap and a tokenizer.json read. Its `source.json` names the file and the GGUF
 types its weights were stored in (`gguf_weight_type`: what `engine/defaults.py` decides by).
+
+The tokenizer is transformers' rebuild of the file's vocabulary, plus the splitting it has no
+mapping for: a GGUF names its pre-tokenizer (`tokenizer.ggml.pre`), and for `smollm` (SmolLM
+and SmolLM2) every digit is its own piece before the byte-level split, as in the model's own
+tokenizer and llama.cpp's. Without it "  135M" came out as other tokens than the model was
+trained on. A folder converted before that (`source.json` without `conversion` 2) has its
+tokenizer fixed in place on its next load.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from modelyard.engine.models.config import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
+CONVERSION = 2  # 2: the GGUF's pre-tokenizer applied (`_pre_tokenizer`)
 _ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 # llama.cpp's converter interleaves the rotary halves of Q and K for these architectures only.
 PERMUTED_QK_ARCHS = {"llama", "mistral"}
@@ -155,6 +163,42 @@ def _chat_template(reader: Any) -> str | None:
     return str(template) if template else None
 
 
+def _pre_tokenizer(reader: Any, current: Any) -> Any:
+    """The pre-tokenizer the file's `tokenizer.ggml.pre` names, where transformers' rebuild
+    (`current`) lacks it; None where it has nothing to add."""
+    from tokenizers import pre_tokenizers
+
+    if field(reader, "tokenizer.ggml.pre") != "smollm":
+        return None
+    digits = pre_tokenizers.Digits(individual_digits=True)
+    return pre_tokenizers.Sequence([digits, current] if current is not None else [digits])
+
+
+def _fix_tokenizer(gguf_path: Path, folder: Path) -> None:
+    """Bring a folder converted before `CONVERSION` 2 up to it: its tokenizer.json gets the
+    file's pre-tokenizer (each file replaced whole, so a concurrent reader sees old or new)."""
+    source = folder / "source.json"
+    record = json.loads(source.read_text()) if source.exists() else {}
+    if record.get("conversion", 1) >= CONVERSION:
+        return
+    import gguf
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if path.exists():
+        tokenizer = Tokenizer.from_file(str(path))
+        fixed = _pre_tokenizer(gguf.GGUFReader(str(gguf_path)), tokenizer.pre_tokenizer)
+        if fixed is not None:
+            log.info("%s: the tokenizer now splits as the GGUF's pre-tokenizer says", folder)
+            tokenizer.pre_tokenizer = fixed
+            tmp = folder / f".tokenizer.json.{os.getpid()}"
+            tokenizer.save(str(tmp))
+            os.replace(tmp, path)
+    tmp = folder / f".source.json.{os.getpid()}"
+    tmp.write_text(json.dumps({**record, "conversion": CONVERSION}))
+    os.replace(tmp, source)
+
+
 def _weight_types(reader: Any) -> dict[str, int]:
     """Elements of the file's matrices (2-D and up) per GGUF tensor type, e.g. {"Q4_1": ...}."""
     counts: dict[str, int] = {}
@@ -186,6 +230,7 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     gguf_path = gguf_path.resolve()
     target = cache_dir / "converted" / file_sha256(gguf_path)
     if (target / "config.json").exists():
+        _fix_tokenizer(gguf_path, target)
         return target
     import gguf
     from safetensors.torch import save_file
@@ -199,12 +244,20 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     try:
         save_file(_state_dict(reader, cfg), str(tmp / "model.safetensors"))
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        backend = tokenizer.backend_tokenizer
+        fixed = _pre_tokenizer(reader, backend.pre_tokenizer)
+        if fixed is not None:
+            backend.pre_tokenizer = fixed
         template = _chat_template(reader)
         if template and not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = template
         tokenizer.save_pretrained(str(tmp))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        source = {"gguf": str(gguf_path), "weight_types": _weight_types(reader)}
+        source = {
+            "gguf": str(gguf_path),
+            "weight_types": _weight_types(reader),
+            "conversion": CONVERSION,
+        }
         (tmp / "source.json").write_text(json.dumps(source))
         try:
             os.rename(tmp, target)
