@@ -7,6 +7,8 @@ engine steps with batched per-row LoRA.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from modelyard.engine.async_engine import AsyncEngine
+from modelyard.engine.client import LocalEngineClient
 from modelyard.engine.llm_engine import LLMEngine
+from modelyard.engine.lora import manager
 from modelyard.engine.lora.layers import LoRABatch, LoRALinear
 from modelyard.engine.lora.manager import LoRASlotsBusy
 from modelyard.engine.request_checks import RequestRejected
@@ -269,6 +274,45 @@ def test_all_slots_held_queues_until_one_frees(tiny: tuple[Path, dict[str, Path]
     while engine.has_unfinished():
         engine.step()
     assert len(engine.lora_waiting) == 0 and engine.num_waiting == 0
+
+
+async def test_adapters_are_read_off_the_engine_loop(
+    tiny: tuple[Path, dict[str, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A served request's adapter is read from disk on the client's adapter-read thread, not on
+    the engine's loop: 50 tenants' first requests read 50 adapters there in one go, holding every
+    stream in the engine without a token for all those reads (past `no_progress_timeout_s` on a
+    loaded machine). The engine's loop only copies a read adapter into its slot."""
+    base, adapters = tiny
+    readers: list[str] = []
+    real_load = manager.load_adapter
+
+    def load_adapter(*args: Any) -> Any:  # the real read, noting its thread
+        readers.append(threading.current_thread().name)
+        return real_load(*args)
+
+    monkeypatch.setattr(manager, "load_adapter", load_adapter)
+    client = LocalEngineClient(AsyncEngine(lora_engine(base, adapters, max_loras=3)))
+    client.start()
+    try:
+
+        async def ask(name: str) -> list[int]:
+            got: list[int] = []
+            async for out in client.generate(PROMPT, SamplingParams(
+                max_tokens=4, temperature=0.0, ignore_eos=True, lora=name
+            )):  # fmt: skip
+                got.extend(t for d in out.deltas for t in d.token_ids)
+            return got
+
+        names = list(adapters)
+        got = await asyncio.gather(*(ask(n) for n in names))
+        for name, tokens in zip(names, got, strict=True):
+            assert tokens == merged_greedy(base, adapters[name], PROMPT, 4), name
+        assert sorted(client.snapshot().lora_loaded) == sorted(names)
+        assert len(readers) == len(names)  # each read once
+        assert "engine-loop" not in readers, readers
+    finally:
+        client.shutdown()
 
 
 def test_prefix_cache_not_shared_across_adapters(tiny: tuple[Path, dict[str, Path]]) -> None:

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from modelyard.engine.faults import MAX_CONSECUTIVE_FAILED_STEPS, RequestInvalid, is_fatal
@@ -200,7 +200,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput]:
         """Stream the request's outputs. The request must have passed
         `LLMEngine.check_request`; if it fails in a step this raises `RequestFailed`.
         `cache_salt` is its prefix-cache namespace (see `LLMEngine.add_request`)."""

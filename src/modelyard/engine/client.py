@@ -22,6 +22,7 @@ this process), built from settings by `LocalEngineClient.load`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from modelyard.engine.grammar_threads import grammar_executor
 from modelyard.engine.kv_cache_manager import salt_bytes
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.loading import choice_for, resolve_device
-from modelyard.engine.lora.engine_hooks import check_adapter
+from modelyard.engine.lora.engine_hooks import AdapterReads, check_adapter
 from modelyard.engine.models.bundled import resolve_model_path
 from modelyard.engine.prefix_digest import PrefixDigest
 from modelyard.engine.request_checks import RequestRejected
@@ -249,6 +250,7 @@ class LocalEngineClient:
         self._core = engine.engine
         kv = self._core.kv
         self._digest = PrefixDigest(kv, max(4096, kv.num_blocks))
+        self._adapter_reads = AdapterReads()
 
     @classmethod
     def load(cls, model: str | Path, settings: EngineSettings) -> LocalEngineClient:
@@ -264,6 +266,7 @@ class LocalEngineClient:
         self._engine.start()
 
     def shutdown(self) -> None:
+        self._adapter_reads.close()
         self._engine.shutdown()
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
@@ -330,7 +333,7 @@ class LocalEngineClient:
 
     # ----- requests ------------------------------------------------------------------------
 
-    def generate(
+    async def generate(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -338,7 +341,12 @@ class LocalEngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        return self._engine.generate(prompt_token_ids, params, request_id, priority, cache_salt)
+        if params.lora is not None:  # off the engine's loop, which then only copies it
+            await self._adapter_reads.read(self._core.runner.lora, params.lora)
+        stream = self._engine.generate(prompt_token_ids, params, request_id, priority, cache_salt)
+        async with contextlib.aclosing(stream):  # leaving early aborts the request at once
+            async for out in stream:
+                yield out
 
     # ----- its load ------------------------------------------------------------------------
 

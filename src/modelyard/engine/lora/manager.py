@@ -1,16 +1,21 @@
 """`LoRAManager`: which adapters sit in the engine's `max_loras` slots, and which rows use them.
 
-A request names an adapter; `namespace` reads it (from a registered path or `lora_dir/<name>`)
-and `try_acquire` puts it into a free slot or the least recently used one that no live request
-holds. An adapter held by a request still in the engine is never evicted; when every slot is
-held `try_acquire` says no and the request waits (`engine_hooks.AdapterWaitlist`) until a holder
-finishes. Each step, `set_rows` tells the wrapped projections (`layers.LoRALinear`) which
-flat-batch rows use which slot.
+A request names an adapter; `read` reads and checks it (from a registered path or
+`lora_dir/<name>`) on a thread of the worker's edge before the request reaches the engine
+(`engine_hooks.AdapterReads`), so the engine's loop does not wait on disk reads. `namespace`
+(on the engine's thread) reads one itself only when that read is missing (an engine used
+without the client; the adapter evicted or dropped in between), and `try_acquire` puts it
+into a free slot or the least recently used one that no live request holds. An adapter held by
+a request still in the engine is never evicted; when every slot is held `try_acquire` says no
+and the request waits (`engine_hooks.AdapterWaitlist`) until a holder finishes. Each step,
+`set_rows` tells the wrapped projections (`layers.LoRALinear`) which flat-batch rows use which
+slot.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Collection
 from pathlib import Path
@@ -63,7 +68,11 @@ class LoRAManager:
         self._slots: OrderedDict[str, int] = OrderedDict()  # loaded name -> slot, LRU first
         self._keys: dict[str, str] = {}  # loaded name -> prefix-cache namespace
         self._holders: dict[str, str] = {}  # request id -> adapter name
-        self._staged: dict[str, LoRAAdapter] = {}  # read from disk, waiting for a slot
+        # Read from disk, waiting for a slot: at most `max_loras`, the oldest dropped first (read
+        # again if its request comes); written by the edge's reads and the engine's thread.
+        self._staged: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self._staged_lock = threading.Lock()
+        self._read_lock = threading.Lock()  # one read at a time: none read twice at once
         self.loads = 0
         self.evictions = 0
         self.weight_dtype = torch.float32  # how the slots keep weights (set by `_wrap`)
@@ -130,21 +139,50 @@ class LoRAManager:
         """Loaded adapters, least recently used first."""
         return list(self._slots)
 
+    def in_slot(self, name: str) -> bool:
+        """Whether `name` is loaded (safe from any thread: one dict lookup)."""
+        return name in self._slots
+
     def cache_key(self, name: str) -> str:
         return self._keys[name]
 
+    def read(self, name: str) -> None:
+        """Read and check adapter `name` from disk for a request about to reach the engine,
+        unless it is in a slot or read already; off the engine's thread (the worker's edge).
+        `AdapterError` if it cannot be served (the engine's `namespace` says so again)."""
+        with self._read_lock:
+            if name in self._slots or self._staged_adapter(name) is not None:
+                return
+            self._stage(name, self._load(name))
+
     def namespace(self, name: str) -> str:
         """The prefix-cache namespace of adapter `name` (its name and weights fingerprint),
-        reading and checking it from disk unless it is in a slot (`AdapterError` if it cannot
-        be served). A read adapter is kept until it gets a slot, so it is read once."""
+        reading and checking it from disk unless it is in a slot or was read (`AdapterError`
+        if it cannot be served). A read adapter is kept until it gets a slot (up to
+        `max_loras` of them waiting)."""
         if name in self._slots:
             return self._keys[name]
-        adapter = self._staged.get(name)
+        adapter = self._staged_adapter(name)
         if adapter is None:
-            adapter = load_adapter(name, self.resolve(name), self.cfg, self.max_rank)
-            self._check_range(adapter)
-            self._staged[name] = adapter
+            adapter = self._load(name)
+            self._stage(name, adapter)
         return f"{name}@{adapter.fingerprint}"
+
+    def _load(self, name: str) -> LoRAAdapter:
+        adapter = load_adapter(name, self.resolve(name), self.cfg, self.max_rank)
+        self._check_range(adapter)
+        return adapter
+
+    def _staged_adapter(self, name: str) -> LoRAAdapter | None:
+        with self._staged_lock:
+            return self._staged.get(name)
+
+    def _stage(self, name: str, adapter: LoRAAdapter) -> None:
+        with self._staged_lock:
+            self._staged[name] = adapter
+            self._staged.move_to_end(name)
+            while len(self._staged) > self.max_loras:
+                self._staged.popitem(last=False)
 
     def _check_range(self, adapter: LoRAAdapter) -> None:
         """`AdapterError` if the slots' dtype cannot hold the adapter's (scaled) weights."""
@@ -165,13 +203,16 @@ class LoRAManager:
         for rid in [r for r in self._holders if r not in live]:
             del self._holders[rid]
         if name not in self._slots:
-            self.namespace(name)  # reads it if nobody asked before
+            self.namespace(name)  # reads it if no read is staged
             slot = self._free_slot()
             if slot is None:
                 slot = self._evict()
                 if slot is None:
                     return False
-            adapter = self._staged.pop(name)
+            with self._staged_lock:
+                adapter = self._staged.pop(name, None)
+            if adapter is None:  # dropped by a newer read in the meantime
+                adapter = self._load(name)
             self._write(slot, adapter)
             self._slots[name] = slot
             self._keys[name] = f"{name}@{adapter.fingerprint}"
@@ -187,10 +228,6 @@ class LoRAManager:
                 f"all {self.max_loras} LoRA slots hold adapters of running requests; retry later"
             )
         return self._slots[name]
-
-    def forget_staged(self) -> None:
-        """Drop adapters read for requests that no longer wait (aborted before a slot)."""
-        self._staged.clear()
 
     def _free_slot(self) -> int | None:
         used = set(self._slots.values())
