@@ -127,6 +127,10 @@ def next_status(state: EndpointState) -> StatusChange | None:
     served = state.status in (EndpointStatus.READY, EndpointStatus.DEGRADED)
     why = why_degraded(state)
     changed = StatusTrigger.REPLICAS_CHANGED
+    if ready < state.desired and any(
+        r.preempted and r.state is ReplicaState.DRAINING for r in state.replicas
+    ):
+        changed = StatusTrigger.NODE_PREEMPTED  # what is missing is leaving a preempted node
     if state.desired == 0 and not running:  # draining ones too must be gone
         return StatusChange(EndpointStatus.SCALED_TO_ZERO, None, StatusTrigger.SCALED_TO_ZERO)
     if ready >= state.desired:
@@ -154,5 +158,8 @@ def why_degraded(state: EndpointState) -> str | None:
     for replica in state.replicas:
         waits = replica.state is ReplicaState.STARTING
         if (replica.state is ReplicaState.UNHEALTHY or waits) and replica.error:
+            return replica.error
+    for replica in state.replicas:
+        if replica.preempted and replica.state is ReplicaState.DRAINING and replica.error:
             return replica.error
     return state.last_error if state.failures else None

@@ -2,11 +2,12 @@
 
 A provider says which class of node a replica should go to (`choose`), is asked for a node when
 no node of that class has room (`request`, which returns a ticket), is told when the replica
-holds its room and when it gives it back (`held`, `forget`), releases a node (`release`) and
-lists the nodes with their class (`nodes`). Classes are `on-demand` and `spot`; which replicas
-may use spot is the `spot_policy` setting (`preference`). The static provider is the fixed fleet:
-it never asks for or releases a node. The elastic one asks Ray's autoscaler
-(`backends/ray_nodes.py`).
+holds its room and when it gives it back (`held`, `forget`), releases a node (`release`),
+lists the nodes with their class (`nodes`) and says which nodes the cluster is taking away
+(`draining`: a spot interruption notice, with its deadline). Classes are `on-demand` and
+`spot`; which replicas may use spot is the `spot_policy` setting (`preference`). The static
+provider is the fixed fleet: it never asks for or releases a node, and knows of no notice. The
+elastic one asks Ray's autoscaler (`backends/ray_nodes.py`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ class NodeProvider(Protocol):
 
     def nodes(self) -> list[Node]: ...
 
+    def draining(self) -> dict[str, float | None]:
+        """Nodes being taken away (a spot notice), by id: their deadline in wall-clock seconds
+        (None: none given). What the provider last learnt: never blocks."""
+        ...
+
 
 class StaticNodeProvider:
     """The fixed fleet: every replica goes to whatever node has room, nothing is requested or
@@ -110,3 +116,6 @@ class StaticNodeProvider:
 
     def nodes(self) -> list[Node]:
         return []
+
+    def draining(self) -> dict[str, float | None]:
+        return {}

@@ -1,11 +1,13 @@
 """The reconcile loop: every tick, each endpoint's replicas are made to match what should run.
 
 Dead replicas are replaced, unhealthy ones leave the routing table until they answer again (and
-are replaced if they do not), the endpoint's versions tick (`control/version_tick.py`: a
-rollout promoted once it serves or fallen back when it cannot start, a canary judged against its
-SLO; the gate's moves are recorded in the audit log as the platform's doing, actor `system`),
-each endpoint's autoscaler sets how many replicas it should have (down to zero when idle; a
-request for an endpoint at zero activates it at once), and the status says what came of it.
+are replaced if they do not), those on a node being taken away (a spot notice) leave it and are
+replaced at once, draining until the node's deadline, the endpoint's versions tick
+(`control/version_tick.py`: a rollout promoted once it serves or fallen back when it cannot
+start, a canary judged against its SLO; the gate's moves are recorded in the audit log as the
+platform's doing, actor `system`), each endpoint's autoscaler sets how many replicas it should
+have (down to zero when idle; a request for an endpoint at zero activates it at once), and the
+status says what came of it.
 The shared encoder host is repaired here too. Starting a replica happens here for every caller,
 so what a start came to (`ReplicaOutcome`) is acted on in one place.
 """
@@ -174,6 +176,7 @@ class Reconciler:
         if state.kind != LLM:
             return  # encoder endpoints live and die with the shared host
         await self.replicas.check_health(state)
+        self.replicas.leave_preempted(state)  # replaced by `converge` below
         await self._versions(state)
         self.scaler.autoscale(state, self.activate)
         # A canary or a version kept warm takes its room out of max_replicas: the stable

@@ -4,7 +4,10 @@ A replica starts from a warm-pool worker of its version when there is one, else 
 cache of the model files; it joins the routing table once healthy, with its admission limit from
 its KV capacity. Every tick its health is probed (a `ReplicaHealth` collaborator): the dead and
 the broken are replaced, and their devices given back here. `converge` starts or drains
-replicas until the live ones match what the autoscaler wants.
+replicas until the live ones match what the autoscaler wants. A replica whose node is being
+taken away (the backend's `leaving`: Ray draining the node on a spot notice) leaves routing at
+once and drains until the node's deadline (`leave_preempted`); no longer live, it is replaced
+by `converge` in the same tick.
 
 The controller reports what came of a start (`ReplicaOutcome`) and which replicas `converge`
 wants started; the endpoint's manager acts on both (status, the good version, the start itself).
@@ -315,6 +318,31 @@ class ReplicaController:
         if replica.route is not None:
             self.routing.drop_replica(state.route, replica.route)
 
+    def leave_preempted(self, state: EndpointState) -> list[Replica]:
+        """The endpoint's live replicas on a node the backend says is going (`leaving`): out of
+        routing at once (draining, as at a scale-down), stopped once their requests in flight
+        are done or the node's deadline comes; one still starting is stopped when it would
+        serve. They no longer count as live, so `converge` starts their replacements. Returns
+        the replicas moved."""
+        leaving = self.backend.leaving()
+        moved: list[Replica] = []
+        for replica in state.live:
+            if replica.replica_id not in leaving:
+                continue
+            deadline = leaving[replica.replica_id]
+            serving = replica.state is not ReplicaState.STARTING
+            replica.state = ReplicaState.DRAINING
+            replica.preempted = True
+            left = "" if deadline is None else f", {max(0.0, deadline - time.time()):.0f}s left"
+            replica.error = f"its node is being preempted{left}; a replacement is starting"
+            log.warning("replica %s of %s: %s", replica.replica_id, state.row.id, replica.error)
+            if serving:
+                if replica.route is not None:
+                    self.routing.mark_unready(replica.route, state.route)
+                spawn(state, self.drain(state, replica, until=deadline))
+            moved.append(replica)
+        return moved
+
     def converge(self, state: EndpointState, keep: frozenset[str] = frozenset()) -> list[Replica]:
         """Drain replicas, or list new ones to start (the caller runs them), until the live
         ones of the endpoint's version match `desired`; replicas of an older version serve
@@ -344,9 +372,14 @@ class ReplicaController:
                     spawn(state, self.drain(state, replica))
         return []
 
-    async def drain(self, state: EndpointState, replica: Replica) -> None:
-        """Scale-down of one replica: no new requests, wait for those in flight, then stop."""
-        deadline = time.monotonic() + self.settings.replica_drain_timeout_s
+    async def drain(
+        self, state: EndpointState, replica: Replica, until: float | None = None
+    ) -> None:
+        """Scale-down of one replica: no new requests, wait for those in flight (at most
+        `replica_drain_timeout_s`, or until `until`, wall-clock seconds: its node's deadline),
+        then stop."""
+        wait_s = self.settings.replica_drain_timeout_s if until is None else until - time.time()
+        deadline = time.monotonic() + wait_s
         route = replica.route
         # Polls counters the gateway moves; an event per counter would cost the hot path.
         while route is not None and route.outstanding > 0 and time.monotonic() < deadline:  # noqa: ASYNC110

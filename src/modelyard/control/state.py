@@ -36,6 +36,7 @@ class Replica:
     placement_id: str | None = None  # its allocation in the node's `Placement`
     version_id: str | None = None  # the model version it runs
     devices: list[str] = field(default_factory=list)
+    preempted: bool = False  # its node is being taken away: it drains, a replacement starts
 
     def view(self) -> dict[str, Any]:
         return {

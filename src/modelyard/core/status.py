@@ -42,6 +42,9 @@ class StatusTrigger(StrEnum):
     REPLICA_START_FAILED = "replica_start_failed"
     NO_ROOM = "no_room"  # placement found no device with room for a replica
     REPLICAS_CHANGED = "replicas_changed"  # replicas came up, were lost or replaced
+    # A replica's node is being taken away (a spot interruption notice): the replica left
+    # routing and drains until the node's deadline while its replacement starts.
+    NODE_PREEMPTED = "node_preempted"
     SCALE_FROM_ZERO = "scale_from_zero"  # a request or the autoscaler wants a replica again
     SCALED_TO_ZERO = "scaled_to_zero"  # the autoscaler wants none and none runs
     ENCODER_HOST_READY = "encoder_host_ready"  # the shared encoder host serves its model

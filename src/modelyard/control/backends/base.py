@@ -74,6 +74,12 @@ class Backend(Protocol):
 
     def exit_status(self, handle: ReplicaHandle) -> int | None: ...
 
+    def leaving(self) -> dict[str, float | None]:
+        """Replicas whose node is being taken away (Ray draining it: a spot notice), by replica
+        id: when the node goes, in wall-clock seconds (None: no deadline given). What the
+        backend last learnt: never blocks. The caller moves them (`ReplicaController`)."""
+        ...
+
     async def stop(self, handle: ReplicaHandle, timeout_s: float = 10.0) -> None:
         """Ask the replica to exit (SIGTERM), kill it after `timeout_s`."""
         ...

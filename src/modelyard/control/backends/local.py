@@ -141,6 +141,9 @@ class LocalBackend:
         proc = self._procs.get(handle.spec.replica_id)
         return None if proc is None else proc.poll()
 
+    def leaving(self) -> dict[str, float | None]:
+        return {}  # this node's processes: nothing takes their node away ahead of time
+
     async def stop(self, handle: ReplicaHandle, timeout_s: float = 10.0) -> None:
         self._handles.pop(handle.spec.replica_id, None)
         pid = self._adopted.pop(handle.spec.replica_id, None)

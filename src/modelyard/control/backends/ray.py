@@ -11,7 +11,11 @@ local backend starts, on the node's address, and that address goes into the rout
 A replica's life is its actor's: the backend awaits the actor's `wait()` and learns of the
 worker's exit (its code and log tail) or of the actor's death, which is how a lost node shows
 (`alive` turns false at once; the endpoint manager then replaces the replica wherever Ray finds
-room). Nothing here polls Ray. `ray` is imported only when this backend is built.
+room). `ray` is imported only when this backend is built.
+
+With the elastic provider, the replicas on a node Ray is draining (a spot notice) are
+`leaving`, with its deadline (`ray_nodes.tick_forever`); the endpoint's manager moves them
+(`ReplicaController.leave_preempted`).
 
 `detached=True` (the `controller` role): actors and placement groups outlive the controller that
 made them (named `replica-<id>` in namespace `modelyard`), so a standby that takes over adopts
@@ -38,8 +42,8 @@ from modelyard.control.backends.base import (
 )
 from modelyard.control.backends.ray_host import ReplicaHost, Started
 from modelyard.control.backends.ray_nodes import RayNodeProvider, tick_forever
-from modelyard.control.backends.ray_request import RayRequest, ray_request, request_bundles
-from modelyard.control.backends.ray_room import needs, no_room
+from modelyard.control.backends.ray_request import ray_request, request_bundles
+from modelyard.control.backends.ray_room import needs, wait_placed
 from modelyard.control.node_provider import (
     NodeProvider,
     StaticNodeProvider,
@@ -56,8 +60,8 @@ NAMESPACE = "modelyard"
 # Exit code reported for a replica whose actor died under it (node lost, actor killed): the
 # worker was killed with it (SIGKILL, see `ray_host`).
 LOST_EXIT_CODE = -9
-# While a replica waits for Ray to place it, how often the backend looks why (room).
-_ROOM_POLL_S = 1.0
+# The longest the backend waits for a replica's actor to say where it runs.
+_ASK_ACTOR_S = 10.0
 
 
 def actor_name(replica_id: str) -> str:
@@ -80,6 +84,7 @@ class _Running:
     holders: list[Any] = field(default_factory=list)
     watch: asyncio.Task[None] | None = None
     exit: int | None = None
+    node_id: str | None = None  # the Ray node its worker runs on (hex)
 
 
 class RayBackend:
@@ -106,6 +111,7 @@ class RayBackend:
             RayNodeProvider(settings) if settings.node_provider == "ray" else StaticNodeProvider()
         )
         self._ticker: asyncio.Task[None] | None = None
+        self._leaving: dict[str, float | None] = {}  # `leaving`, as of the provider's last tick
         log_dir.mkdir(parents=True, exist_ok=True)
 
     # -- Ray ----------------------------------------------------------------------------------
@@ -195,7 +201,8 @@ class RayBackend:
                     ray.util.placement_group,
                     request.bundles, strategy="STRICT_PACK", name=name, lifetime=lifetime,
                 )  # fmt: skip
-                await self._placed(running.group.ready(), request, deadline, waiting)
+                ready = running.group.ready()
+                await wait_placed(ready, request.actor, request.bundles, deadline, waiting)
                 for i in range(1, len(request.bundles)):
                     strategy = PlacementGroupSchedulingStrategy(running.group, i)
                     holder = await asyncio.to_thread(
@@ -211,7 +218,9 @@ class RayBackend:
             # A named actor is registered with Ray's control store before `remote()` returns.
             create = host_cls.options(**options, **request.actor).remote
             running.host = await asyncio.to_thread(create)
-            await self._placed(running.host.placed.remote(), request, deadline, waiting)
+            await wait_placed(
+                running.host.placed.remote(), request.actor, request.bundles, deadline, waiting
+            )
             await asyncio.to_thread(self.nodes.held, spec.replica_id, bundles)
             version = None
             if spec.version_id is not None:
@@ -233,35 +242,9 @@ class RayBackend:
             raise
         return self._track(spec, running, started)
 
-    async def _placed(
-        self, placed: Any, request: RayRequest, deadline: float, waiting: Waiting | None
-    ) -> None:
-        """Until Ray has placed the actor (or group) `placed` resolves for; meanwhile, every
-        `_ROOM_POLL_S`, `waiting` is told why not when no node has the room (TimeoutError at
-        `deadline`)."""
-        loop = asyncio.get_running_loop()
-        pending = asyncio.ensure_future(placed)
-        told: str | None = None
-        try:
-            while True:
-                left = deadline - loop.time()
-                if left <= 0:
-                    raise TimeoutError
-                done, _ = await asyncio.wait({pending}, timeout=min(_ROOM_POLL_S, left))
-                if done:
-                    pending.result()
-                    return
-                if waiting is None:
-                    continue
-                why = await asyncio.to_thread(no_room, request.actor, request.bundles)
-                if why is not None and why != told:
-                    told = why
-                    await waiting(why)
-        finally:
-            pending.cancel()
-
     def _track(self, spec: ReplicaSpec, running: _Running, started: Started) -> ReplicaHandle:
         replica_id = spec.replica_id
+        running.node_id = started.node_id
         self._running[replica_id] = running
         log_path = self.log_dir / f"{replica_id}.log"
         self._note(log_path, f"on Ray node {started.node_id} at {started.url} (pid {started.pid})")
@@ -306,6 +289,9 @@ class RayBackend:
             first = preference(Workload(spec.workload), self.settings.spot_policy)[0]
             bundles = request_bundles(ray_request(spec, first))
             await asyncio.to_thread(self.nodes.held, spec.replica_id, bundles)
+            with contextlib.suppress(Exception):  # where it runs: for `leaving`
+                where = await asyncio.wait_for(running.host.where.remote(), _ASK_ACTOR_S)
+                running.node_id = None if where is None else where.node_id
             running.watch = asyncio.get_running_loop().create_task(
                 self._watch(spec.replica_id, running, log_path)
             )
@@ -338,6 +324,9 @@ class RayBackend:
         running = self._running.get(handle.spec.replica_id)
         return LOST_EXIT_CODE if running is None else running.exit
 
+    def leaving(self) -> dict[str, float | None]:
+        return dict(self._leaving)
+
     async def stop(self, handle: ReplicaHandle, timeout_s: float = 10.0) -> None:
         """The worker drains on SIGTERM (SIGKILL after `timeout_s`), then its actor goes (and
         its placement group): also for a replica whose worker already exited."""
@@ -360,7 +349,12 @@ class RayBackend:
     def _start_ticking(self) -> None:
         """The elastic provider's release loop, once (it lives as long as this backend)."""
         if isinstance(self.nodes, RayNodeProvider) and self._ticker is None:
-            self._ticker = asyncio.get_running_loop().create_task(tick_forever(self.nodes))
+            ticks = tick_forever(self.nodes, self._where, self._leaving)
+            self._ticker = asyncio.get_running_loop().create_task(ticks)
+
+    def _where(self) -> dict[str, str | None]:
+        """The node each running replica is on (for `leaving`)."""
+        return {i: r.node_id for i, r in list(self._running.items()) if r.exit is None}
 
     async def stop_all(self) -> None:
         if self._ticker is not None:

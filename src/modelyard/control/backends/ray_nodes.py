@@ -16,7 +16,14 @@ one stopped or lost leaves the request. `tick` (every few seconds, off the event
 classed node that held nothing for `node_idle_release_s` while no replica waits for its class,
 through Ray's drain API with the idle-termination reason (the one Ray's own autoscaler uses: the
 node's raylet accepts only while idle, then leaves the cluster; the autoscaler terminates its
-machine). `ray` is imported only when called.
+machine).
+
+A node Ray is draining for another reason (a cloud's spot interruption notice reaches Ray as a
+drain with the preemption reason and a deadline; any drain but this provider's own idle one)
+is *leaving*: `tick` also reads Ray's draining nodes with their deadlines (the GCS's
+`get_draining_nodes`, bounded by a timeout), and `draining` says which. Such a node takes no new
+work (Ray's doing), so `choose` counts no room on it; the backend moves its replicas off it
+(`backends/ray.py`). `ray` is imported only when called.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ CLASS_RESOURCE_PREFIX = "modelyard.node_class."
 CLASS_SHARE = 0.001  # what a replica asks of its node's class resource: a marker, not a limit
 _HELD = ("CPU", "GPU", "memory")  # what a replica holds on a node
 _EPS = 1e-6
+_GCS_TIMEOUT_S = 10.0  # the longest one read of Ray's draining nodes may take
 
 
 def class_resource(node_class: NodeClass) -> str:
@@ -99,6 +107,16 @@ def _drain_idle(node_id: str) -> tuple[bool, str]:
     return bool(accepted), str(why)
 
 
+def _draining_nodes() -> dict[str, float | None]:
+    """The nodes Ray is draining (for any reason), by hex id: their deadline in wall-clock
+    seconds, None when the drain gave none."""
+    import ray
+
+    worker: Any = ray._private.worker.global_worker
+    draining: dict[str, int] = worker.gcs_client.get_draining_nodes(timeout=_GCS_TIMEOUT_S)
+    return {str(n): (ms / 1000 if ms else None) for n, ms in draining.items()}
+
+
 class RayNodeProvider:
     """`NodeProvider` on Ray's autoscaler. Every method blocks (Ray's control store): call them
     on a thread."""
@@ -115,14 +133,18 @@ class RayNodeProvider:
         self._published: list[Bundle] | None = None
         self._idle_since: dict[str, float] = {}
         self.released: list[str] = []  # node ids given back, oldest first
+        self._draining: dict[str, float | None] = {}  # leaving nodes: their deadline
 
     @property
     def tick_interval_s(self) -> float:
-        return min(5.0, max(0.2, self.idle_release_s / 4))
+        # At most 2 s: a spot notice may give 30 s (GCP), and the tick is what reads it.
+        return min(2.0, max(0.2, self.idle_release_s / 4))
 
     def choose(self, workload: Workload, need: Bundle) -> Choice:
         classes = preference(workload, self.spot_policy)
         free, _ = _per_node()
+        leaving = self.draining()
+        free = {n: room for n, room in free.items() if n not in leaving}
         for node_class in classes:
             shaped = with_class(need, node_class)
             if any(_fits(room, shaped) for room in free.values()):
@@ -163,6 +185,12 @@ class RayNodeProvider:
             _request_resources(bundles)
             self._published = bundles
 
+    def draining(self) -> dict[str, float | None]:
+        """The nodes Ray is taking away (not this provider's idle drains), as of the last tick:
+        their deadline (wall-clock seconds), None when none was given."""
+        with self._lock:
+            return dict(self._draining)
+
     def nodes(self) -> list[Node]:
         free, total = _per_node()
         return [
@@ -180,13 +208,24 @@ class RayNodeProvider:
         return accepted
 
     def tick(self) -> list[str]:
-        """Release the classed nodes idle past the delay whose class no replica waits for."""
+        """Note the nodes Ray is draining (`draining`); release the classed nodes idle past the
+        delay whose class no replica waits for."""
+        mine = set(self.released)
+        leaving = {n: d for n, d in _draining_nodes().items() if n not in mine}
+        with self._lock:
+            new = leaving.keys() - self._draining.keys()
+            self._draining = leaving
+        for node_id in sorted(new):
+            deadline = leaving[node_id]
+            left = "no deadline" if deadline is None else f"{deadline - time.time():.0f}s left"
+            log.warning("Ray is draining node %s (%s): moving off it", node_id[:12], left)
         now = self._clock()
         wanted = {t.node_class for t in self.waiting()}
         nodes = self.nodes()
         released: list[str] = []
         for node in nodes:
-            if node.node_class is None or not node.idle or node.node_class in wanted:
+            idle = node.idle and node.node_id not in leaving
+            if node.node_class is None or not idle or node.node_class in wanted:
                 self._idle_since.pop(node.node_id, None)
                 continue
             since = self._idle_since.setdefault(node.node_id, now)
@@ -199,11 +238,25 @@ class RayNodeProvider:
         return released
 
 
-async def tick_forever(nodes: RayNodeProvider) -> None:
-    """The provider's release loop (a task of the backend's, cancelled when it stops)."""
+async def tick_forever(
+    nodes: RayNodeProvider,
+    where: Callable[[], dict[str, str | None]],
+    leaving: dict[str, float | None],
+) -> None:
+    """The provider's tick (a task of the backend's, cancelled when it stops): Ray's calls on a
+    thread, then `leaving` (kept up to date in place) is the replicas on a node Ray is draining,
+    from `where` (replica id: its node), with the node's deadline. A replica newly leaving
+    leaves the standing request: the autoscaler is to replace its room, not keep it."""
     while True:
         try:
             await asyncio.to_thread(nodes.tick)
+            draining = nodes.draining()
+            now = {i: draining[n] for i, n in where().items() if n is not None and n in draining}
+            for replica_id in sorted(now.keys() - leaving.keys()):
+                log.warning("replica %s is on a node Ray is draining: it is to move", replica_id)
+                await asyncio.to_thread(nodes.forget, replica_id)
+            leaving.clear()
+            leaving.update(now)
         except Exception:  # Ray briefly unreachable: the next tick tries again
             log.exception("the node provider's tick failed")
         await asyncio.sleep(nodes.tick_interval_s)

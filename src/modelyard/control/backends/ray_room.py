@@ -2,12 +2,19 @@
 
 Read from the cluster's own figures (each node's free and total resources, as the Ray driver
 sees them), off the event loop; said in words for the endpoint's owner, with counts only (what
-holds the room may be other tenants' replicas). `ray` is imported only when called.
+holds the room may be other tenants' replicas); `wait_placed` tells it while a start waits.
+`ray` is imported only when called.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
+
+from modelyard.control.backends.base import Waiting
+
+# While a replica waits for Ray to place it, how often the backend looks why (room).
+_ROOM_POLL_S = 1.0
 
 
 def per_node() -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
@@ -69,3 +76,35 @@ def no_room(actor: dict[str, Any], bundles: list[dict[str, float]]) -> str | Non
     except Exception:  # an older or newer Ray without these figures: no reason, no harm
         return None
     return explain(needs(actor, bundles), free, total)
+
+
+async def wait_placed(
+    placed: Any,
+    actor: dict[str, Any],
+    bundles: list[dict[str, float]],
+    deadline: float,
+    waiting: Waiting | None,
+) -> None:
+    """Until Ray has placed the actor (or group) `placed` resolves for; meanwhile, every
+    `_ROOM_POLL_S`, `waiting` is told why not when no node has the room (`no_room` for `actor`
+    and `bundles`; TimeoutError at `deadline`, the loop's time)."""
+    loop = asyncio.get_running_loop()
+    pending = asyncio.ensure_future(placed)
+    told: str | None = None
+    try:
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            done, _ = await asyncio.wait({pending}, timeout=min(_ROOM_POLL_S, left))
+            if done:
+                pending.result()
+                return
+            if waiting is None:
+                continue
+            why = await asyncio.to_thread(no_room, actor, bundles)
+            if why is not None and why != told:
+                told = why
+                await waiting(why)
+    finally:
+        pending.cancel()
