@@ -280,6 +280,10 @@ def through_gateway(
         "MODELYARD_BUNDLED_MAX_LORAS": str(args.tenants),  # the public smollm2's slots
         "MODELYARD_LOCAL_ARTIFACT_ROOTS": json.dumps([str(tmp)]),  # the merged models
         "MODELYARD_REPLICA_START_TIMEOUT_S": "1800",  # a loaded 2 vCPU starts replicas slowly
+        # The gateway admits KV capacity / this many requests per replica: the workload's own
+        # need (prompt + output), as an operator sets it; the default (1024) admits one
+        # request at a time into a 64 MiB cache, and the other tenants' wait ends in 429s.
+        "MODELYARD_ADMISSION_TOKENS_PER_REQUEST": str(args.prompt_len + args.max_tokens),
         "PYTHONPATH": str(ROOT / "src"),
     }
     serve = PlatformProcess(tmp / "data", env, default_models=True)
