@@ -201,3 +201,20 @@ async def test_a_batch_item_waits_for_room_outside_the_queue(platform: Platform)
     assert status == 200 and usage is not None
     assert p.served == ["busy"]
     await p.gateway.settle_item(usage, recorded=False)
+
+
+async def test_a_batch_held_back_for_room_is_cancelled_at_once(
+    platform: Platform, tmp_path: Path
+) -> None:
+    """Interactive traffic can keep every replica without backfill room for hours: a batch
+    whose items are held back for room still ends when it is cancelled, with nothing sent."""
+    p = platform
+    p.routing.set_report(p.route, p.busy, NO_KV)  # neither replica may take a batch item
+    batch = p.batch(tmp_path, 4)
+    p.runner.start()
+    await async_wait_until(lambda: p.runner.budget.held_back >= 3, "the items to be held back")
+    assert p.status(batch)["status"] == "in_progress"
+    p.batches.cancel(p.principal.tenant_id, batch)
+    await async_wait_until(lambda: p.status(batch)["status"] == "cancelled", "the cancel")
+    assert p.served == []
+    assert p.status(batch)["request_counts"]["completed"] == 0

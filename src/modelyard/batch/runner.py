@@ -215,9 +215,7 @@ class BatchRunner:
                     item = await asyncio.to_thread(self.leases.claim, batch.id, set(held))
                     if item is not None:
                         held.add(item.id)
-                        await self.budget.yield_to_interactive(
-                            functools.partial(self._route, principal, item.body)
-                        )
+                        await self._wait_for_room(batch.id, principal, item.body)
                         stop = await asyncio.to_thread(self._stop_reason, batch.id)
                 except BaseException:
                     self.budget.release(tenant)
@@ -265,6 +263,26 @@ class BatchRunner:
             self._set, batch.id, status=BatchStatus.FINALIZING, finalizing_at=repo.now()
         )
 
+    async def _wait_for_room(
+        self, batch_id: str, principal: Principal, body: dict[str, Any]
+    ) -> None:
+        """Hold the item while its endpoint has no room for it (`BatchBudget`), looking for a
+        stop meanwhile: interactive traffic can keep the endpoint full for hours, and a
+        cancelled or expired batch must not wait on it."""
+        room = asyncio.ensure_future(
+            self.budget.yield_to_interactive(functools.partial(self._route, principal, body))
+        )
+        try:
+            while not room.done():
+                await asyncio.wait({room}, timeout=_WATCH_S)
+                if room.done():
+                    break
+                stop = await asyncio.to_thread(self._stop_reason, batch_id)
+                if stop is not None:
+                    return  # the caller reads it again
+        finally:
+            room.cancel()
+
     async def _more_to_claim(self, batch_id: str, in_flight: set[asyncio.Task[None]]) -> bool:
         """Nothing is claimable now: wait for one of this runner's items, or (with none in
         flight) for other runners' items to finish or their leases to expire. False once no
@@ -309,12 +327,18 @@ class BatchRunner:
         commits: set[asyncio.Task[None]],
         stop: Stop | None,
     ) -> Stop | None:
-        """Wait for the items in flight, watching for the key's revocation meanwhile."""
+        """Wait for the items in flight, watching for a stop meanwhile. A stop cancels what is
+        still in flight: a revoked key's items, and a cancelled or expired batch's (as OpenAI's
+        batches do; an item may be waiting for a replica with backfill room, which interactive
+        traffic can keep full for as long as it lasts, and the stop must not wait on that)."""
         while in_flight:
             await asyncio.wait(set(in_flight), timeout=_WATCH_S)
-            if in_flight and await asyncio.to_thread(self._stop_reason, batch_id) is Stop.REVOKED:
+            if not in_flight:
+                break
+            now = await asyncio.to_thread(self._stop_reason, batch_id)
+            if now is not None:
                 await self._abandon(in_flight, commits)
-                return Stop.REVOKED
+                return now
         return stop
 
     @staticmethod
