@@ -6,8 +6,9 @@
  * so from ~16 rows on the step reads its weights as fast as memory gives them. The tiles want
  * the weights in their own order: for each 16 output channels and 64 inputs, 16 rows of 4
  * inputs x 16 channels (`my_int8_amx_pack`, done once at load, one more byte a weight). x is the
- * same u8 (x + 128) the VNNI product takes, and the int32 sums are the same, so both forms give
- * bit-identical results.
+ * same u8 (x + 128) the VNNI product takes, so the int32 sums are the same; the float scaling
+ * after them may round differently in the last bit (the compiler orders each form's own way).
+ * Used from `AMX_MIN_ROWS` (8) rows: below that both read the weights at memory speed.
  *
  * Each call runs pairs of 16-row tiles of x (2 x-tiles) against pairs of 16-channel tiles of
  * weights (4 accumulator tiles), the channels shared out over the thread pool. A thread loads
