@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from llama_cpp_build import build
+from serving import _stop  # terminate, then kill after 20 s: one way for both benchmarks
 
 
 def _post(base: str, path: str, body: dict[str, Any]) -> Any:
@@ -65,12 +66,7 @@ def llama_server(gguf: Path, n_ctx: int, port: int, log: Path) -> Iterator[str]:
             time.sleep(0.5)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
 def check_tokenizer(base: str, text: str, ours: list[int], used: int) -> None:

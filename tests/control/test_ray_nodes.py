@@ -182,18 +182,26 @@ def test_a_node_is_requested_when_placement_fails_and_released_when_empty(
     asyncio.run(run())
 
 
-@pytest.fixture(scope="module")
-def platform(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[PlatformProcess]:
-    env = {
+def elastic_env(address: str) -> dict[str, str]:
+    """A platform on the Ray backend with the elastic provider, spot overflow allowed, no idle
+    release during a test, a small tiny-model engine and fast health checks."""
+    return {
         "MODELYARD_BACKEND": "ray",
-        "MODELYARD_RAY_ADDRESS": cluster.address,
+        "MODELYARD_RAY_ADDRESS": address,
         "MODELYARD_NODE_PROVIDER": "ray",
         "MODELYARD_SPOT_POLICY": "overflow",
         "MODELYARD_NODE_IDLE_RELEASE_S": "3600",
         "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
         "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
+    }
+
+
+@pytest.fixture(scope="module")
+def platform(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PlatformProcess]:
+    env = {
+        **elastic_env(cluster.address),
         # An item in flight on the lost replica is retried until its replacement serves.
         "MODELYARD_BATCH_ITEM_ATTEMPTS": "20",
     }

@@ -10,7 +10,6 @@ answers) and serves, and the old one is stopped by the controller, not lost with
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -40,7 +39,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from modelyard.control.backends.ray_nodes import class_resource
 from modelyard.control.node_provider import NodeClass
 from tests.control.test_ray_backend import node_of, replicas
-from tests.control.test_ray_nodes import Cloud, add, alive, class_of, requested
+from tests.control.test_ray_nodes import Cloud, add, alive, class_of, elastic_env, requested
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -75,13 +74,7 @@ def platform(
     cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[PlatformProcess]:
     env = {
-        "MODELYARD_BACKEND": "ray",
-        "MODELYARD_RAY_ADDRESS": cluster.address,
-        "MODELYARD_NODE_PROVIDER": "ray",
-        "MODELYARD_SPOT_POLICY": "overflow",
-        "MODELYARD_NODE_IDLE_RELEASE_S": "3600",
-        "MODELYARD_WORKER_ENGINE": json.dumps({"kv_cache_memory": "64MiB", "dtype": "float32"}),
-        "MODELYARD_HEALTH_CHECK_INTERVAL_S": "0.5",
+        **elastic_env(cluster.address),
         # The old replica's worker is paused while the notice is read (see the test): failed
         # probes meanwhile must not have it replaced as broken.
         "MODELYARD_REPLICA_HEALTH_FAILURES": "1000",
