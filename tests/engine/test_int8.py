@@ -228,3 +228,18 @@ def test_smollm2_w8a8_close_to_fp32(smollm2_folder: Path) -> None:
 def test_unknown_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization"):
         EngineSettings(quantization="int4")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="w8a8 needs FBGEMM (x86)")
+def test_w8a8_steps_of_prompt_chunks_alone_sample_nothing_and_survive(tiny_tied: Path) -> None:
+    """A step whose sequences are all mid-prompt (chunked prefill) has no row to sample. The C
+    int8 matmul once divided by the row count there, and a worker died of SIGFPE on any prompt
+    longer than the step's budget; now such a step computes no logits, and the chunked run's
+    tokens equal the one-chunk run's."""
+    prompts = [list(range(3, 43)), list(range(50, 77))]
+    runs = []
+    for budget in (16, 512):
+        engine = make_engine(tiny_tied, quantization="w8a8", max_num_batched_tokens=budget)
+        runs.append(run_staggered(engine, prompts, max_tokens=6, join_every=0))
+    assert runs[0] == runs[1]
+    assert all(len(tokens) == 6 for tokens in runs[0].values())

@@ -179,6 +179,8 @@ class ModelRunner:
             with self.leader.step():
                 self.leader.send_step(inputs.input_ids, inputs.positions, inputs.meta)
                 hidden = self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+        if len(inputs.logits_indices) == 0:  # prompt chunks only: no sequence samples
+            return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def forward(

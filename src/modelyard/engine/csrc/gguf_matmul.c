@@ -294,6 +294,7 @@ int my_gguf_matmul(const float *x, int64_t M, const my_gguf_linear *w, float *ou
     const int64_t K = w->in_features, N = w->out_features;
     const int bytes = my_gguf_block_bytes(w->type);
     if (bytes == 0 || K % QK != 0) return -1;
+    if (M <= 0) return 0; /* no rows: nothing to write */
     const int64_t nb = K / QK;
     quantize_blocks(x, M, K, xq, xscale, xscale + M * nb);
     const Job job = {xq, xscale, xscale + M * nb, w->blocks, w->bias, out, M, K, N, nb * bytes,

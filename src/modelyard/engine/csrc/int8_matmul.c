@@ -159,6 +159,7 @@ static void product_task(const void *job, int64_t first, int64_t last) {
 void my_int8_matmul(const float *x, int64_t M, const my_linear *w, float *out, uint8_t *xq,
                     float *xscale, int n_threads) {
     const int64_t K = w->in_features, N = w->out_features;
+    if (M <= 0 || K <= 0) return; /* no rows (a step of prompt chunks needs no logits) */
     quantize_rows(x, M, K, w->inv_smooth, xq, xscale);
     if (amx_matmul(xq, xscale, M, w, out, n_threads)) return;
     const Job job = {xq, xscale, w->weight, w->weight_sums, w->scale, w->bias, out, M, K, N};
