@@ -13,7 +13,7 @@ its own module, and every importer takes them from here (`from modelyard.config 
   its single sign-on settings in `sso_settings.py` (`SsoSettings`).
 """
 
-from modelyard.config.engine_settings import EngineSettings
+from modelyard.config.engine_settings import BATCH_PRIORITY, EngineSettings
 from modelyard.config.platform_settings import (
     ModelPrice,
     PlatformSettings,
@@ -24,6 +24,7 @@ from modelyard.config.process_settings import TelemetrySettings, WorkerAuthSetti
 from modelyard.config.sources import SettingsBase, parse_size
 
 __all__ = [
+    "BATCH_PRIORITY",
     "EngineSettings",
     "ModelPrice",
     "PlatformSettings",

@@ -10,6 +10,11 @@ from pydantic import Field, field_validator, model_validator
 
 from modelyard.config.sources import SettingsBase, parse_size
 
+# The engine serves lower priorities first: interactive requests get their tenant tier's rank
+# (0 priority, 1 standard, 2 free), batch items this plus the rank, after all interactive ones.
+# The engine treats this priority and every less urgent one as backfill (`backfill_step_slowdown`).
+BATCH_PRIORITY = 3
+
 
 class EngineSettings(SettingsBase):
     """Knobs of the LLM engine and of the worker process that serves it."""
@@ -46,6 +51,16 @@ class EngineSettings(SettingsBase):
         "so far computed again), or auto: swap when the engine's measured copy cost is below "
         "its measured prefill cost for that length; swap falls back to recompute when the pool "
         "is full. Not with tensor_parallel_size > 1 (always recompute; swap is refused).",
+    )
+    backfill_step_slowdown: float = Field(
+        0.1,
+        ge=0,
+        description="Backfill (batch items) beside real-time work: a step that decodes "
+        "real-time sequences carries only as many batch tokens as keep it within this fraction "
+        "of its time without them, by the engine's measured step cost (0 = none while "
+        "real-time sequences run); a step of batch work alone takes at most twice "
+        "max_num_seqs tokens, so that a real-time request arriving meanwhile waits for about "
+        "one decode step.",
     )
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences running in one engine step.")

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from modelyard.config import EngineSettings
+from modelyard.config import BATCH_PRIORITY, EngineSettings
 from modelyard.engine.defaults import Numerics
 from modelyard.engine.draft_model import DraftModelDrafter, load_draft
 from modelyard.engine.faults import RequestFailed, RequestInvalid, is_fatal
@@ -31,6 +31,7 @@ from modelyard.engine.sampling_params import SamplingParams
 from modelyard.engine.scheduler import Scheduler
 from modelyard.engine.sequence import FinishReason, Sequence, TokenLogprob
 from modelyard.engine.spec_decode import NgramDrafter, Sampled, SpecStats, sample_step
+from modelyard.engine.step_cost import StepCost
 from modelyard.engine.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "RequestFailed", "RequestOutput", "RequestRejected"]
@@ -78,9 +79,11 @@ class LLMEngine:
             settings.kv_swap_memory,
             tensor_parallel=runner.leader is not None,
         )
+        backfill = StepCost(settings.backfill_step_slowdown, 2 * settings.max_num_seqs)
         self.scheduler = Scheduler(
-            self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, self.preemptor
-        )
+            self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, self.preemptor,
+            backfill, BATCH_PRIORITY,
+        )  # fmt: skip
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
@@ -295,6 +298,7 @@ class LLMEngine:
         num_tokens = sum(n for _, n in scheduled)
         prefill = sum(n for s, n in scheduled if n > 1 and not s.draft)  # a draft: decodes
         self.preemptor.costs.observe_step(num_tokens, prefill, time.perf_counter() - started)
+        self.scheduler.step_cost.observe(num_tokens, time.perf_counter() - started)
         return sampled
 
     def _fatal(self, exc: BaseException) -> bool:

@@ -6,6 +6,10 @@ split into chunks when the budget runs short. When the KV cache is full, the low
 latest running sequence is preempted (never one more urgent than the sequence that needs the
 room): its blocks are freed, its computed tokens swapped to host memory or recomputed when it
 resumes (`Preemptor`, by the `preemption_mode` setting and its cost model).
+
+Backfill (sequences at `backfill_priority` or less urgent: batch items) takes what real-time work
+leaves: no tokens in a step while a more urgent prompt waits for its first token, and beside
+real-time decodes only as many tokens as `StepCost` says keep the step within its slowdown.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from modelyard.engine.kv_cache_manager import KVCacheManager
 from modelyard.engine.preemption import Preemptor
 from modelyard.engine.sequence import Sequence, SequenceStatus
 from modelyard.engine.spec_decode import Drafter
+from modelyard.engine.step_cost import StepCost
 
 
 @dataclass
@@ -41,6 +46,8 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemptor: Preemptor | None = None,
+        step_cost: StepCost | None = None,
+        backfill_priority: int | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -49,6 +56,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.drafter: Drafter | None = None  # speculative decoding, when it is on
+        self.step_cost = step_cost or StepCost()
+        self.backfill_priority = backfill_priority  # None: no sequence is backfill
 
     @property
     def num_preemptions(self) -> int:
@@ -90,6 +99,17 @@ class Scheduler:
                 return seq
         return None
 
+    def _backfill(self, seq: Sequence) -> bool:
+        return self.backfill_priority is not None and seq.priority >= self.backfill_priority
+
+    def _spent(
+        self, seq: Sequence, tokens: int, realtime: int, backfill: int | None
+    ) -> tuple[int, int | None]:
+        """The step's real-time tokens and backfill tokens left after `seq` took `tokens`."""
+        if not self._backfill(seq):
+            return realtime + tokens, backfill
+        return realtime, None if backfill is None else backfill - tokens
+
     def _speculate(self, seq: Sequence, budget: int) -> bool:
         """Give a decoding sequence its draft and the blocks for it, if it has one and they fit
         without preempting anybody (else it decodes one token as usual)."""
@@ -109,6 +129,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.running.sort(key=lambda s: s.sort_key)
         urgent = self._urgent_priority()
+        realtime = 0  # tokens of real-time sequences in this step
+        backfill: int | None = None  # backfill tokens left, set at the first backfill sequence
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -116,10 +138,19 @@ class Scheduler:
             if urgent is not None and seq.priority > urgent:
                 i += 1
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 1 and self._speculate(seq, budget - 1):
+            limit = budget
+            if self._backfill(seq):  # sorted by priority: every real-time one came first
+                if backfill is None:
+                    backfill = self.step_cost.backfill_tokens(realtime)
+                limit = min(budget, backfill)
+                if limit <= 0:
+                    i += 1
+                    continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, limit)
+            if num_new == 1 and self._speculate(seq, limit - 1):
                 out.scheduled.append((seq, 1 + len(seq.draft)))
                 budget -= 1 + len(seq.draft)
+                realtime, backfill = self._spent(seq, 1 + len(seq.draft), realtime, backfill)
                 i += 1
                 continue
             while not self.kv.allocate(seq, num_new):
@@ -132,6 +163,7 @@ class Scheduler:
             else:
                 out.scheduled.append((seq, num_new))
                 budget -= num_new
+                realtime, backfill = self._spent(seq, num_new, realtime, backfill)
                 i += 1
 
         # A step that had to preempt admits nobody new: it would only thrash.
@@ -153,9 +185,16 @@ class Scheduler:
             else:
                 cached = self.kv.find_cached_prefix(seq)
                 num_computed = len(cached) * self.kv.block_size
+            limit = budget
+            if self._backfill(seq):
+                if backfill is None:
+                    backfill = self.step_cost.backfill_tokens(realtime)
+                limit = min(budget, backfill)
+                if limit <= 0:
+                    break  # only backfill follows in priority order
             num_new = seq.num_tokens - num_computed
-            if num_new > budget:
-                num_new = budget  # chunked prefill: the rest of the prompt runs next step
+            if num_new > limit:
+                num_new = limit  # chunked prefill: the rest of the prompt runs next step
             while len(self.running) + len(admitted) >= self.max_num_seqs or not self.kv.allocate(
                 seq, num_new, cached
             ):
@@ -178,6 +217,7 @@ class Scheduler:
                 admitted.append(seq)
                 out.scheduled.append((seq, num_new))
                 budget -= num_new
+                realtime, backfill = self._spent(seq, num_new, realtime, backfill)
                 continue
             break  # strict priority order: nobody overtakes a sequence that does not fit
         if admitted:

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from modelyard.config import PlatformSettings, PrefixCacheScope
+from modelyard.config import BATCH_PRIORITY, PlatformSettings, PrefixCacheScope
 from modelyard.core.adapter_routes import AdapterTarget, is_internal, target_for
 from modelyard.core.errors import DomainError, Invalid, model_not_found
 from modelyard.core.identity import Principal
@@ -29,10 +29,10 @@ from modelyard.protocol.json_depth import too_deep
 from modelyard.protocol.openai import ChatCompletionRequest, CompletionRequest
 from modelyard.protocol.responses_api import ResponsesRequest
 
-# The engine serves lower priorities first: interactive requests get their tenant tier's rank
-# (0 priority, 1 standard, 2 free), batch items this plus the rank, after all interactive ones.
-# Whatever a client sends is overridden, so nobody jumps the queue.
-BATCH_PRIORITY_BASE = 3
+# Batch items run at the engine's batch priority plus their tenant tier's rank (after every
+# interactive request; `config.BATCH_PRIORITY`). Whatever a client sends is overridden, so nobody
+# jumps the queue.
+BATCH_PRIORITY_BASE = BATCH_PRIORITY
 _SCHEMAS: dict[str, type[BaseModel]] = {
     "chat.completions": ChatCompletionRequest,
     "completions": CompletionRequest,

@@ -1,0 +1,70 @@
+"""`StepCost`: the engine's measured cost of a step by how many rows it computes, and from it how
+many backfill tokens (batch work, the least urgent class) a step may carry beside real-time work.
+
+Each size of step, in rows (tokens computed: a decode row each, a prompt chunk's tokens), keeps a
+moving average of its measured time (forward pass and sampling), each observation clipped to
+three times the average so far (a one-off stall moves it little). The curve is the machine's own:
+on a GPU or wherever a row more costs little, flat; on a 2-core CPU, steep, with the steps where
+the matmul changes form (AMX tiles from 8 rows) where they are.
+
+`backfill_tokens(realtime_rows)`: a step computing `realtime_rows` rows of real-time sequences may
+carry as many backfill tokens as keep its measured time within `1 + slowdown` of the same step
+without them, going up one row at a time while the sizes are measured (interpolating between
+measured sizes; none past the largest measured, so nothing is guessed upward). A step with no
+real-time rows carries up to `idle_tokens` backfill tokens, so that a real-time request arriving
+meanwhile waits for about one full decode step at most.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+ALPHA = 0.1  # weight of the newest observation of a size
+CLIP = 3.0  # an observation counts at most this many times the average so far
+
+
+@dataclass
+class StepCost:
+    slowdown: float = 0.1
+    idle_tokens: int = 16
+    _seconds: dict[int, float] = field(default_factory=dict)  # rows -> moving average
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of `rows` rows took `seconds`."""
+        if rows <= 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        old = self._seconds.get(rows)
+        if old is None:
+            self._seconds[rows] = seconds
+        else:
+            self._seconds[rows] = old + ALPHA * (min(seconds, CLIP * old) - old)
+
+    def seconds(self, rows: int) -> float | None:
+        """The measured (or, between two measured sizes, interpolated) time of a step of
+        `rows` rows; None past the largest measured size or below the smallest."""
+        known = self._seconds.get(rows)
+        if known is not None:
+            return known
+        below = max((n for n in self._seconds if n < rows), default=None)
+        above = min((n for n in self._seconds if n > rows), default=None)
+        if below is None or above is None:
+            return None
+        lo, hi = self._seconds[below], self._seconds[above]
+        return lo + (hi - lo) * (rows - below) / (above - below)
+
+    def backfill_tokens(self, realtime_rows: int) -> int:
+        """The backfill tokens a step with `realtime_rows` real-time rows may carry."""
+        if realtime_rows <= 0:
+            return self.idle_tokens
+        alone = self.seconds(realtime_rows)
+        if alone is None:
+            return 0  # not measured yet: real-time steps carry no backfill
+        bound = (1.0 + self.slowdown) * alone
+        extra = 0
+        while extra < self.idle_tokens:
+            cost = self.seconds(realtime_rows + extra + 1)
+            if cost is None or cost > bound:
+                break
+            extra += 1
+        return extra
