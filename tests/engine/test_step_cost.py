@@ -31,6 +31,8 @@ def test_a_steep_curve_admits_few_backfill_rows_and_a_flat_one_many() -> None:
 def test_nothing_is_guessed_past_what_was_measured() -> None:
     cost = StepCost()
     assert cost.backfill_tokens(1) == 0  # nothing measured: no backfill beside real-time
+    assert cost.backfill_tokens(0) > 10_000  # no real-time work seen: batch keeps the budget
+    cost.saw_realtime()
     assert cost.backfill_tokens(0) == 16  # a step of batch alone: up to its idle bound
     cost.observe(1, 0.01)
     assert cost.backfill_tokens(1) == 0  # no size above 1 measured yet
@@ -76,11 +78,21 @@ def test_backfill_decodes_ride_beside_real_time_only_as_far_as_the_cost_allows()
     assert [s.seq_id for s, _ in sched.schedule().scheduled] == [10, 0]
 
 
-def test_a_step_of_batch_alone_is_bounded_and_chunks_batch_prompts() -> None:
+def test_a_step_of_batch_alone_is_bounded_after_real_time_work_and_chunks_batch_prompts() -> None:
+    cost = StepCost(idle_tokens=8)
+    sched = Scheduler(KVCacheManager(128, 4), 8, 64, step_cost=cost, backfill_priority=BATCH)
+    realtime = _running(sched, [[5, 6, 7]], 0, 10)
+    run_step(sched, sched.schedule())
+    sched.remove(realtime[0])
+    _running(sched, [list(range(1, 21))], BATCH, 0)
+    assert [n for _, n in sched.schedule().scheduled] == [8]  # a 20-token prompt, 8 at a time
+
+
+def test_an_engine_serving_batch_alone_keeps_its_whole_budget() -> None:
     cost = StepCost(idle_tokens=8)
     sched = Scheduler(KVCacheManager(128, 4), 8, 64, step_cost=cost, backfill_priority=BATCH)
     _running(sched, [list(range(1, 21))], BATCH, 0)
-    assert [n for _, n in sched.schedule().scheduled] == [8]  # a 20-token prompt, 8 at a time
+    assert [n for _, n in sched.schedule().scheduled] == [20]
 
 
 def test_without_a_backfill_priority_every_sequence_is_real_time() -> None:

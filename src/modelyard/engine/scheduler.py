@@ -107,6 +107,7 @@ class Scheduler:
     ) -> tuple[int, int | None]:
         """The step's real-time tokens and backfill tokens left after `seq` took `tokens`."""
         if not self._backfill(seq):
+            self.step_cost.saw_realtime()
             return realtime + tokens, backfill
         return realtime, None if backfill is None else backfill - tokens
 

@@ -11,17 +11,20 @@ the matmul changes form (AMX tiles from 8 rows) where they are.
 carry as many backfill tokens as keep its measured time within `1 + slowdown` of the same step
 without them, going up one row at a time while the sizes are measured (interpolating between
 measured sizes; none past the largest measured, so nothing is guessed upward). A step with no
-real-time rows carries up to `idle_tokens` backfill tokens, so that a real-time request arriving
-meanwhile waits for about one full decode step at most.
+real-time rows carries up to `idle_tokens` backfill tokens while real-time work ran in the last
+`REALTIME_WINDOW_S` seconds, so that a real-time request arriving meanwhile waits for about one
+full decode step at most; an engine serving batch work alone keeps its whole token budget.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 ALPHA = 0.1  # weight of the newest observation of a size
 CLIP = 3.0  # an observation counts at most this many times the average so far
+REALTIME_WINDOW_S = 30.0  # real-time work this recent keeps steps of batch alone short
 
 
 @dataclass
@@ -29,6 +32,10 @@ class StepCost:
     slowdown: float = 0.1
     idle_tokens: int = 16
     _seconds: dict[int, float] = field(default_factory=dict)  # rows -> moving average
+    _realtime_at: float = -math.inf  # when a step last computed real-time rows
+
+    def saw_realtime(self) -> None:
+        self._realtime_at = time.monotonic()
 
     def observe(self, rows: int, seconds: float) -> None:
         """A step of `rows` rows took `seconds`."""
@@ -56,7 +63,8 @@ class StepCost:
     def backfill_tokens(self, realtime_rows: int) -> int:
         """The backfill tokens a step with `realtime_rows` real-time rows may carry."""
         if realtime_rows <= 0:
-            return self.idle_tokens
+            recent = time.monotonic() - self._realtime_at < REALTIME_WINDOW_S
+            return self.idle_tokens if recent else 1 << 30
         alone = self.seconds(realtime_rows)
         if alone is None:
             return 0  # not measured yet: real-time steps carry no backfill
