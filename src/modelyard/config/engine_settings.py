@@ -58,9 +58,9 @@ class EngineSettings(SettingsBase):
         description="Backfill (batch items) beside real-time work: a step that decodes "
         "real-time sequences carries only as many batch tokens as keep it within this fraction "
         "of its time without them, by the engine's measured step cost (0 = none while "
-        "real-time sequences run); a step of batch work alone takes at most twice "
-        "max_num_seqs tokens, so that a real-time request arriving meanwhile waits for about "
-        "one decode step.",
+        "real-time sequences run); while real-time work ran in the last 30 s a step of batch "
+        "work alone takes at most twice max_num_seqs tokens, so that a real-time request "
+        "arriving meanwhile waits for about one decode step.",
     )
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences running in one engine step.")
