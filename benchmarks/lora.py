@@ -19,6 +19,7 @@ bmm / per-adapter matmul pairs, the path without a compiler and on other devices
     python benchmarks/lora.py                        # SmolLM2, 50 adapters, 50 requests
     python benchmarks/lora.py --adapters 8 --requests 32 --rounds 2
     python benchmarks/lora.py --kernels c,pytorch --max-tokens 16
+    python benchmarks/lora.py --lora-dtype float16   # the adapters' slots in float16, not int8
 """
 
 from __future__ import annotations
@@ -111,6 +112,12 @@ def main() -> None:
         help="projections each adapter targets (PEFT's default for Llama: q_proj,v_proj)",
     )
     ap.add_argument("--kernels", default="c", help="c, pytorch, or both (c,pytorch)")
+    ap.add_argument(
+        "--lora-dtype",
+        default="auto",
+        choices=["auto", "int8", "float16", "bfloat16", "float32"],
+        help="the engine's lora_weight_dtype (auto: int8 under a quantized base on the C kernels)",
+    )
     args = ap.parse_args()
     kernels = args.kernels.split(",")
 
@@ -120,6 +127,7 @@ def main() -> None:
         max_lora_rank=args.rank,
         max_num_seqs=max(64, args.requests),
         kv_cache_memory="512MiB",
+        lora_weight_dtype=args.lora_dtype,
     )
     folder = to_hf_folder(args.model, settings.cache_dir)
     cfg = read_model_config(folder)
@@ -156,7 +164,8 @@ def main() -> None:
                 rows.append((r, label, tokens, seconds, tokens / seconds, cpu))
                 print(f"round {r} {label}: {tokens} tokens in {seconds:.2f} s", flush=True)
     print(
-        f"model {args.model} ({engine.runner.dtype}), {args.requests} requests x {args.max_tokens} "
+        f"model {args.model} ({engine.runner.dtype}, adapters in {lora.weight_dtype}), "
+        f"{args.requests} requests x {args.max_tokens} "
         f"tokens, prompt {args.prompt_len}, {args.adapters} adapters of rank {args.rank} on "
         f"{args.targets}, "
         f"{len(set(mixed))} distinct in the mixed load; machine: {platform.machine()}, "

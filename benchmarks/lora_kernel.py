@@ -5,9 +5,11 @@ random rank-`--rank` adapters on every part, 50 rows each under its own slot (a 
 the `benchmarks/lora.py` mixed load). Per repetition: one pass of the base linears, then one of
 the LoRA updates, each timed by this thread's CPU time (on a shared machine wall time counts the
 waits for a core too); one thread, so the kernel reads on one core. Prints the medians, the
-adapters' bytes per pass over the LoRA time, and lora / base.
+adapters' bytes per pass over the LoRA time, and lora / base. `--weights`: how the slots keep the
+adapters (default: `weight_dtype`'s choice for the model's dtype, as an unquantized engine's).
 
     python benchmarks/lora_kernel.py --dtype float32
+    python benchmarks/lora_kernel.py --dtype float32 --weights int8
     python benchmarks/lora_kernel.py --dtype bfloat16 --reps 9
 """
 
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from modelyard.config import EngineSettings
 from modelyard.engine import cpu_kernels
-from modelyard.engine.lora.layers import LoRABatch, LoRALinear
+from modelyard.engine.lora.layers import SLOT_DTYPES, LoRABatch, LoRALinear
 
 HIDDEN, INTERMEDIATE, KV, LAYERS = 576, 1536, 192, 30
 
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=50)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--weights", default="auto", choices=["auto", *SLOT_DTYPES])
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
@@ -57,7 +60,8 @@ def main() -> None:
         for n_in, parts in specs:
             base = torch.nn.Linear(n_in, sum(parts), bias=False, dtype=dtype)
             cpu = torch.device("cpu")
-            lin = LoRALinear(base, n_in, parts, args.adapters, args.rank, batch, dtype, cpu)
+            stored = None if args.weights == "auto" else SLOT_DTYPES[args.weights]
+            lin = LoRALinear(base, n_in, parts, args.adapters, args.rank, batch, dtype, cpu, stored)
             for s in range(1, args.adapters + 1):
                 weights = [
                     (
@@ -78,6 +82,7 @@ def main() -> None:
             lin._part_sizes,
             lin._part_rank,
             lin.max_rank,
+            lin.slot_scales,
         )
         for lin, _, _ in layers
     }

@@ -118,6 +118,17 @@ class EngineSettings(SettingsBase):
         0, ge=0, description="LoRA adapter slots held at once (LRU); 0 = no LoRA serving."
     )
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank a slot takes.")
+    lora_weight_dtype: Literal["auto", "int8", "float16", "bfloat16", "float32"] = Field(
+        "auto",
+        description="How the LoRA slots keep adapter weights: int8 = each weight row symmetric "
+        "int8 with one float32 scale (a quarter of float32's bytes: a decode step of many "
+        "adapters is bound by reading them; on CPUs with AVX-512 VNNI the C kernel multiplies "
+        "them in int8, quantizing each row's activations as w8a8 does); auto = int8 where the "
+        "base model is quantized (any quantization but none) and the C kernels (cpu_kernels) "
+        "multiply int8 so, else float16 for a float32 model on a CPU (products and sums in "
+        "float32) and the model's dtype elsewhere. An explicit int8 works everywhere "
+        "(elsewhere widened to floats, or dequantized by PyTorch as it gathers).",
+    )
     speculative: Literal["off", "ngram", "draft"] = Field(
         "off",
         description="Speculative decoding: ngram = prompt lookup: a decoding sequence whose "

@@ -51,7 +51,7 @@ Linear = HEADER.struct("my_linear")
 GGUFLinear = HEADER.struct("my_gguf_linear")
 LoRA = HEADER.struct("my_lora")
 # the weights' dtypes `lora_add` reads: `my_lora.w_dtype`
-LORA_WEIGHTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+LORA_WEIGHTS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 Step = HEADER.struct("my_step")
 
 
@@ -73,6 +73,8 @@ class CpuKernels:
         self.gguf_matmul_isa = int(c["my_gguf_matmul_isa"]())
         self._decode_step = c["my_decode_step"]
         self._lora_add = c["my_lora_add"]
+        # Whether int8 adapter weights are multiplied in int8 (AVX-512 VNNI; `csrc/lora_int8.h`)
+        self.lora_int8_dot = bool(c["my_lora_int8_dot"]())
         self._decode_step_scratch = c["my_decode_step_scratch"]
         # Only with VNNI does the C matmul beat FBGEMM (its plain-C form is a fallback for tests).
         self.int8_matmul_vectorized = bool(c["my_int8_matmul_vectorized"]())
@@ -260,11 +262,12 @@ class CpuKernels:
     def lora_args(
         self,
         lora_a: torch.Tensor,  # [slots, parts * rank, in], each slot's contiguous
-        lora_b: ctypes.Array[ctypes.c_void_p],  # each part's B [slots, rank, out_p], likewise
+        lora_b: ctypes.Array[ctypes.c_void_p],  # each part's B [slots, rank, out_p] (int8: quads)
         slot_stride: int,  # elements from one slot's A (and B) to the next slot's
         part_sizes: torch.Tensor,  # [parts] int64
         part_rank: torch.Tensor,  # [slots, parts] int32: the slot's rank on the part, 0: none
         rank: int,  # the largest: A's and B's stride in rows
+        scales: torch.Tensor,  # int8 weights: [slots, 2 * parts * rank] float32 row scales
     ) -> Any:
         """One wrapped projection's `my_lora` with its weights' fields, made once: `lora_add`
         fills in a call's rows (a whole struct per call cost ~12 us, 120 calls a SmolLM2 step).
@@ -277,6 +280,7 @@ class CpuKernels:
             part_rank=part_rank.data_ptr(),
             parts=part_sizes.shape[0],
             rank=rank,
+            scales=scales.data_ptr() if lora_a.dtype == torch.int8 else None,
             w_dtype=LORA_WEIGHTS[lora_a.dtype],
         )
 

@@ -22,6 +22,7 @@ from modelyard.engine.defaults import (
     describe_model_file,
 )
 from modelyard.engine.gguf_linear import GGUF_QUANTIZATIONS
+from modelyard.engine.lora.layers import slot_dtype
 from modelyard.engine.lora.manager import LoRAManager
 from modelyard.engine.memory import keep_freed_memory_for_reuse
 from modelyard.engine.model_runner import DTYPES, ModelRunner
@@ -186,13 +187,24 @@ def load(model: str | Path, settings: EngineSettings) -> LoadedEngine:
             leader,
             kv_dtype=kv_dtype,
         )
+        use_kernels = settings.cpu_kernels and tp == 1  # tensor-parallel steps: PyTorch's mask
+        kernels = kernels_for(device, settings.cache_dir) if use_kernels else None
         if settings.max_loras:  # before the kernels: the LoRA layers take them too
+            int8_dot = kernels is not None and kernels.lora_int8_dot
+            weights = slot_dtype(
+                settings.lora_weight_dtype, dtype, device, quantized is not None, int8_dot
+            )
             runner.lora = LoRAManager(
-                loaded.model, cfg, settings.max_loras, settings.max_lora_rank, settings.lora_dir
+                loaded.model,
+                cfg,
+                settings.max_loras,
+                settings.max_lora_rank,
+                settings.lora_dir,
+                weights,
             )
             runner.lora.registry_dir = settings.lora_registry_dir
-        if settings.cpu_kernels and tp == 1:  # tensor-parallel steps carry PyTorch's mask
-            runner.use_kernels(kernels_for(device, settings.cache_dir))
+        if use_kernels:
+            runner.use_kernels(kernels)
         tokenizer = Tokenizer.load(folder, cfg)
         if leader is not None:
             leader.wait_ready()

@@ -124,18 +124,24 @@ typedef struct {
     const int64_t *slots;  /* [n_groups]: each group's slot */
     int64_t n_groups;
     const void *a;             /* [slots, parts * rank, in_features], slots slot_stride apart */
-    const void *const *b;      /* [parts]: each part's B [slots, rank, part_size], likewise */
+    const void *const *b; /* [parts]: each part's B [slots, rank, part_size] (int8: in quads
+                           * [slots, rank / 4, part_size, 4]), likewise */
     int64_t slot_stride;       /* elements */
     const int64_t *part_sizes; /* [parts] */
     const int32_t *part_rank;  /* [slots, parts]: the slot's rank on the part, 0: untouched */
+    const float *scales; /* int8 weights: [slots, 2 * parts * rank], A's rows' then B's rows' */
     int64_t parts, in_features, rank; /* rank: the largest, A's and B's stride in rows */
-    int w_dtype;                      /* the weights: 0 float32, 1 bfloat16, 2 float16 */
+    int w_dtype; /* the weights: 0 float32, 1 bfloat16, 2 float16, 3 int8 (row scales) */
     int n_threads;
 } my_lora;
 
 /* Returns 0, or -1 when a thread found no memory for its scratch (then some rows may lack
  * their update). */
 MY_API int my_lora_add(const my_lora *l);
+
+/* 1 where this build multiplies int8 adapter weights in int8 (AVX-512 VNNI), else 0 (they are
+ * widened to floats). */
+MY_API int my_lora_int8_dot(void);
 
 /* ----- decode_step.c ---------------------------------------------------------------------- */
 

@@ -57,6 +57,7 @@ class LoRAManager:
         max_loras: int,
         max_rank: int,
         lora_dir: Path | None = None,
+        weights: torch.dtype | None = None,  # how the slots keep them: `weight_dtype` if None
     ) -> None:
         self.cfg = cfg
         self.max_loras = max_loras
@@ -76,14 +77,16 @@ class LoRAManager:
         self.loads = 0
         self.evictions = 0
         self.weight_dtype = torch.float32  # how the slots keep weights (set by `_wrap`)
-        self._layers = self._wrap(model)
+        self._layers = self._wrap(model, weights)
 
-    def _wrap(self, model: LlamaForCausalLM) -> list[dict[str, LoRALinear]]:
+    def _wrap(
+        self, model: LlamaForCausalLM, weights: torch.dtype | None
+    ) -> list[dict[str, LoRALinear]]:
         param = next(model.parameters())
         dtype, device = param.dtype, param.device
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             dtype = torch.float32
-        self.weight_dtype = weight_dtype(dtype, device)
+        self.weight_dtype = weights or weight_dtype(dtype, device)
         shapes = {
             "qkv_proj": self.cfg.hidden_size,
             "o_proj": self.cfg.num_attention_heads * self.cfg.head_dim,
@@ -108,6 +111,7 @@ class LoRAManager:
                     self.batch,
                     dtype,
                     device,
+                    self.weight_dtype,
                 )
                 setattr(owner, attr, lin)
                 wrapped[attr] = lin
