@@ -21,7 +21,8 @@
  * rows p*rank.., then B_p [rank, out_p] for each part (int8: in quads, [rank / 4, out_p, 4]);
  * `rank` the largest, a slot's own rank on a part its first rows. A group reads its slot's
  * block front to back (every shrink, then every expand) and a thread claims runs of
- * neighbouring groups: one sequential stream. Part p's output columns follow part p-1's in y.
+ * neighbouring groups: one sequential stream, prefetched a block ahead by the int8 kernels
+ * (`lora_int8.h`). Part p's output columns follow part p-1's in y.
  * Weights float32, bfloat16, float16 or int8 (then `scales` [slots, 2 * parts * rank]: A's
  * rows', then each part's B rows', rank apart); x and y float32 or bfloat16 each; rows have
  * contiguous columns, `*_stride` apart.
@@ -240,7 +241,8 @@ static inline __attribute__((always_inline)) void shrink_rows(const Args *a, con
  * does not target. h: [GROUP, parts * rank]. */
 static inline __attribute__((always_inline)) void run_group(const Args *a, int64_t group,
                                                             float *xs, int8_t *xq, int32_t *hq,
-                                                            float *h, int g_count, int wd) {
+                                                            float *h, int g_count, int wd,
+                                                            int64_t next) {
     const int64_t first = a->groups[group], count = a->groups[group + 1] - first;
     const int64_t *rows = a->rows + first, slot = a->slots[group];
     const int64_t in = a->in, xp = a->in_padded, width = a->parts * a->rank;
@@ -274,7 +276,7 @@ static inline __attribute__((always_inline)) void run_group(const Args *a, int64
     for (int g = 0; g < g_count && wd == W_I8; g++)
         xscale[g] = quantize_x(xs + g * xp, in, xq + g * xp, &xsum[g]);
 #else
-    (void)xq, (void)hq;
+    (void)xq, (void)hq, (void)next;
 #endif
     for (int64_t p = 0; p < a->parts; p++) {
         if (ranks[p] == 0) continue;
@@ -287,7 +289,7 @@ static inline __attribute__((always_inline)) void run_group(const Args *a, int64
 #endif
 #ifdef I8_DOT
         if (wd == W_I8) {
-            shrink_rows_vnni(a, A, ranks[p], xq, xp, xscale, xsum, hp, width, g_count);
+            shrink_rows_vnni(a, A, ranks[p], xq, xp, xscale, xsum, hp, width, g_count, next);
         } else
 #endif
         {
@@ -309,7 +311,7 @@ static inline __attribute__((always_inline)) void run_group(const Args *a, int64
                 expand(a, B, ranks[p], hp, width, rows, col, out, g_count, count, wd);
             else
 #ifdef I8_DOT
-                expand_vnni(a, B, ranks[p], hp, width, rows, col, out, g_count, count, hq);
+                expand_vnni(a, B, ranks[p], hp, width, rows, col, out, g_count, count, hq, next);
 #else
                 expand_quads(a, B, ranks[p], hp, width, rows, col, out, g_count, count);
 #endif
@@ -322,10 +324,13 @@ static inline __attribute__((always_inline)) void run_range(const Args *a, int64
                                                             int64_t last, float *xs, int8_t *xq,
                                                             int32_t *hq, float *h, int wd) {
     for (int64_t g = first; g < last; g++) {
+        /* bytes from this group's block to the next one's in the run (0: none) */
+        const int64_t next =
+            g + 1 < last ? (a->slots[g + 1] - a->slots[g]) * a->slot_stride * w_bytes(wd) : 0;
         if (a->groups[g + 1] - a->groups[g] == 1)
-            run_group(a, g, xs, xq, hq, h, 1, wd);
+            run_group(a, g, xs, xq, hq, h, 1, wd, next);
         else
-            run_group(a, g, xs, xq, hq, h, GROUP, wd);
+            run_group(a, g, xs, xq, hq, h, GROUP, wd, next);
     }
 }
 
@@ -359,7 +364,8 @@ int my_lora_add(const my_lora *l) {
                  l->rank,        l->x_bf16,      l->y_bf16,      l->w_dtype,
                  0};
     /* Runs of neighbouring groups per claim: with every slot in use, a thread streams a run
-     * of neighbouring slots' blocks, one long read the hardware prefetchers follow. */
+     * of neighbouring slots' blocks, one long read, each group's block prefetched while the
+     * one before it is computed (int8). */
     const int64_t n_threads = l->n_threads > 0 ? l->n_threads : 1;
     int64_t run = l->n_groups / (4 * n_threads);
     pool_run(run_groups, &args, l->n_groups, run > 0 ? run : 1, l->n_threads);
