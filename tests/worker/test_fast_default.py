@@ -20,7 +20,13 @@ from tests.tiny_gguf import build_gguf
 pytestmark = pytest.mark.timeout(900)
 
 NAME = ("--served-model-name", "tiny")
-ENV = {"MODELYARD_KV_CACHE_MEMORY": "16MiB", "MODELYARD_MAX_TOKENS_CAP": "64"}
+# Steps of at most 16 tokens: a longer prompt is computed in chunks, each a step that samples
+# nothing (the LM head once ran on zero rows there and the worker died of SIGFPE).
+ENV = {
+    "MODELYARD_KV_CACHE_MEMORY": "16MiB",
+    "MODELYARD_MAX_TOKENS_CAP": "64",
+    "MODELYARD_MAX_NUM_BATCHED_TOKENS": "16",
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +55,10 @@ def numerics(worker: WorkerProcess) -> dict[str, str]:
     return dict(body["numerics"])
 
 
-def complete(worker: WorkerProcess) -> str:
+def complete(worker: WorkerProcess, prompt: str = "Hello world") -> str:
     r = httpx.post(
         f"{worker.url}/v1/completions",
-        json={"model": "tiny", "prompt": "Hello world", "max_tokens": 8, "temperature": 0,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
               "ignore_eos": True},
         timeout=60,
     )  # fmt: skip
@@ -90,3 +96,14 @@ def test_quantization_none_wins(workers: dict[str, WorkerProcess]) -> None:
     assert got["quantization"] == "none"
     assert got["reason"].startswith("quantization none (set)")
     complete(workers["none"])
+
+
+def test_the_default_numerics_take_a_prompt_longer_than_a_step(
+    workers: dict[str, WorkerProcess],
+) -> None:
+    """A prompt of several steps' tokens (chunks that sample nothing, then the last one that
+    does) is answered, and the worker lives on."""
+    worker = workers["default"]
+    complete(worker, "Hello world " * 20)  # more than 16 tokens in any tokenizer
+    complete(worker)
+    assert worker.proc.poll() is None
