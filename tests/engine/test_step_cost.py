@@ -100,3 +100,21 @@ def test_without_a_backfill_priority_every_sequence_is_real_time() -> None:
     sched = Scheduler(KVCacheManager(128, 4), 8, 64, step_cost=cost)
     _running(sched, [list(range(1, 21))], BATCH, 0)
     assert [n for _, n in sched.schedule().scheduled] == [20]
+
+
+def test_batch_refused_under_unbroken_real_time_traffic_still_moves_every_two_seconds() -> None:
+    now = [0.0]
+    cost = StepCost(idle_tokens=8, clock=lambda: now[0])
+    for rows, seconds in {1: 0.0075, 2: 0.0090}.items():  # a second row: 20 % slower
+        cost.observe(rows, seconds)
+    cost.saw_realtime()
+    assert cost.backfill_tokens(1) == 0
+    now[0] = 1.9
+    assert cost.backfill_tokens(1) == 0
+    now[0] = 2.0
+    assert cost.backfill_tokens(1) == 8  # refused for 2 s: one step carries it
+    now[0] = 2.1
+    assert cost.backfill_tokens(1) == 0  # and the wait starts again
+    assert cost.backfill_tokens(0) == 8  # a step without real-time work ends a wait
+    now[0] = 5.0
+    assert cost.backfill_tokens(1) == 0

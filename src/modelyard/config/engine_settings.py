@@ -58,7 +58,8 @@ class EngineSettings(SettingsBase):
         description="Backfill (batch items) beside real-time work: a step that decodes "
         "real-time sequences carries only as many batch tokens as keep it within this fraction "
         "of its time without them, by the engine's measured step cost (0 = none while "
-        "real-time sequences run); while real-time work ran in the last 30 s a step of batch "
+        "real-time sequences run; never for more than 2 s: then one step carries batch all the "
+        "same); while real-time work ran in the last 30 s a step of batch "
         "work alone takes at most twice max_num_seqs tokens, so that a real-time request "
         "arriving meanwhile waits for about one decode step.",
     )

@@ -14,17 +14,24 @@ measured sizes; none past the largest measured, so nothing is guessed upward). A
 real-time rows carries up to `idle_tokens` backfill tokens while real-time work ran in the last
 `REALTIME_WINDOW_S` seconds, so that a real-time request arriving meanwhile waits for about one
 full decode step at most; an engine serving batch work alone keeps its whole token budget.
+
+Batch work is never starved outright: once backfill has been refused for `MAX_BACKFILL_WAIT_S`
+under unbroken real-time traffic, one step carries `idle_tokens` of it, so every batch sequence
+moves on at least that often (far inside the worker's no-progress limit) at the cost of one
+slower real-time step in that many seconds.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ALPHA = 0.1  # weight of the newest observation of a size
 CLIP = 3.0  # an observation counts at most this many times the average so far
 REALTIME_WINDOW_S = 30.0  # real-time work this recent keeps steps of batch alone short
+MAX_BACKFILL_WAIT_S = 2.0  # refused this long, backfill rides in the next step all the same
 
 
 @dataclass
@@ -32,10 +39,12 @@ class StepCost:
     slowdown: float = 0.1
     idle_tokens: int = 16
     _seconds: dict[int, float] = field(default_factory=dict)  # rows -> moving average
+    clock: Callable[[], float] = time.monotonic
     _realtime_at: float = -math.inf  # when a step last computed real-time rows
+    _refused_since: float | None = None  # backfill refused beside real-time work since then
 
     def saw_realtime(self) -> None:
-        self._realtime_at = time.monotonic()
+        self._realtime_at = self.clock()
 
     def observe(self, rows: int, seconds: float) -> None:
         """A step of `rows` rows took `seconds`."""
@@ -61,10 +70,23 @@ class StepCost:
         return lo + (hi - lo) * (rows - below) / (above - below)
 
     def backfill_tokens(self, realtime_rows: int) -> int:
-        """The backfill tokens a step with `realtime_rows` real-time rows may carry."""
+        """The backfill tokens a step with `realtime_rows` real-time rows may carry (asked
+        when there is backfill work to schedule)."""
+        now = self.clock()
         if realtime_rows <= 0:
-            recent = time.monotonic() - self._realtime_at < REALTIME_WINDOW_S
+            self._refused_since = None
+            recent = now - self._realtime_at < REALTIME_WINDOW_S
             return self.idle_tokens if recent else 1 << 30
+        allowed = self._beside(realtime_rows)
+        if allowed > 0 or self._refused_since is None:
+            self._refused_since = None if allowed > 0 else now
+            return allowed
+        if now - self._refused_since >= MAX_BACKFILL_WAIT_S:
+            self._refused_since = None
+            return self.idle_tokens
+        return 0
+
+    def _beside(self, realtime_rows: int) -> int:
         alone = self.seconds(realtime_rows)
         if alone is None:
             return 0  # not measured yet: real-time steps carry no backfill
