@@ -122,8 +122,10 @@ def test_batch_backfills_a_warm_replica_and_only_batch_is_preempted(
     )
     wait_batch(client, batch.id, {"in_progress", "finalizing", "completed"})
 
-    # Interactive streams keep arriving while the batch holds the slots: each is sent once the
-    # replica's own health report says every slot is taken (so that it must preempt to start).
+    # Interactive streams keep arriving while the batch holds the slots: they are sent once the
+    # replica's own health report says every slot is taken, as many at once as there are slots,
+    # so that a batch item ending (and freeing a slot) before they arrive cannot seat them all
+    # without a preemption. Real-time ones never outnumber the slots (equal priorities wait).
     done = threading.Event()
     full = threading.Event()
     errors: list[BaseException] = []
@@ -151,7 +153,7 @@ def test_batch_backfills_a_warm_replica_and_only_batch_is_preempted(
                 full.clear()
             time.sleep(0.02)  # a probe's pace, not synchronisation
 
-    threads = [threading.Thread(target=interactive, args=(n,)) for n in range(2)]
+    threads = [threading.Thread(target=interactive, args=(n,)) for n in range(SLOTS)]
     threads.append(threading.Thread(target=watch))
     for t in threads:
         t.start()

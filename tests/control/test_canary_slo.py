@@ -131,9 +131,19 @@ def add(api: httpx.Client, endpoint: str, **body: Any) -> None:
         time.sleep(0.1)
 
 
-def auto_rollbacks(api: httpx.Client, endpoint: str) -> list[dict[str, Any]]:
-    events = api.get("/v1/audit", params={"target_id": endpoint, "limit": 100}).json()["data"]
-    return [e for e in events if e["action"] == "endpoint.auto_rollback"]
+def audited(api: httpx.Client, endpoint: str, action: str, count: int = 1) -> list[dict[str, Any]]:
+    """The endpoint's audit events of `action`, once there are `count`. The reconciler records
+    a move of its own just after carrying it out (the endpoint shows the move a moment before
+    its audit row exists), so this waits for the row rather than reading once."""
+    deadline = time.monotonic() + 30
+    while True:
+        params = {"target_id": endpoint, "limit": 100}
+        events = api.get("/v1/audit", params=params).json()["data"]
+        found = [e for e in events if e["action"] == action]
+        if len(found) >= count:
+            return found
+        assert time.monotonic() < deadline, [e["action"] for e in events]
+        time.sleep(0.05)
 
 
 def test_slow_and_failing_canaries_are_rolled_back_on_their_own(
@@ -162,7 +172,7 @@ def test_slow_and_failing_canaries_are_rolled_back_on_their_own(
     assert rollback["numbers"]["canary_errors"] >= 10
     assert rollback["numbers"]["stable_error_rate"] == 0.0
 
-    events = auto_rollbacks(api, endpoint)
+    events = audited(api, endpoint, "endpoint.auto_rollback", count=2)
     assert len(events) == 2 and {e["actor_key_id"] for e in events} == {"system"}
     assert "error rate" in events[0]["after"]["last_rollback"]["reason"]  # newest first
 
@@ -193,6 +203,5 @@ def test_a_clean_canary_with_steps_is_promoted_on_its_own(platform: PlatformProc
         stop.set()
         thread.join()
     assert body["model_artifact"] == "slo:2" and body["last_rollback"] is None
-    actions = [e["action"] for e in api.get("/v1/audit", params={"target_id": endpoint}).json()
-               ["data"]]  # fmt: skip
-    assert "endpoint.auto_promote" in actions and "endpoint.traffic" in actions
+    assert audited(api, endpoint, "endpoint.auto_promote")
+    assert audited(api, endpoint, "endpoint.traffic")

@@ -172,13 +172,6 @@ static inline __m256i block_dot(__m256i u, __m256i x) {
 #endif
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* Block b of a weight row (at blk) into MB rows of x from m0 (MB and the type are constants at
  * each call, so the accumulators stay in registers). acc collects d dx sum(w q) per row;
  * extra the nibble formats' offset terms: Q4_0 sum d xs (times -8 at the end), Q4_1 sum m xs. */
@@ -242,7 +235,7 @@ static inline __attribute__((always_inline)) void row_vector(const Job *j, int64
     if (b < nb) block_into(j, row + b * bytes, b, m0, MB, type, even, extra_even);
     const float sign = type == Q4_0 ? -8.0f : 1.0f;
     for (int i = 0; i < MB; i++)
-        out[i] = hsum(_mm256_add_ps(even[i], odd[i])) + sign * (extra_even[i] + extra_odd[i]);
+        out[i] = sum8(_mm256_add_ps(even[i], odd[i])) + sign * (extra_even[i] + extra_odd[i]);
 }
 
 #define ROW_TILE_OF(TYPE)                                                                      \

@@ -26,6 +26,17 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* The sum of a vector's eight floats (the AVX2 forms of the GGUF and LoRA kernels). */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 /* e^x for x <= 0 (a softmax score minus the largest; SiLU's e^-|x|), in plain arithmetic the
  * compiler vectorises (libm's expf is scalar: it was 45 % of the attention kernel). x = n ln2 + r
  * with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 1e-7), 2^n

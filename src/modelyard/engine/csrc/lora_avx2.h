@@ -38,13 +38,6 @@ static inline __m256 load8_tail(const void *w, int w_dtype, int64_t at, int64_t 
     return load8(half, w_dtype, 0);
 }
 
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* Weight rows w..w + nw (nw <= 4) of A against `g_count` rows of x (floats, zero-padded to
  * `in_padded`): each x chunk loaded once for four rows, each weight chunk once per x row. */
 static inline __attribute__((always_inline)) void shrink4(const Args *a, const void *A,
