@@ -134,6 +134,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
+                self.engine.interrupt.clear()  # what is queued by now is in the next plan
                 self._drain(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._step()
@@ -214,6 +215,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
         start = time.monotonic()
         self._inbox.put(_Add(request_id, prompt_token_ids, params, priority, start, cache_salt))
+        self.engine.urgent(priority)  # a step of batch alone in flight stops for it
         # Logged in the caller's context: the worker's request id rides on these lines.
         log.debug(
             "request %s queued: %d prompt tokens, priority %d",

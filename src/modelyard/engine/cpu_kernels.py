@@ -32,6 +32,7 @@ import torch
 
 from modelyard.engine import kernel_build, kernel_header
 from modelyard.engine.cores import usable_cores
+from modelyard.engine.step_interrupt import StepInterrupted
 
 if TYPE_CHECKING:
     from modelyard.engine.lora.groups import LoRAGroups
@@ -317,8 +318,10 @@ class CpuKernels:
         block_tables: torch.Tensor,  # [T, max_blocks] int64, contiguous
         context_lens: torch.Tensor,  # [T] int64
         widest_input: int,
+        stop: int = 0,  # the address of an int32 another thread may raise (StepInterrupt)
     ) -> None:
-        """A decode step's decoder layers (see `csrc/decode_step.c`)."""
+        """A decode step's decoder layers (see `csrc/decode_step.c`); `StepInterrupted` when
+        `stop` was raised before the last layer."""
         tokens = x.shape[0]
         scratch = torch.empty(self._decode_step_scratch(model, tokens))
         quantized = torch.empty(tokens * widest_input, dtype=torch.uint8)
@@ -335,8 +338,11 @@ class CpuKernels:
             scratch=scratch.data_ptr(),
             xq=quantized.data_ptr(),
             xscale=row_scales.data_ptr(),
+            stop=stop or None,
         )
         failed = self._decode_step(model, ctypes.byref(step))
+        if failed == 3:
+            raise StepInterrupted
         if failed == 1:
             raise IndexError("a position is outside the RoPE table")
         if failed:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from modelyard.config import BATCH_PRIORITY, EngineSettings
 from modelyard.engine.defaults import Numerics
 from modelyard.engine.draft_model import DraftModelDrafter, load_draft
+from modelyard.engine.engine_stats import EngineStats
 from modelyard.engine.faults import RequestFailed, RequestInvalid, is_fatal
 from modelyard.engine.grammar import GrammarCompiler, GrammarViolation
 from modelyard.engine.kv_cache_manager import KVCacheManager, salt_bytes
@@ -32,23 +32,12 @@ from modelyard.engine.scheduler import Scheduler
 from modelyard.engine.sequence import FinishReason, Sequence, TokenLogprob
 from modelyard.engine.spec_decode import NgramDrafter, Sampled, SpecStats, sample_step
 from modelyard.engine.step_cost import StepCost
+from modelyard.engine.step_interrupt import StepInterrupt, StepInterrupted
 from modelyard.engine.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "RequestFailed", "RequestOutput", "RequestRejected"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """Counters since start; gauges are read from the scheduler when asked."""
-
-    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    generation_tokens: int = 0
-    steps: int = 0
-    failed_steps: int = 0  # steps that raised (their requests were retried one by one)
-    busy_seconds: float = 0.0
-    requests_finished: dict[str, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -84,6 +73,9 @@ class LLMEngine:
             self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, self.preemptor,
             backfill, BATCH_PRIORITY,
         )  # fmt: skip
+        # Steps of batch alone stop between layers for a real-time arrival (one CPU process).
+        on_cpu = runner.leader is None and runner.device.type == "cpu"
+        self.interrupt = runner.model.interrupt = StepInterrupt(on_cpu)
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(tokenizer, self.model_config.vocab_size)
         self.stats = EngineStats()
@@ -221,6 +213,11 @@ class LLMEngine:
         self._count_finished(FinishReason.ABORT)
         return True
 
+    def urgent(self, priority: int) -> None:
+        """A request of `priority` is queued (any thread): a step of batch alone stops for it."""
+        if priority < BATCH_PRIORITY:
+            self.interrupt.request()
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -247,8 +244,13 @@ class LLMEngine:
         if plan.empty:
             return []
         try:
-            sampled = self._forward(plan.scheduled)
+            with self.interrupt.arming(plan.backfill_only):
+                sampled = self._forward(plan.scheduled)
             failed: dict[str, BaseException] = {}
+        except StepInterrupted:  # nothing sampled or committed: the same step runs later
+            for seq, _ in plan.scheduled:
+                seq.draft, seq.draft_probs = [], None
+            return []
         except Exception as exc:
             if self._fatal(exc):
                 raise

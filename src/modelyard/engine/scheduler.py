@@ -29,6 +29,7 @@ from modelyard.engine.step_cost import StepCost
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
     preempted: list[Sequence] = field(default_factory=list)
+    backfill_only: bool = False  # every sequence scheduled is backfill (may stop for real-time)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -227,4 +228,5 @@ class Scheduler:
             self.running.extend(admitted)
         for victim in displaced:
             self.add(victim)
+        out.backfill_only = bool(out.scheduled) and all(self._backfill(s) for s, _ in out.scheduled)
         return out

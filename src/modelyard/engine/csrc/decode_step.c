@@ -35,7 +35,9 @@ static void add_into(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
-/* Returns 0, or 1 for a position outside the RoPE table, 2 when attention found no memory. */
+/* Returns 0, or 1 for a position outside the RoPE table, 2 when attention found no memory, 3
+ * when `stop` was raised (the step stopped between two layers; its KV writes so far are those a
+ * rerun of the step writes again). */
 static int run_layers(const my_model *m, const my_step *s) {
     const int64_t H = m->hidden, I = m->intermediate, T = s->tokens;
     float *const x = s->x, *const scratch = s->scratch, *const xscale = s->xscale;
@@ -51,6 +53,7 @@ static int run_layers(const my_model *m, const my_step *s) {
     float *act = gate_up + 2 * T * I;       /* [T, I] */
     const int threads = m->matmul_threads;
     for (int64_t l = 0; l < m->n_layers; l++) {
+        if (s->stop != NULL && __atomic_load_n(s->stop, __ATOMIC_RELAXED)) return 3;
         const my_layer *L = &m->layers[l];
         my_rms_norm(x, L->input_norm, normed, T, H, H, m->eps);
         project(&L->qkv, normed, T, qkv, xq, xscale, threads);

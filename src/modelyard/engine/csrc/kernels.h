@@ -177,12 +177,14 @@ typedef struct {
     float *scratch; /* my_decode_step_scratch floats */
     uint8_t *xq;    /* tokens * the widest matmul input bytes */
     float *xscale;  /* tokens * (2 * the widest input / 32 + 1) floats */
+    const int32_t *stop; /* nonzero (set by another thread): stop before the next layer; or NULL */
 } my_step;
 
 /* The floats of scratch a step of `tokens` needs. */
 MY_API int64_t my_decode_step_scratch(const my_model *m, int64_t tokens);
 
-/* Returns 0, or 1 for a position outside the RoPE table, 2 when attention found no memory. */
+/* Returns 0, or 1 for a position outside the RoPE table, 2 when attention found no memory, 3
+ * when `stop` was raised. */
 MY_API int my_decode_step(const my_model *m, const my_step *s);
 
 #endif

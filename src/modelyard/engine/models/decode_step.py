@@ -145,9 +145,11 @@ class DecodeStep:
             step.max_rows = BLOCK_ROWS_MAX  # wider steps: the modules, on the `wide` copies
         return step
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    def run(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, stop: int = 0
+    ) -> None:
         """The decoder layers over `x` ([T, hidden] float32, contiguous), in place; every row a
-        decode (`meta.num_decodes == T`)."""
+        decode (`meta.num_decodes == T`). `stop`: `StepInterrupt.address()`."""
         assert meta.decode_block_tables is not None and meta.decode_lengths is not None
         self.model.block_size = meta.block_size
         self.kernels.decode_step(
@@ -158,6 +160,7 @@ class DecodeStep:
             meta.decode_block_tables,
             meta.decode_lengths,
             self.widest_input,
+            stop,
         )
 
 

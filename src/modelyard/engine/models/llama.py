@@ -25,6 +25,7 @@ from modelyard.engine.models.decode_step import OneCallDecode
 from modelyard.engine.models.mlp import MLP, all_reduce, fused_linear
 from modelyard.engine.models.moe import SparseMoeBlock
 from modelyard.engine.models.packed_linear import pack_linears, pack_matrix
+from modelyard.engine.step_interrupt import StepInterrupt
 
 if TYPE_CHECKING:
     from modelyard.engine.cpu_kernels import CpuKernels
@@ -246,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.kernels: CpuKernels | None = None
         self.one_call = OneCallDecode()
+        self.interrupt: StepInterrupt | None = None  # the engine's, checked between layers
 
     def use_kernels(self, kernels: CpuKernels | None) -> None:
         """Run norms, RoPE with the KV write and w8a8's activation scaling (and matmul, with
@@ -271,12 +273,15 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states `[T, hidden]` of the flat batch after the final norm."""
         x: torch.Tensor = self.model.embed_tokens(input_ids)
         step = self.one_call.step_for(self, self.kernels, input_ids, meta, kv_caches)
+        stop = self.interrupt
         if step is not None:
             x = x.contiguous()  # updated in place by the C step
-            step.run(x, positions, meta)
+            step.run(x, positions, meta, stop.address() if stop is not None else 0)
             return self.final_norm(x)
         rope = self.model.rotary
         for layer, cache in zip(self.model.decoder_layers(), kv_caches, strict=True):
+            if stop is not None:
+                stop.check()
             x = layer(positions, x, rope, meta, cache)
         return self.final_norm(x)
 
