@@ -176,3 +176,8 @@ def test_batch_backfills_a_warm_replica_and_only_batch_is_preempted(
     by = _preemptions(worker)
     assert sum(n for prio, n in by.items() if prio < BATCH_PRIORITY) == 0, by
     assert sum(n for prio, n in by.items() if prio >= BATCH_PRIORITY) > 0, by
+    # Steps of batch alone that stopped for an interactive arrival are counted (how many is
+    # timing: an arrival between two steps stops none).
+    text = httpx.get(worker + "/metrics", headers=_AUTH).text
+    counted = re.search(r"^modelyard_engine_interrupted_steps_total(\{[^}]*\})? \d", text, re.M)
+    assert counted, text[:2000]

@@ -87,6 +87,7 @@ class EngineSnapshot:
     generation_tokens: int
     steps: int
     failed_steps: int  # steps that raised (their requests were retried one by one)
+    interrupted_steps: int  # steps of batch alone stopped for a real-time arrival (rerun)
     busy_seconds: float
     preemptions: int
     requests_finished: dict[str, int]  # by finish reason
@@ -365,6 +366,7 @@ class LocalEngineClient:
             generation_tokens=s.generation_tokens,
             steps=s.steps,
             failed_steps=s.failed_steps,
+            interrupted_steps=e.interrupt.count,
             busy_seconds=s.busy_seconds,
             preemptions=e.scheduler.num_preemptions,
             requests_finished=dict(s.requests_finished),

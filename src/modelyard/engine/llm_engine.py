@@ -250,6 +250,7 @@ class LLMEngine:
         except StepInterrupted:  # nothing sampled or committed: the same step runs later
             for seq, _ in plan.scheduled:
                 seq.draft, seq.draft_probs = [], None
+            self.stats.busy_seconds += time.perf_counter() - started
             return []
         except Exception as exc:
             if self._fatal(exc):

@@ -147,6 +147,9 @@ class _EngineCollector(Collector):
             ("modelyard_engine_failed_steps", (),
              "Engine steps that raised (their requests were retried one by one).",
              s.failed_steps),
+            ("modelyard_engine_interrupted_steps", (),
+             "Engine steps of batch work alone stopped between layers for a real-time request "
+             "(each runs again).", s.interrupted_steps),
             ("modelyard_engine_busy_seconds", (), "Seconds the engine spent in steps.",
              s.busy_seconds),
             ("modelyard_num_preemptions", ("vllm:num_preemptions",), "Sequences preempted.",
