@@ -17,6 +17,7 @@ from modelyard.engine.async_engine import AsyncEngine
 from modelyard.engine.llm_engine import LLMEngine
 from modelyard.engine.sampling_params import SamplingParams
 from tests.parity import make_engine
+from tests.tiny_models import build_model
 
 BATCH, REALTIME = 3, 0
 KERNELS = cpu_kernels.load_kernels(EngineSettings().cache_dir)
@@ -144,3 +145,27 @@ def test_a_real_time_request_through_the_async_engine_stops_a_batch_step(
     finally:
         async_engine.shutdown()
     assert got == reference
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_stopped_steps_with_drafts_give_the_uninterrupted_output(
+    tiny_llama: Path, tmp_path: Path, speculative: str
+) -> None:
+    """Drafts proposed for a step that stops are dropped and proposed again with its rerun."""
+    reference = run(make_engine(tiny_llama))
+    draft = build_model(tmp_path / "draft", "llama", seed=7, num_hidden_layers=1)
+    extra = {"speculative_model": str(draft)} if speculative == "draft" else {}
+    engine = make_engine(tiny_llama, speculative=speculative, **extra)
+    calls = {"n": 0}
+
+    def raise_every_other_time(*_: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] % 2:
+            engine.urgent(REALTIME)
+
+    engine.runner.model.model.layers[0].register_forward_pre_hook(raise_every_other_time)
+    got = run(engine)
+    assert engine.interrupt.count > 0
+    assert got == reference
+    if speculative == "draft":
+        assert engine.spec_stats.spec_steps > 0  # drafts were verified
