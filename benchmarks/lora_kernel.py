@@ -11,6 +11,7 @@ adapters (default: `weight_dtype`'s choice for the model's dtype, as an unquanti
     python benchmarks/lora_kernel.py --dtype float32
     python benchmarks/lora_kernel.py --dtype float32 --weights int8
     python benchmarks/lora_kernel.py --dtype bfloat16 --reps 9
+    python benchmarks/lora_kernel.py --weights int8 --build-flags=-mno-avx512f   # AVX2 forms
 """
 
 from __future__ import annotations
@@ -39,10 +40,19 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--weights", default="auto", choices=["auto", *SLOT_DTYPES])
+    ap.add_argument(
+        "--build-flags",
+        default="",
+        help="extra compiler flags for the kernels (e.g. -mno-avx512f: the AVX2 forms on an "
+        "AVX-512 machine)",
+    )
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
-    kernels = cpu_kernels.load_kernels(EngineSettings().cache_dir)
+    cache_dir = EngineSettings().cache_dir
+    flags = tuple(args.build_flags.split())
+    kernels = cpu_kernels.build_kernels(cache_dir, flags) if flags else None
+    kernels = kernels or cpu_kernels.load_kernels(cache_dir)
     if kernels is None:
         sys.exit("the C kernels did not build here")
     kernels.matmul_threads = 1
