@@ -54,12 +54,9 @@ def run(engine: LLMEngine, before_step: Any = None) -> dict[str, list[int]]:
     return out
 
 
-def test_batch_steps_stopped_mid_step_give_the_uninterrupted_output(tiny_llama: Path) -> None:
-    """The flag is raised inside the first decoder layer of every other step, after it wrote
-    its KV slots: a step of batch alone stops before the second layer and runs again later; a
-    step holding the real-time request runs through."""
-    reference = run(make_engine(tiny_llama))
-    engine = make_engine(tiny_llama)
+def stop_every_other_step_inside(engine: LLMEngine) -> None:
+    """Raise the flag as the first decoder layer of every other step starts (past the check
+    before it, so a stopped step has written that layer's KV slots and stops before the next)."""
     calls = {"n": 0}
 
     def raise_every_other_time(*_: Any) -> None:
@@ -68,6 +65,15 @@ def test_batch_steps_stopped_mid_step_give_the_uninterrupted_output(tiny_llama: 
             engine.urgent(REALTIME)
 
     engine.runner.model.model.layers[0].register_forward_pre_hook(raise_every_other_time)
+
+
+def test_batch_steps_stopped_mid_step_give_the_uninterrupted_output(tiny_llama: Path) -> None:
+    """The flag is raised inside the first decoder layer of every other step, after it wrote
+    its KV slots: a step of batch alone stops before the second layer and runs again later; a
+    step holding the real-time request runs through."""
+    reference = run(make_engine(tiny_llama))
+    engine = make_engine(tiny_llama)
+    stop_every_other_step_inside(engine)
     got = run(engine)
     assert engine.interrupt.count > 0
     assert got == reference
@@ -156,14 +162,7 @@ def test_stopped_steps_with_drafts_give_the_uninterrupted_output(
     draft = build_model(tmp_path / "draft", "llama", seed=7, num_hidden_layers=1)
     extra = {"speculative_model": str(draft)} if speculative == "draft" else {}
     engine = make_engine(tiny_llama, speculative=speculative, **extra)
-    calls = {"n": 0}
-
-    def raise_every_other_time(*_: Any) -> None:
-        calls["n"] += 1
-        if calls["n"] % 2:
-            engine.urgent(REALTIME)
-
-    engine.runner.model.model.layers[0].register_forward_pre_hook(raise_every_other_time)
+    stop_every_other_step_inside(engine)
     got = run(engine)
     assert engine.interrupt.count > 0
     assert got == reference
