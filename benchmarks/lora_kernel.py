@@ -51,8 +51,10 @@ def main() -> None:
     torch.set_num_threads(1)
     cache_dir = EngineSettings().cache_dir
     flags = tuple(args.build_flags.split())
-    kernels = cpu_kernels.build_kernels(cache_dir, flags) if flags else None
-    kernels = kernels or cpu_kernels.load_kernels(cache_dir)
+    if flags:  # never the native build in its place: the numbers would name the wrong form
+        kernels = cpu_kernels.build_kernels(cache_dir, flags)
+    else:
+        kernels = cpu_kernels.load_kernels(cache_dir)
     if kernels is None:
         sys.exit("the C kernels did not build here")
     kernels.matmul_threads = 1

@@ -249,7 +249,7 @@ class LLMEngine:
             failed: dict[str, BaseException] = {}
         except StepInterrupted:  # nothing sampled or committed: the same step runs later
             for seq, _ in plan.scheduled:
-                seq.draft, seq.draft_probs = [], None
+                seq.drop_draft()
             self.stats.busy_seconds += time.perf_counter() - started
             return []
         except Exception as exc:
@@ -262,8 +262,7 @@ class LLMEngine:
         outputs = [self._fail(self._requests[rid], exc) for rid, exc in failed.items()]
         for seq, n in plan.scheduled:
             if seq.request_id in failed:
-                seq.draft = []
-                seq.draft_probs = None
+                seq.drop_draft()
                 continue
             if seq.prefilling:
                 self.stats.prompt_tokens += min(n, seq.prompt_len - seq.num_computed_tokens)

@@ -115,8 +115,7 @@ class Scheduler:
     def _speculate(self, seq: Sequence, budget: int) -> bool:
         """Give a decoding sequence its draft and the blocks for it, if it has one and they fit
         without preempting anybody (else it decodes one token as usual)."""
-        seq.draft = []
-        seq.draft_probs = None
+        seq.drop_draft()
         if self.drafter is None or seq.prefilling or budget <= 0:
             return False
         draft = self.drafter(seq, budget)
@@ -228,5 +227,5 @@ class Scheduler:
             self.running.extend(admitted)
         for victim in displaced:
             self.add(victim)
-        out.backfill_only = bool(out.scheduled) and all(self._backfill(s) for s, _ in out.scheduled)
+        out.backfill_only = bool(out.scheduled) and realtime == 0  # every row went by `_spent`
         return out

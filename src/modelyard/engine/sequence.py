@@ -65,6 +65,11 @@ class Sequence:
     # when the draft was sampled; None: drafted greedily or by prompt lookup (q one-hot)
     draft_probs: torch.Tensor | None = None
 
+    def drop_draft(self) -> None:
+        """No draft this step (none proposed, or its step did not run)."""
+        self.draft = []
+        self.draft_probs = None
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

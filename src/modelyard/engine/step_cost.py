@@ -78,10 +78,12 @@ class StepCost:
             recent = now - self._realtime_at < REALTIME_WINDOW_S
             return self.idle_tokens if recent else 1 << 30
         allowed = self._beside(realtime_rows)
-        if allowed > 0 or self._refused_since is None:
-            self._refused_since = None if allowed > 0 else now
+        if allowed > 0:
+            self._refused_since = None
             return allowed
-        if now - self._refused_since >= MAX_BACKFILL_WAIT_S:
+        if self._refused_since is None:
+            self._refused_since = now
+        elif now - self._refused_since >= MAX_BACKFILL_WAIT_S:
             self._refused_since = None
             return self.idle_tokens
         return 0
