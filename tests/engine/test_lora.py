@@ -267,12 +267,12 @@ def test_int8_adapters_under_a_quantized_base(tiny: tuple[Path, dict[str, Path]]
     """`lora_weight_dtype` auto keeps int8 slots under a quantized (w8a8) base where the C kernels
     multiply int8 (VNNI; float16 under float32 without quantization: the peft comparison above).
     Base rows and three adapters in one mixed batch, int8 slots against float16 ones: base rows
-    equal, each adapter's first token (the prefill's) equal, and the top-20 logprobs of each
-    step whose context is still the same within 0.5 (0.21 seen with VNNI on an AMX Xeon; other
-    CPUs round differently). These adapters' updates (B scaled up 4x) outweigh the tiny random
-    model's own, replacing its top 20 tokens,
-    so the update's ~1.5 % int8 error moves logprobs by tenths while the model's top tokens lie
-    a few hundredths apart; later greedy tokens part ways on such near-ties, as they do between
+    equal where the C kernels run, each adapter's first token (the prefill's) equal, and, for
+    every row, the top-20 logprobs of each step whose context is still the same within 0.5
+    (0.21 seen with VNNI on an AMX Xeon; other CPUs round differently). These adapters' updates
+    (B scaled up 4x) outweigh the tiny random model's own, replacing its top 20 tokens, so the
+    update's ~1.5 % int8 error moves logprobs by tenths while the model's top tokens lie a few
+    hundredths apart; later greedy tokens part ways on such near-ties, as they do between
     float16 and float32 slots under w8a8's activation rounding (0.05 apart)."""
     base, adapters = tiny
     auto = make_engine(base, max_loras=1, max_lora_rank=8, quantization="w8a8")
@@ -302,7 +302,12 @@ def test_int8_adapters_under_a_quantized_base(tiny: tuple[Path, dict[str, Path]]
             for o in engine.step():
                 for d in o.deltas:
                     steps[setting][o.request_id].extend(d.logprobs)
-    assert steps["int8"]["base"] == steps["float16"]["base"]
+    if int8_dot:
+        # The C kernels quantize each row's activations with its own scale: a base row is the
+        # same whatever the adapter rows beside it compute. FBGEMM (w8a8 without VNNI) takes
+        # one scale for all of a step's rows, so there the base row is held to the tolerance
+        # below (an AVX2-only AMD EPYC: 0.016 apart from its second token on).
+        assert steps["int8"]["base"] == steps["float16"]["base"]
     for rid, got in steps["int8"].items():
         want = steps["float16"][rid]
         assert got[0].token_id == want[0].token_id, rid

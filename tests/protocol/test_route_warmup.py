@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
+import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 
@@ -25,3 +29,37 @@ def test_every_included_route_is_built_before_the_first_request() -> None:
     cached = included.effective_candidates()
     assert TestClient(app).get("/v1/things/t4/q").json() == "q"
     assert included.effective_candidates() is cached  # the request used what was built
+
+
+def test_no_request_reads_an_endpoint_s_source_after_the_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FastAPI names an endpoint's file and line in its errors, read with
+    `inspect.getsourcelines` (a file read and tokenize) on the first request to it: the warm-up
+    does that on its thread, so no request's loop turn reads a source file."""
+    app = FastAPI()
+    router = APIRouter(prefix="/v1")
+
+    def included(x: str) -> str:
+        return x
+
+    router.add_api_route("/things/{x}", included, methods=["GET"])
+    app.include_router(router)
+
+    @app.get("/direct")
+    def direct() -> int:
+        return 1
+
+    warm_routes(app)
+    read: list[object] = []
+    real = inspect.getsourcelines
+
+    def reading(obj: Any) -> Any:
+        read.append(obj)
+        return real(obj)
+
+    monkeypatch.setattr(inspect, "getsourcelines", reading)
+    client = TestClient(app)
+    assert client.get("/v1/things/q").json() == "q"
+    assert client.get("/direct").json() == 1
+    assert read == []
