@@ -63,3 +63,13 @@ def test_no_request_reads_an_endpoint_s_source_after_the_warm_up(
     assert client.get("/v1/things/q").json() == "q"
     assert client.get("/direct").json() == 1
     assert read == []
+
+
+def test_the_openapi_schema_is_made_by_the_warm_up() -> None:
+    app = FastAPI()
+    app.add_api_route("/thing", lambda: 1, methods=["GET"])
+    assert app.openapi_schema is None
+    warm_routes(app)
+    made = app.openapi_schema
+    assert made is not None and "/thing" in made["paths"]
+    assert TestClient(app).get("/openapi.json").json() == made  # served as made, not again

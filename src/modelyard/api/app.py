@@ -52,7 +52,6 @@ def create_platform_app(services: Services, lifecycle: Lifecycle) -> FastAPI:
         with watching_loop():  # the loop-stall guard, when `loop_stall_ms` is set
             await lifecycle.start()
             await asyncio.to_thread(warm_routes, app)  # not on the first request's loop turn
-            await asyncio.to_thread(app.openapi)  # the schema, made once (256 ms seen on a loop)
             heap_started()  # a server process's startup objects leave the collector's walks
             try:
                 yield
